@@ -1,0 +1,131 @@
+"""Rank-side checks: run a strategy and the single-device reference on the same data, compare.
+
+Runs inside a spawned gloo world (see distributed.py). A case runs on model groups of size D
+laid side by side ("replica" axis, no gradient exchange between them); every rank builds the
+reference itself, so rank 0 can compare alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import torch
+import torch.distributed as dist
+
+from tspbench.core.config import get_config
+from tspbench.core.memory import MemoryTracker
+from tspbench.core.mesh import build_mesh
+from tspbench.core.optim import AdamW
+from tspbench.core.reference import ReferenceModel, make_batch
+from tspbench.core.strategy import Layout
+from tspbench.registry import get_strategy
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@functools.cache
+def mesh_for(dims: tuple[tuple[str, int], ...]):
+    return build_mesh(dict(dims))
+
+
+def layout_of(case: dict) -> Layout:
+    return Layout(degree=case["D"], tp=case.get("tp", 1), sp=case.get("sp", 1))
+
+
+def make_strategy(case: dict):
+    """Build the case's strategy on a mesh of side-by-side model groups (collective)."""
+    cls = get_strategy(case["strategy"])
+    cfg = get_config("tiny", **case.get("model", {}))
+    layout = layout_of(case)
+    cls.validate(cfg, layout, case["S"], case["B"])
+    world = dist.get_world_size()
+    dims = (("replica", world // layout.degree), *cls.mesh_dims(layout).items())
+    mesh = mesh_for(tuple(dims))
+    mesh.counter.reset()
+    return cls(cfg, mesh, seed=case.get("seed", 0), dtype=DTYPES[case.get("dtype", "fp32")]), cfg
+
+
+def err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Max abs difference relative to the reference tensor's max magnitude."""
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def close(a: torch.Tensor, b: torch.Tensor, rtol: float) -> bool:
+    """Element-wise rtol, with atol scaled to the tensor (rtol alone is void near zero)."""
+    a, b = a.detach().double(), b.detach().double()
+    return bool(torch.allclose(a, b, rtol=rtol, atol=rtol * 0.1 * float(b.abs().max())))
+
+
+def check_equal(case: dict) -> dict:
+    """Loss, hidden states, every gradient, and weights after 3 AdamW steps vs the reference."""
+    strat, cfg = make_strategy(case)
+    dtype = DTYPES[case.get("dtype", "fp32")]
+    rtol = case.get("rtol", 1e-4)
+    tokens, labels = make_batch(cfg, case["B"], case["S"], seed=case.get("seed", 0))
+    ref = ReferenceModel(cfg, seed=case.get("seed", 0), dtype=torch.float32)
+    ref_opt = AdamW(list(ref.parameters()))
+    strat_opt = AdamW(strat.parameters())
+    res: dict = {"errors": {}, "ok": True}
+
+    def record(name: str, a: torch.Tensor, b: torch.Tensor, tol: float) -> None:
+        res["errors"][name] = err(a, b)
+        if not close(a, b, tol):
+            res["ok"] = False
+            res.setdefault("failed", []).append(name)
+
+    batch = strat.shard_batch(tokens, labels)
+    record("hidden", strat.hidden(batch), ref.loss(tokens, labels)[1], rtol)
+    for step in range(3):
+        ref_loss, _ = ref.loss(tokens, labels)
+        ref_loss.backward()
+        loss = strat.forward_backward(batch)
+        if step == 0:
+            record("loss", loss, ref_loss, rtol)
+            ref_norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in ref.parameters()))
+            record("grad_norm", strat.grad_sq_norm().sqrt(), ref_norm, rtol)
+            ref_grads = {n: p.grad for n, p in ref.named_full_params().items()}
+            for n, g in strat.full_params(grads=True).items():
+                record(f"grad:{n}", g, ref_grads[n], rtol * case.get("grad_factor", 1))
+        ref_opt.step()
+        ref_opt.zero_grad()
+        strat_opt.step()
+        strat_opt.zero_grad()
+    ref_full = ref.named_full_params()
+    for n, w in strat.full_params().items():
+        record(f"step3:{n}", w, ref_full[n], rtol * case.get("step_factor", 1))
+    res["numel"] = strat.local_numel()
+    res["opt_numel"] = strat_opt.state_numel()
+    res["ref_numel"] = sum(p.numel() for p in ref.parameters())
+    del dtype
+    return res
+
+
+def peak_bytes(case: dict) -> int:
+    """Peak live tensor bytes of one training step (parameters, grads and activations)."""
+    strat, cfg = make_strategy(case)
+    tokens, labels = make_batch(cfg, case["B"], case["S"], seed=0)
+    tracker = MemoryTracker()
+    tracker.track(strat.parameters())
+    batch = strat.shard_batch(tokens, labels)
+    with tracker:
+        strat.forward_backward(batch)
+    return tracker.peak
+
+
+def run_cases(cases: list[dict]) -> dict:
+    """Run every case on every rank; return {case id: result} (rank 0's results are used)."""
+    out = {}
+    for case in cases:
+        kind = case.get("check", "equal")
+        try:
+            out[case["id"]] = check_equal(case) if kind == "equal" else {"peak": peak_bytes(case)}
+        except Exception as e:  # reported per case so one failure does not hide the rest
+            out[case["id"]] = {"ok": False, "exception": f"{type(e).__name__}: {e}"}
+            raise
+    return out
+
+
+__all__ = ["run_cases", "dataclasses", "math"]

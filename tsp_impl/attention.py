@@ -1,0 +1,130 @@
+"""TSP attention: the broadcast schedule (method doc section 3).
+
+Rank p holds its zigzag tokens X_p [B, S/D, h] and owns head group p's weights, packed into one
+tensor W_p = [Wq_p; Wk_p; Wv_p; Wo_p^T] (rows of width h) so one broadcast moves them all.
+
+Forward, identical loop order on every rank:
+    for r in 0..D-1:
+        W_r = broadcast(owner r)
+        Q, K_p, V_p = X_p W_r (local tokens, head group r, RoPE at global positions)
+        K, V = all_gather(K_p, V_p) along the sequence, in global order
+        A = causal attention of the local query chunks over K, V (lower-right mask per chunk)
+        Y_p += A Wo_r                      # local accumulation: no all-reduce
+Saved per head group: local Q, K_p, V_p, A and the log-sum-exp (all S/D tokens long); the
+full-sequence K/V is *not* saved.
+
+Backward, same loop:
+    W_r = broadcast(owner r) again; K, V = all_gather(K_p, V_p) again
+    dA = dY_p Wo_r^T; dWo_r = A^T dY_p
+    dQ, dK, dV = attention backward        # dK, dV span the whole sequence
+    dK_p, dV_p = reduce_scatter(dK, dV)    # back to the token owners
+    dX_p += dQ Wq_r + dK_p Wk_r + dV_p Wv_r; dW{q,k,v}_r = d{Q,K_p,V_p}^T X_p
+    reduce(packed dW_r -> owner r)         # each weight gradient ends on its owner only
+Per step: forward D broadcasts + D K/V gathers; backward D broadcasts, D gathers,
+D reduce-scatters and D reduces. Each step is one function so later work can overlap them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tspbench.core.attention import zigzag_bwd, zigzag_fwd
+from tspbench.core.layers import apply_rope
+from tsp_impl.context import TSPContext
+
+
+def split_shard(w: torch.Tensor, ctx: TSPContext):
+    """(Wq_r, Wk_r, Wv_r, Wo_r^T) views of a packed head-group shard."""
+    d = ctx.cfg.head_dim
+    return w.split([ctx.hq * d, ctx.hkv * d, ctx.hkv * d, ctx.hq * d], dim=0)
+
+
+def receive_shard(w_own: torch.Tensor, r: int, ctx: TSPContext) -> torch.Tensor:
+    """Owner r's packed shard on every rank (the owner sends its own tensor)."""
+    w = w_own if r == ctx.rank else torch.empty_like(w_own)
+    return ctx.comm.broadcast(w, src=r)
+
+
+def project(x: torch.Tensor, w: torch.Tensor, ctx: TSPContext):
+    """Local tokens' Q, K, V for one head group, as [B, heads, S/D, d], RoPE applied."""
+    wq, wk, wv, _ = split_shard(w, ctx)
+    B, S_loc, _ = x.shape
+    d = ctx.cfg.head_dim
+
+    def heads(t: torch.Tensor, n: int) -> torch.Tensor:
+        return t.view(B, S_loc, n, d).transpose(1, 2)
+
+    q = apply_rope(heads(x @ wq.T, ctx.hq), ctx.cos, ctx.sin)
+    k = apply_rope(heads(x @ wk.T, ctx.hkv), ctx.cos, ctx.sin)
+    return q, k, heads(x @ wv.T, ctx.hkv)
+
+
+def gather_kv(k: torch.Tensor, v: torch.Tensor, ctx: TSPContext):
+    """All-gather local K/V along the sequence and put them in global order."""
+    kv = ctx.comm.all_gather(torch.stack([k, v]), dim=3)
+    kv = kv.index_select(3, ctx.to_global)
+    return kv[0], kv[1]
+
+
+def scatter_kv_grad(dk: torch.Tensor, dv: torch.Tensor, ctx: TSPContext):
+    """Reduce-scatter full-sequence dK/dV back to the ranks that own those tokens."""
+    dkv = torch.stack([dk, dv]).index_select(3, ctx.to_gathered)
+    dkv = ctx.comm.reduce_scatter(dkv, dim=3)
+    return dkv[0], dkv[1]
+
+
+def merge_heads(t: torch.Tensor) -> torch.Tensor:
+    """[B, heads, S, d] -> [B, S, heads*d]."""
+    return t.transpose(1, 2).flatten(2)
+
+
+class BroadcastAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(fctx, x: torch.Tensor, w_own: torch.Tensor, ctx: TSPContext):  # type: ignore[override]
+        save = any(fctx.needs_input_grad)
+        y = torch.zeros_like(x)
+        saved: list[torch.Tensor] = []
+        for r in range(ctx.D):
+            w = receive_shard(w_own, r, ctx)
+            q, k, v = project(x, w, ctx)
+            K, V = gather_kv(k, v, ctx)
+            a, lses = zigzag_fwd(q, K, V, ctx.rank, ctx.D)
+            y += merge_heads(a) @ split_shard(w, ctx)[3]
+            if save:
+                saved += [q, k, v, a, *lses]
+        fctx.ctx = ctx
+        fctx.n_lse = len(lses)
+        if save:
+            fctx.save_for_backward(x, w_own, *saved)
+        return y
+
+    @staticmethod
+    def backward(fctx, dy: torch.Tensor):  # type: ignore[override]
+        ctx: TSPContext = fctx.ctx
+        x, w_own, *saved = fctx.saved_tensors
+        per = 4 + fctx.n_lse
+        dx = torch.zeros_like(x)
+        dw_own = None
+        dy2 = dy.flatten(0, 1)
+        x2 = x.flatten(0, 1)
+        for r in range(ctx.D):
+            q, k, v, a, *lses = saved[r * per : (r + 1) * per]
+            w = receive_shard(w_own, r, ctx)
+            wq, wk, wv, wo_t = split_shard(w, ctx)
+            a_flat = merge_heads(a)
+            da = (dy @ wo_t.T).view(a_flat.shape).unflatten(2, (ctx.hq, -1)).transpose(1, 2)
+            dwo_t = a_flat.flatten(0, 1).T @ dy2
+            K, V = gather_kv(k, v, ctx)
+            dq, dK, dV = zigzag_bwd(da.contiguous(), q, K, V, a, lses, ctx.rank, ctx.D)
+            dk, dv = scatter_kv_grad(dK, dV, ctx)
+            dq = merge_heads(apply_rope(dq, ctx.cos, -ctx.sin))
+            dk = merge_heads(apply_rope(dk, ctx.cos, -ctx.sin))
+            dv = merge_heads(dv)
+            dx += dq @ wq + dk @ wk + dv @ wv
+            dw = torch.cat(
+                [dq.flatten(0, 1).T @ x2, dk.flatten(0, 1).T @ x2, dv.flatten(0, 1).T @ x2, dwo_t]
+            )
+            ctx.comm.reduce(dw, dst=r)
+            if r == ctx.rank:
+                dw_own = dw
+        return dx, dw_own, None

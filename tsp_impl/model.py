@@ -1,0 +1,144 @@
+"""The TSP transformer: every rank holds 1/D of every weight and 1/D of the tokens.
+
+Parameters of rank r (nothing else is stored, so weights, grads and AdamW state are all 1/D):
+    embed, head        rows r*V/D .. (r+1)*V/D                      [V/D, h]
+    layers.i.attn      head group r packed [Wq_r; Wk_r; Wv_r; Wo_r^T] [(2n_h+2n_kv)d/D, h]
+    layers.i.mlp       slice r packed [W1_r; W3_r; W2_r^T]         [3f/D, h]
+    norms              replicated (h elements each); grads all-reduced after backward
+Tokens: zigzag chunks r and 2D-1-r of every sequence; RoPE at the tokens' global positions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tspbench.core import zigzag
+from tspbench.core.config import ModelConfig
+from tspbench.core.layers import rms_norm
+from tspbench.core.mesh import Mesh
+from tspbench.core.strategy import Batch, Layout, Strategy
+from tsp_impl.attention import BroadcastAttention
+from tsp_impl.context import TSPContext
+from tsp_impl.mlp import RingMLP
+from tsp_impl.vocab import VocabEmbedding, VocabParallelLoss
+
+
+class TSP(Strategy):
+    name = "tsp"
+
+    @classmethod
+    def mesh_dims(cls, layout: Layout) -> dict[str, int]:
+        return {"dp": layout.dp, "model": layout.degree}
+
+    @classmethod
+    def validate(cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int) -> None:
+        super().validate(cfg, layout, seq_len, batch)
+        D = layout.degree
+        zigzag.check_divisible(seq_len, D)
+        for field in ("heads", "kv_heads", "ffn", "vocab"):
+            cls.require_divisible(f"model.{field}", getattr(cfg, field), D, "D (degree)")
+
+    def __init__(self, cfg: ModelConfig, mesh: Mesh, **kw) -> None:
+        super().__init__(cfg, mesh, **kw)
+        self.comm = mesh["model"]
+        D, r = self.comm.size, self.comm.rank
+        self.embed = self.to_param(self.init_full("embed").chunk(D)[r])
+        self.head = self.to_param(self.init_full("head").chunk(D)[r])
+        self.norm = self.to_param(self.init_full("norm"))
+        self.layers = []
+        for i in range(cfg.layers):
+            full = {k: self.init_full(f"layers.{i}.{k}") for k in ("wq", "wk", "wv", "wo")}
+            attn = torch.cat(
+                [full["wq"].chunk(D)[r], full["wk"].chunk(D)[r], full["wv"].chunk(D)[r],
+                 full["wo"].chunk(D, dim=1)[r].T]
+            )
+            w1, w3, w2 = (self.init_full(f"layers.{i}.{k}") for k in ("w1", "w3", "w2"))
+            mlp = torch.cat([w1.chunk(D)[r], w3.chunk(D)[r], w2.chunk(D, dim=1)[r].T])
+            self.layers.append(
+                {
+                    "attn_norm": self.to_param(self.init_full(f"layers.{i}.attn_norm")),
+                    "attn": self.to_param(attn),
+                    "mlp_norm": self.to_param(self.init_full(f"layers.{i}.mlp_norm")),
+                    "mlp": self.to_param(mlp),
+                }
+            )
+        self._ctx: dict[int, TSPContext] = {}
+
+    def context(self, seq_len: int) -> TSPContext:
+        if seq_len not in self._ctx:
+            self._ctx[seq_len] = TSPContext.build(
+                self.comm, self.cfg, seq_len, self.dtype, self.device
+            )
+        return self._ctx[seq_len]
+
+    # -- running --------------------------------------------------------------------------------
+    def shard_batch(self, tokens: torch.Tensor, labels: torch.Tensor) -> Batch:
+        D, r = self.comm.size, self.comm.rank
+        return Batch(
+            zigzag.shard(self.dp_slice(tokens), D, r).to(self.device),
+            zigzag.shard(self.dp_slice(labels), D, r).to(self.device),
+            tokens.numel(),
+        )
+
+    def hidden_local(self, batch: Batch) -> torch.Tensor:
+        ctx = self.context(batch.tokens.shape[1] * self.comm.size)
+        eps = self.cfg.norm_eps
+        x = VocabEmbedding.apply(batch.tokens, self.embed, self.comm)
+        for lp in self.layers:
+            x = x + BroadcastAttention.apply(rms_norm(x, lp["attn_norm"], eps), lp["attn"], ctx)
+            x = x + RingMLP.apply(rms_norm(x, lp["mlp_norm"], eps), lp["mlp"], self.comm)
+        return rms_norm(x, self.norm, eps)
+
+    def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.hidden_local(batch)
+        local = VocabParallelLoss.apply(h, self.head, batch.labels, batch.n_tokens, self.comm)
+        return local, self.total_loss(local)
+
+    def replicated(self) -> list[torch.nn.Parameter]:
+        return [self.norm] + [lp[k] for lp in self.layers for k in ("attn_norm", "mlp_norm")]
+
+    def sharded(self) -> list[torch.nn.Parameter]:
+        return [self.embed, self.head] + [lp[k] for lp in self.layers for k in ("attn", "mlp")]
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return self.sharded() + self.replicated()
+
+    def finish_grads(self) -> None:
+        """Norm weights are replicated: sum their local-token gradients over the group."""
+        self.all_reduce_grads(self.replicated(), self.comm)
+        super().finish_grads()
+
+    def grad_sq_norm(self) -> torch.Tensor:
+        sq = sum(p.grad.float().pow(2).sum() for p in self.sharded())
+        rep = sum(p.grad.float().pow(2).sum() for p in self.replicated())
+        return self.comm.all_reduce_metric(sq) + rep
+
+    # -- checking -------------------------------------------------------------------------------
+    def hidden(self, batch: Batch) -> torch.Tensor:
+        with torch.no_grad():
+            h = self.hidden_local(batch)
+        return zigzag.unshard(list(self.comm.all_gather(h, dim=1).chunk(self.comm.size, dim=1)))
+
+    def full_params(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        D = self.comm.size
+        d, hq, hkv = self.cfg.head_dim, self.cfg.heads // D, self.cfg.kv_heads // D
+
+        def g(p: torch.Tensor) -> torch.Tensor:
+            t = p.grad if grads else p.detach()
+            return self.comm.all_gather(t, dim=0).chunk(D)
+
+        out = {"embed": torch.cat(g(self.embed)), "head": torch.cat(g(self.head))}
+        out["norm"] = (self.norm.grad if grads else self.norm).detach()
+        for i, lp in enumerate(self.layers):
+            pre = f"layers.{i}."
+            parts = [s.split([hq * d, hkv * d, hkv * d, hq * d]) for s in g(lp["attn"])]
+            for j, k in enumerate(("wq", "wk", "wv")):
+                out[pre + k] = torch.cat([p[j] for p in parts])
+            out[pre + "wo"] = torch.cat([p[3].T for p in parts], dim=1)
+            parts = [s.chunk(3) for s in g(lp["mlp"])]
+            out[pre + "w1"] = torch.cat([p[0] for p in parts])
+            out[pre + "w3"] = torch.cat([p[1] for p in parts])
+            out[pre + "w2"] = torch.cat([p[2].T for p in parts], dim=1)
+            for k in ("attn_norm", "mlp_norm"):
+                out[pre + k] = (lp[k].grad if grads else lp[k]).detach()
+        return out

@@ -1,0 +1,90 @@
+"""TSP embedding and LM head/loss over vocabulary shards (method doc section 2, derived).
+
+Rank r owns rows [r*V/D, (r+1)*V/D) of the embedding and of the LM head. Both are driven by the
+same broadcast schedule as attention, so no activation ever moves:
+- Embedding: each owner broadcasts its rows; every rank looks up the local tokens that fall in
+  them. Backward: each rank scatters its tokens' gradients into a [V, h] buffer and one
+  reduce-scatter hands every owner its rows' full gradient.
+- Loss: each owner broadcasts its head rows; every rank computes its local tokens' logits for that
+  vocabulary shard and folds them into an online log-sum-exp, so full logits never exist.
+  Backward recomputes each shard's logits, forms softmax - onehot and reduces dW_r to its owner.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tspbench.core.comm import Comm
+
+
+def _receive(w_own: torch.Tensor, r: int, comm: Comm) -> torch.Tensor:
+    w = w_own if r == comm.rank else torch.empty_like(w_own)
+    return comm.broadcast(w, src=r)
+
+
+class VocabEmbedding(torch.autograd.Function):
+    @staticmethod
+    def forward(fctx, tokens: torch.Tensor, e_own: torch.Tensor, comm: Comm):  # type: ignore[override]
+        n = e_own.shape[0]
+        x = e_own.new_zeros((*tokens.shape, e_own.shape[1]))
+        for r in range(comm.size):
+            e = _receive(e_own, r, comm)
+            hit = (tokens >= r * n) & (tokens < (r + 1) * n)
+            x[hit] = e[tokens[hit] - r * n]
+        fctx.save_for_backward(tokens)
+        fctx.comm, fctx.shape = comm, e_own.shape
+        return x
+
+    @staticmethod
+    def backward(fctx, dx: torch.Tensor):  # type: ignore[override]
+        (tokens,) = fctx.saved_tensors
+        comm: Comm = fctx.comm
+        n, h = fctx.shape
+        full = dx.new_zeros((n * comm.size, h))
+        full.index_add_(0, tokens.flatten(), dx.flatten(0, 1))
+        return None, comm.reduce_scatter(full, dim=0), None
+
+
+class VocabParallelLoss(torch.autograd.Function):
+    """Sum over local tokens of cross-entropy, divided by the global token count."""
+
+    @staticmethod
+    def forward(fctx, x, w_own, labels, n_tokens: int, comm: Comm):  # type: ignore[override]
+        n = w_own.shape[0]
+        m = torch.full(labels.shape, -torch.inf, device=x.device)
+        s = torch.zeros(labels.shape, device=x.device)
+        target = torch.zeros(labels.shape, device=x.device)
+        for r in range(comm.size):
+            logits = (x @ _receive(w_own, r, comm).T).float()
+            m_new = torch.maximum(m, logits.amax(-1))
+            s = s * (m - m_new).exp() + (logits - m_new[..., None]).exp().sum(-1)
+            m = m_new
+            hit = (labels >= r * n) & (labels < (r + 1) * n)
+            idx = (labels - r * n).clamp(0, n - 1)
+            target += torch.where(hit, logits.gather(-1, idx[..., None])[..., 0], 0.0)
+        lse = m + s.log()
+        fctx.save_for_backward(x, w_own, labels, lse)
+        fctx.comm, fctx.n_tokens = comm, n_tokens
+        return (lse - target).sum() / n_tokens
+
+    @staticmethod
+    def backward(fctx, g):  # type: ignore[override]
+        x, w_own, labels, lse = fctx.saved_tensors
+        comm: Comm = fctx.comm
+        n = w_own.shape[0]
+        dx = torch.zeros_like(x)
+        dw_own = None
+        scale = g / fctx.n_tokens
+        for r in range(comm.size):
+            w = _receive(w_own, r, comm)
+            p = ((x @ w.T).float() - lse[..., None]).exp()
+            hit = (labels >= r * n) & (labels < (r + 1) * n)
+            idx = (labels - r * n).clamp(0, n - 1)
+            p.scatter_add_(-1, idx[..., None], -hit[..., None].float())
+            dlogits = (p * scale).to(x.dtype)
+            dx += dlogits @ w
+            dw = dlogits.flatten(0, 1).T @ x.flatten(0, 1)
+            comm.reduce(dw, dst=r)
+            if r == comm.rank:
+                dw_own = dw
+        return dx, dw_own, None, None, None

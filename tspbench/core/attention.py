@@ -1,0 +1,178 @@
+"""One attention entry point: causal attention with a lower-right-aligned mask.
+
+Geometry: queries q [B, Hq, Lq, d] are the *last* Lq positions of the keys k, v [B, Hkv, Lk, d]
+(Lk >= Lq), so query i sees keys [0, Lk - Lq + i]. GQA is native (Hq a multiple of Hkv).
+The functions return/consume the attention log-sum-exp so that a caller can write its own backward
+(TSP re-gathers K/V in backward instead of saving the full-sequence copies).
+
+Backends, picked per device:
+- ``flash_attn``: CUDA/ROCm with flash-attn installed; ``flash_attn_func(causal=True)`` is
+  lower-right aligned. Backward recomputes through its public autograd API.
+- ``cpu_flash``: PyTorch's CPU flash kernel (what SDPA dispatches to on CPU); the mask is split
+  into the unmasked prefix and the causal diagonal block, merged by log-sum-exp, so no [Lq, Lk]
+  mask is materialised. Backward uses the kernel's own backward with the merged out/lse.
+- ``sdpa``: any other device: ``scaled_dot_product_attention`` with ``causal_lower_right``;
+  backward recomputes through autograd.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+
+_aten = torch.ops.aten
+HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
+
+
+def backend_for(device: torch.device) -> str:
+    """The kernel this module uses on ``device``."""
+    if device.type == "cuda" and HAS_FLASH_ATTN:
+        return "flash_attn"
+    if device.type == "cpu":
+        return "cpu_flash"
+    return "sdpa"
+
+
+def _cpu_block(q, k, v, causal):
+    return _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+
+
+def _sdpa(q, k, v):
+    from torch.nn.attention.bias import causal_lower_right
+
+    mask = causal_lower_right(q.shape[-2], k.shape[-2])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def _flash(q, k, v, return_lse=False):
+    from flash_attn import flash_attn_func
+
+    res = flash_attn_func(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
+        return_attn_probs=return_lse,
+    )
+    if return_lse:
+        return res[0].transpose(1, 2), res[1]
+    return res.transpose(1, 2)
+
+
+def causal_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(out [B, Hq, Lq, d], lse [B, Hq, Lq] fp32 or None) of lower-right causal attention."""
+    backend = backend_for(q.device)
+    with torch.no_grad():
+        if backend == "cpu_flash":
+            lq, lk = q.shape[-2], k.shape[-2]
+            if lq == lk:
+                return _cpu_block(q, k, v, True)
+            p = lk - lq
+            o1, l1 = _cpu_block(q, k[:, :, :p], v[:, :, :p], False)
+            o2, l2 = _cpu_block(q, k[:, :, p:], v[:, :, p:], True)
+            lse = torch.logaddexp(l1, l2)
+            out = o1.float() * (l1 - lse).exp()[..., None] + o2.float() * (l2 - lse).exp()[..., None]
+            return out.to(q.dtype), lse
+        if backend == "flash_attn":
+            return _flash(q, k, v, return_lse=True)
+        return _sdpa(q, k, v), None
+
+
+def causal_bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) for :func:`causal_fwd`, given its saved out and lse."""
+    backend = backend_for(q.device)
+    if backend == "cpu_flash":
+        lq, lk = q.shape[-2], k.shape[-2]
+        bwd = _aten._scaled_dot_product_flash_attention_for_cpu_backward
+        if lq == lk:
+            return bwd(dout, q, k, v, out, lse, 0.0, True)
+        p = lk - lq
+        dq1, dk1, dv1 = bwd(dout, q, k[:, :, :p], v[:, :, :p], out, lse, 0.0, False)
+        dq2, dk2, dv2 = bwd(dout, q, k[:, :, p:], v[:, :, p:], out, lse, 0.0, True)
+        return dq1 + dq2, torch.cat([dk1, dk2], dim=2), torch.cat([dv1, dv2], dim=2)
+    fn = _flash if backend == "flash_attn" else _sdpa
+    with torch.enable_grad():
+        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+        grads = torch.autograd.grad(fn(qq, kk, vv), (qq, kk, vv), dout)
+    return grads[0], grads[1], grads[2]
+
+
+def zigzag_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int, degree: int
+) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """Attention of a rank's zigzag-local queries over the whole sequence's K/V (global order).
+
+    Local query chunk j (global chunk index r or 2D-1-r) sees keys [0, (j+1) * S/(2D)).
+    Returns (out, per-chunk lse list) for :func:`zigzag_bwd`.
+    """
+    if degree == 1:
+        out, lse = causal_fwd(q, k, v)
+        return out, [lse]
+    c = q.shape[-2] // 2
+    outs, lses = [], []
+    for j, qc in zip((rank, 2 * degree - 1 - rank), (q[:, :, :c], q[:, :, c:])):
+        o, lse = causal_fwd(qc, k[:, :, : (j + 1) * c], v[:, :, : (j + 1) * c])
+        outs.append(o)
+        lses.append(lse)
+    return torch.cat(outs, dim=2), lses
+
+
+def zigzag_bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lses: list[torch.Tensor | None],
+    rank: int,
+    degree: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq local, dk and dv over the whole sequence) for :func:`zigzag_fwd`."""
+    if degree == 1:
+        return causal_bwd(dout, q, k, v, out, lses[0])
+    c = q.shape[-2] // 2
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    dqs = []
+    for i, j in enumerate((rank, 2 * degree - 1 - rank)):
+        s = slice(i * c, (i + 1) * c)
+        n = (j + 1) * c
+        dq_c, dk_c, dv_c = causal_bwd(
+            dout[:, :, s], q[:, :, s], k[:, :, :n], v[:, :, :n], out[:, :, s], lses[i]
+        )
+        dqs.append(dq_c)
+        dk[:, :, :n] += dk_c
+        dv[:, :, :n] += dv_c
+    return torch.cat(dqs, dim=2), dk, dv
+
+
+class ZigzagAttention(torch.autograd.Function):
+    """Differentiable :func:`zigzag_fwd`, for strategies that keep plain autograd around it."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, rank: int, degree: int):  # type: ignore[override]
+        out, lses = zigzag_fwd(q, k, v, rank, degree)
+        ctx.save_for_backward(q, k, v, out, *[x for x in lses if x is not None])
+        ctx.meta = (rank, degree, [x is not None for x in lses])
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):  # type: ignore[override]
+        q, k, v, out, *saved = ctx.saved_tensors
+        rank, degree, has = ctx.meta
+        it = iter(saved)
+        lses = [next(it) if h else None for h in has]
+        dq, dk, dv = zigzag_bwd(dout.contiguous(), q, k, v, out, lses, rank, degree)
+        return dq, dk, dv, None, None
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int = 0, degree: int = 1):
+    """Differentiable zigzag-causal attention (degree 1: plain causal attention)."""
+    return ZigzagAttention.apply(q, k, v, rank, degree)

@@ -1,0 +1,48 @@
+"""AdamW over a rank's local tensors, shared by every strategy so updates are comparable.
+
+With low-precision parameters (bf16) it keeps fp32 master weights and moments (mixed-precision
+AdamW, the paper's setup); with fp32 parameters it steps them directly. State is element-wise,
+so a rank holding 1/D of the weights holds 1/D of the optimizer state.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class AdamW:
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.1,
+    ) -> None:
+        self.params = params
+        self.masters = [
+            p if p.dtype == torch.float32 else p.detach().float().requires_grad_() for p in params
+        ]
+        self.inner = torch.optim.AdamW(
+            self.masters, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False
+        )
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p, m in zip(self.params, self.masters):
+            if m is not p and p.grad is not None:
+                m.grad = p.grad.float()
+        self.inner.step()
+        for p, m in zip(self.params, self.masters):
+            if m is not p:
+                p.copy_(m)
+                m.grad = None
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def state_numel(self) -> int:
+        """Elements of optimizer state (moments, plus fp32 masters when params are not fp32)."""
+        n = sum(t.numel() for s in self.inner.state.values() for t in s.values() if t.dim())
+        return n + sum(m.numel() for p, m in zip(self.params, self.masters) if m is not p)

@@ -1,0 +1,113 @@
+"""The single-device reference model: the oracle every strategy is checked against.
+
+Written with plain autograd and PyTorch's own SDPA (full causal mask), independent of the attention
+kernels and schedules the strategies use, so a bug there cannot hide in the reference too.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tspbench.core.config import ModelConfig
+from tspbench.core.layers import apply_rope, rms_norm, rope_tables
+
+LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w1", "w3", "w2")
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Full parameter shapes by name; weights are [out, in] as in nn.Linear."""
+    h, f, kv = cfg.hidden, cfg.ffn, cfg.kv_dim
+    layer = {
+        "attn_norm": (h,),
+        "wq": (h, h),
+        "wk": (kv, h),
+        "wv": (kv, h),
+        "wo": (h, h),
+        "mlp_norm": (h,),
+        "w1": (f, h),
+        "w3": (f, h),
+        "w2": (h, f),
+    }
+    shapes: dict[str, tuple[int, ...]] = {"embed": (cfg.vocab, h)}
+    for i in range(cfg.layers):
+        shapes.update({f"layers.{i}.{k}": s for k, s in layer.items()})
+    shapes["norm"] = (h,)
+    shapes["head"] = (cfg.vocab, h)
+    return shapes
+
+
+def init_param(cfg: ModelConfig, name: str, seed: int) -> torch.Tensor:
+    """Deterministic full fp32 value of one parameter, independent of the others.
+
+    Every strategy calls this per parameter and keeps only its slice, so no rank ever holds the
+    whole model at once and all strategies start from bit-identical weights.
+    """
+    shape = param_shapes(cfg)[name]
+    if len(shape) == 1:
+        return torch.ones(shape)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + sorted(param_shapes(cfg)).index(name))
+    return torch.randn(shape, generator=g) * cfg.init_std
+
+
+def make_batch(
+    cfg: ModelConfig, batch: int, seq_len: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A deterministic global batch of (tokens, labels), each [batch, seq_len] int64."""
+    g = torch.Generator().manual_seed(seed + 7)
+    ids = torch.randint(0, cfg.vocab, (batch, seq_len + 1), generator=g)
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+
+class ReferenceModel(torch.nn.Module):
+    """Single-device Llama-style model; ``forward`` returns final normed hidden states [B, S, h]."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.params = torch.nn.ParameterDict(
+            {
+                n.replace(".", "_"): torch.nn.Parameter(
+                    init_param(cfg, n, seed).to(device=device, dtype=dtype)
+                )
+                for n in param_shapes(cfg)
+            }
+        )
+
+    def p(self, name: str) -> torch.Tensor:
+        return self.params[name.replace(".", "_")]
+
+    def named_full_params(self) -> dict[str, torch.Tensor]:
+        return {n: self.p(n) for n in param_shapes(self.cfg)}
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        B, S = tokens.shape
+        d = cfg.head_dim
+        x = F.embedding(tokens, self.p("embed"))
+        cos, sin = rope_tables(torch.arange(S), d, cfg.rope_theta, x.dtype)
+        cos, sin = cos.to(x.device), sin.to(x.device)
+        for i in range(cfg.layers):
+            p = lambda k: self.p(f"layers.{i}.{k}")  # noqa: E731
+            a = rms_norm(x, p("attn_norm"), cfg.norm_eps)
+            q = (a @ p("wq").T).view(B, S, cfg.heads, d).transpose(1, 2)
+            k = (a @ p("wk").T).view(B, S, cfg.kv_heads, d).transpose(1, 2)
+            v = (a @ p("wv").T).view(B, S, cfg.kv_heads, d).transpose(1, 2)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            x = x + o.transpose(1, 2).reshape(B, S, cfg.hidden) @ p("wo").T
+            m = rms_norm(x, p("mlp_norm"), cfg.norm_eps)
+            x = x + (F.silu(m @ p("w1").T) * (m @ p("w3").T)) @ p("w2").T
+        return rms_norm(x, self.p("norm"), cfg.norm_eps)
+
+    def loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean cross-entropy over all tokens, final hidden states)."""
+        hidden = self.forward(tokens)
+        logits = (hidden @ self.p("head").T).float()
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten()), hidden

@@ -1,0 +1,162 @@
+"""The one interface every strategy implements (TSP, every baseline and the reference).
+
+A strategy builds its sharded model from a config and a :class:`Mesh`, shards a global batch into
+this rank's inputs, computes the loss (forward), lets autograd run the backward, finishes the
+gradients (the reductions a strategy does after backward) and exposes its local parameters to the
+shared :class:`AdamW`. ``full_params``/``full_grads`` gather whole tensors for checking.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from tspbench.core.comm import Comm
+from tspbench.core.config import ConfigError, ModelConfig
+from tspbench.core.mesh import Mesh
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Parallel sizes requested by the user: the model group and data-parallel replicas."""
+
+    degree: int = 1  # D: ranks in one model group
+    tp: int = 1  # T (tpsp only)
+    sp: int = 1  # Sigma (tpsp only)
+    dp: int = 1  # model replicas
+
+    @property
+    def world_size(self) -> int:
+        return self.degree * self.dp
+
+
+@dataclass
+class Batch:
+    """This rank's inputs: tokens/labels [b, s_local] and the token count of the global loss."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    n_tokens: int
+
+
+class Strategy(ABC):
+    name: ClassVar[str]
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        mesh: Mesh,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.cfg, self.mesh, self.seed = cfg, mesh, seed
+        self.dtype, self.device = dtype, torch.device(device)
+
+    # -- construction ---------------------------------------------------------------------------
+    @classmethod
+    @abstractmethod
+    def mesh_dims(cls, layout: Layout) -> dict[str, int]:
+        """Mesh axes (outermost first) this strategy needs for ``layout``."""
+
+    @classmethod
+    def validate(cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int) -> None:
+        """Raise ConfigError (naming value and rule) before any collective for a bad combination."""
+        for field in ("degree", "tp", "sp", "dp"):
+            v = getattr(layout, field)
+            if not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{field}={v!r}: must be a positive integer")
+        if batch < 1 or seq_len < 1:
+            raise ConfigError(f"batch={batch}, seq_len={seq_len}: must be positive")
+
+    @staticmethod
+    def require_divisible(what: str, value: int, by: int, by_name: str) -> None:
+        if value % by:
+            raise ConfigError(f"{what}={value}: must be divisible by {by_name}={by}")
+
+    def init_full(self, name: str) -> torch.Tensor:
+        """Deterministic full fp32 init of one reference parameter (slice it, then drop it)."""
+        from tspbench.core.reference import init_param
+
+        return init_param(self.cfg, name, self.seed)
+
+    def to_param(self, t: torch.Tensor) -> torch.nn.Parameter:
+        return torch.nn.Parameter(t.to(device=self.device, dtype=self.dtype).contiguous())
+
+    # -- running --------------------------------------------------------------------------------
+    @abstractmethod
+    def shard_batch(self, tokens: torch.Tensor, labels: torch.Tensor) -> Batch:
+        """This rank's slice of the global batch [B, S] (already on every rank)."""
+
+    @abstractmethod
+    def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(local loss to call backward on, global mean loss for reporting, detached)."""
+
+    def finish_grads(self) -> None:
+        """Gradient reductions after backward; the base sums gradients over data-parallel replicas.
+
+        Subclasses reduce their own replicated parameters first, then call this.
+        """
+        dp = self.mesh.comms.get("dp")
+        if dp is not None and dp.size > 1:
+            self.all_reduce_grads(self.parameters(), dp)
+
+    @staticmethod
+    def all_reduce_grads(params: list[torch.nn.Parameter], comm: Comm) -> None:
+        """Sum the gradients of ``params`` over ``comm`` in one packed all-reduce."""
+        grads = [p.grad for p in params if p.grad is not None]
+        if comm.size == 1 or not grads:
+            return
+        flat = comm.all_reduce(torch.cat([g.flatten() for g in grads]))
+        for g, f in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(f.view_as(g))
+
+    def dp_slice(self, t: torch.Tensor) -> torch.Tensor:
+        """This replica's micro-batch rows of a global batch (``batch`` rows per replica)."""
+        dp = self.mesh.comms.get("dp")
+        if dp is None or dp.size == 1:
+            return t
+        b = t.shape[0] // dp.size
+        return t[dp.rank * b : (dp.rank + 1) * b]
+
+    def total_loss(self, local: torch.Tensor, token_axes: tuple[str, ...] = ("model",)) -> torch.Tensor:
+        """Global mean loss: sum the local contributions over the axes that split tokens and dp."""
+        total = local.detach().clone()
+        for axis in (*token_axes, "dp"):
+            if axis in self.mesh.comms:
+                self.mesh[axis].all_reduce_metric(total)
+        return total
+
+    @abstractmethod
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """This rank's parameter tensors (what the optimizer steps)."""
+
+    def local_numel(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    @abstractmethod
+    def grad_sq_norm(self) -> torch.Tensor:
+        """Squared global gradient norm over the model group (each element counted once)."""
+
+    # -- checking -------------------------------------------------------------------------------
+    @abstractmethod
+    def hidden(self, batch: Batch) -> torch.Tensor:
+        """Final normed hidden states [B, S, h] in global order (collective; for checks)."""
+
+    @abstractmethod
+    def full_params(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        """Whole reference-named tensors (of the grads if ``grads``), gathered (collective)."""
+
+    # -- shared steps ---------------------------------------------------------------------------
+    def forward_backward(self, batch: Batch) -> torch.Tensor:
+        local, total = self.loss(batch)
+        local.backward()
+        self.finish_grads()
+        return total
+
+    @torch.no_grad()
+    def forward_only(self, batch: Batch) -> torch.Tensor:
+        return self.loss(batch)[1]

@@ -1,0 +1,19 @@
+"""Strategy registry: the harness's one place that knows every strategy by name."""
+
+from __future__ import annotations
+
+from tspbench.core.config import ConfigError
+from tspbench.core.strategy import Strategy
+
+
+def strategies() -> dict[str, type[Strategy]]:
+    from tsp_impl import TSP
+
+    return {"tsp": TSP}
+
+
+def get_strategy(name: str) -> type[Strategy]:
+    known = strategies()
+    if name not in known:
+        raise ConfigError(f"strategy={name!r}: unknown; known: {', '.join(known)}")
+    return known[name]
