@@ -7,9 +7,7 @@ reference itself, so rank 0 can compare alone.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 
 import torch
 import torch.distributed as dist
@@ -53,16 +51,19 @@ def err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def close(a: torch.Tensor, b: torch.Tensor, rtol: float) -> bool:
+LR = 1e-3  # AdamW's default in tspbench.core.optim
+
+
+def close(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float | None = None) -> bool:
     """Element-wise rtol, with atol scaled to the tensor (rtol alone is void near zero)."""
     a, b = a.detach().double(), b.detach().double()
-    return bool(torch.allclose(a, b, rtol=rtol, atol=rtol * 0.1 * float(b.abs().max())))
+    atol = rtol * 0.1 * float(b.abs().max()) if atol is None else atol
+    return bool(torch.allclose(a, b, rtol=rtol, atol=atol))
 
 
 def check_equal(case: dict) -> dict:
     """Loss, hidden states, every gradient, and weights after 3 AdamW steps vs the reference."""
     strat, cfg = make_strategy(case)
-    dtype = DTYPES[case.get("dtype", "fp32")]
     rtol = case.get("rtol", 1e-4)
     tokens, labels = make_batch(cfg, case["B"], case["S"], seed=case.get("seed", 0))
     ref = ReferenceModel(cfg, seed=case.get("seed", 0), dtype=torch.float32)
@@ -70,9 +71,9 @@ def check_equal(case: dict) -> dict:
     strat_opt = AdamW(strat.parameters())
     res: dict = {"errors": {}, "ok": True}
 
-    def record(name: str, a: torch.Tensor, b: torch.Tensor, tol: float) -> None:
+    def record(name: str, a: torch.Tensor, b: torch.Tensor, tol: float, atol=None) -> None:
         res["errors"][name] = err(a, b)
-        if not close(a, b, tol):
+        if not close(a, b, tol, atol):
             res["ok"] = False
             res.setdefault("failed", []).append(name)
 
@@ -93,13 +94,15 @@ def check_equal(case: dict) -> dict:
         ref_opt.zero_grad()
         strat_opt.step()
         strat_opt.zero_grad()
+    # AdamW normalises each gradient element by its own magnitude: an element whose gradient is
+    # near eps (1e-8) turns fp32 noise into a visible fraction of one update. So after the steps
+    # the absolute tolerance is a fraction of one update (lr per element), not of the weights.
     ref_full = ref.named_full_params()
     for n, w in strat.full_params().items():
-        record(f"step3:{n}", w, ref_full[n], rtol * case.get("step_factor", 1))
+        record(f"step3:{n}", w, ref_full[n], rtol, atol=case.get("step_atol", 0.01) * LR)
     res["numel"] = strat.local_numel()
     res["opt_numel"] = strat_opt.state_numel()
     res["ref_numel"] = sum(p.numel() for p in ref.parameters())
-    del dtype
     return res
 
 
@@ -126,6 +129,3 @@ def run_cases(cases: list[dict]) -> dict:
             out[case["id"]] = {"ok": False, "exception": f"{type(e).__name__}: {e}"}
             raise
     return out
-
-
-__all__ = ["run_cases", "dataclasses", "math"]

@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import torch
 
+from tsp_impl.context import TSPContext
 from tspbench.core.attention import zigzag_bwd, zigzag_fwd
 from tspbench.core.layers import apply_rope
-from tsp_impl.context import TSPContext
 
 
 def split_shard(w: torch.Tensor, ctx: TSPContext):

@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import torch
 
+from tsp_impl.attention import BroadcastAttention
+from tsp_impl.context import TSPContext
+from tsp_impl.mlp import RingMLP
+from tsp_impl.vocab import VocabEmbedding, VocabParallelLoss
 from tspbench.core import zigzag
 from tspbench.core.config import ModelConfig
 from tspbench.core.layers import rms_norm
 from tspbench.core.mesh import Mesh
 from tspbench.core.strategy import Batch, Layout, Strategy
-from tsp_impl.attention import BroadcastAttention
-from tsp_impl.context import TSPContext
-from tsp_impl.mlp import RingMLP
-from tsp_impl.vocab import VocabEmbedding, VocabParallelLoss
 
 
 class TSP(Strategy):
@@ -49,8 +49,12 @@ class TSP(Strategy):
         for i in range(cfg.layers):
             full = {k: self.init_full(f"layers.{i}.{k}") for k in ("wq", "wk", "wv", "wo")}
             attn = torch.cat(
-                [full["wq"].chunk(D)[r], full["wk"].chunk(D)[r], full["wv"].chunk(D)[r],
-                 full["wo"].chunk(D, dim=1)[r].T]
+                [
+                    full["wq"].chunk(D)[r],
+                    full["wk"].chunk(D)[r],
+                    full["wv"].chunk(D)[r],
+                    full["wo"].chunk(D, dim=1)[r].T,
+                ]
             )
             w1, w3, w2 = (self.init_full(f"layers.{i}.{k}") for k in ("w1", "w3", "w2"))
             mlp = torch.cat([w1.chunk(D)[r], w3.chunk(D)[r], w2.chunk(D, dim=1)[r].T])

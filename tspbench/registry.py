@@ -7,9 +7,14 @@ from tspbench.core.strategy import Strategy
 
 
 def strategies() -> dict[str, type[Strategy]]:
+    from baselines.dp import DP, Single
+    from baselines.fsdp_cp import FSDPCP
+    from baselines.sp import SP
+    from baselines.tp import TP
+    from baselines.tpsp import TPSP
     from tsp_impl import TSP
 
-    return {"tsp": TSP}
+    return {s.name: s for s in (Single, TSP, DP, TP, SP, TPSP, FSDPCP)}
 
 
 def get_strategy(name: str) -> type[Strategy]:

@@ -50,7 +50,10 @@ def _flash(q, k, v, return_lse=False):
     from flash_attn import flash_attn_func
 
     res = flash_attn_func(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        causal=True,
         return_attn_probs=return_lse,
     )
     if return_lse:
@@ -72,7 +75,9 @@ def causal_fwd(
             o1, l1 = _cpu_block(q, k[:, :, :p], v[:, :, :p], False)
             o2, l2 = _cpu_block(q, k[:, :, p:], v[:, :, p:], True)
             lse = torch.logaddexp(l1, l2)
-            out = o1.float() * (l1 - lse).exp()[..., None] + o2.float() * (l2 - lse).exp()[..., None]
+            out = (
+                o1.float() * (l1 - lse).exp()[..., None] + o2.float() * (l2 - lse).exp()[..., None]
+            )
             return out.to(q.dtype), lse
         if backend == "flash_attn":
             return _flash(q, k, v, return_lse=True)

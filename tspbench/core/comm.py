@@ -109,12 +109,17 @@ class Comm:
         w = dist.reduce(t, self.ranks[dst], group=self.group, async_op=True)
         return self._ret(w, lambda: t, async_op)
 
-    def all_reduce(self, t: torch.Tensor, async_op: bool = False):
-        """In-place sum over the group."""
+    def all_reduce(
+        self,
+        t: torch.Tensor,
+        async_op: bool = False,
+        op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    ):
+        """In-place reduction (sum by default) over the group."""
         if self.size == 1:
             return self._ret(None, lambda: t, async_op)
         self._count("all_reduce", t)
-        w = dist.all_reduce(t, group=self.group, async_op=True)
+        w = dist.all_reduce(t, op=op, group=self.group, async_op=True)
         return self._ret(w, lambda: t, async_op)
 
     def all_gather(self, t: torch.Tensor, dim: int, async_op: bool = False):
@@ -135,7 +140,9 @@ class Comm:
         stacked = t.unflatten(dim, (self.size, n)).movedim(dim, 0).contiguous()
         out = t.new_empty(stacked.shape[1:])
         self._count("reduce_scatter", t)
-        w = dist.reduce_scatter_single(out.view(-1), stacked.view(-1), group=self.group, async_op=True)
+        w = dist.reduce_scatter_single(
+            out.view(-1), stacked.view(-1), group=self.group, async_op=True
+        )
         return self._ret(w, lambda: out, async_op)
 
     def ring_exchange(self, send: torch.Tensor, recv: torch.Tensor, async_op: bool = False):
@@ -152,7 +159,7 @@ class Comm:
         return self._ret(dist.batch_isend_irecv(ops), lambda: recv, async_op)
 
     def all_reduce_metric(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum a reported metric (loss, norms): not training traffic, so deliberately not counted."""
+        """Sum a reported metric (loss, norms): not training traffic, deliberately not counted."""
         if self.size > 1:
             dist.all_reduce(t, group=self.group)
         return t

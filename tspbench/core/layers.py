@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -36,3 +40,57 @@ def silu_grad(z: torch.Tensor) -> torch.Tensor:
     """d silu(z) / dz."""
     s = torch.sigmoid(z)
     return s * (1 + z * (1 - s))
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+@dataclass
+class LayerHooks:
+    """Where a parallel strategy plugs its communication into :func:`transformer_layer`.
+
+    enter: on each normed input before the column-parallel projections (TP: identity forward,
+    all-reduce backward); exit: on each row-parallel output (TP: all-reduce forward);
+    gather_kv: on local (k, v) (context parallel: all-gather the sequence); attn: the kernel.
+    The defaults are the single-device model.
+    """
+
+    enter: Callable[[torch.Tensor], torch.Tensor] = _identity
+    exit: Callable[[torch.Tensor], torch.Tensor] = _identity
+    gather_kv: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = (
+        lambda k, v: (k, v)
+    )
+    attn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = _causal_sdpa
+
+
+def transformer_layer(
+    x: torch.Tensor,
+    p: dict[str, torch.Tensor],
+    eps: float,
+    head_dim: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    hooks: LayerHooks,
+) -> torch.Tensor:
+    """One pre-norm Llama block on x [B, L, h] with (possibly sharded) weights ``p``.
+
+    Head counts follow from the weight shapes, so a TP shard of Wq simply yields fewer heads.
+    """
+    B, L, _ = x.shape
+
+    def heads(t: torch.Tensor) -> torch.Tensor:
+        return t.view(B, L, -1, head_dim).transpose(1, 2)
+
+    a = hooks.enter(rms_norm(x, p["attn_norm"], eps))
+    q = apply_rope(heads(a @ p["wq"].T), cos, sin)
+    k = apply_rope(heads(a @ p["wk"].T), cos, sin)
+    k, v = hooks.gather_kv(k, heads(a @ p["wv"].T))
+    o = hooks.attn(q, k, v).transpose(1, 2).flatten(2)
+    x = x + hooks.exit(o @ p["wo"].T)
+    m = hooks.enter(rms_norm(x, p["mlp_norm"], eps))
+    return x + hooks.exit((F.silu(m @ p["w1"].T) * (m @ p["w3"].T)) @ p["w2"].T)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from tspbench.core.config import ModelConfig
-from tspbench.core.layers import apply_rope, rms_norm, rope_tables
+from tspbench.core.layers import LayerHooks, rms_norm, rope_tables, transformer_layer
 
 LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w1", "w3", "w2")
 
@@ -88,22 +88,12 @@ class ReferenceModel(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
-        B, S = tokens.shape
-        d = cfg.head_dim
         x = F.embedding(tokens, self.p("embed"))
-        cos, sin = rope_tables(torch.arange(S), d, cfg.rope_theta, x.dtype)
+        cos, sin = rope_tables(torch.arange(tokens.shape[1]), cfg.head_dim, cfg.rope_theta, x.dtype)
         cos, sin = cos.to(x.device), sin.to(x.device)
         for i in range(cfg.layers):
-            p = lambda k: self.p(f"layers.{i}.{k}")  # noqa: E731
-            a = rms_norm(x, p("attn_norm"), cfg.norm_eps)
-            q = (a @ p("wq").T).view(B, S, cfg.heads, d).transpose(1, 2)
-            k = (a @ p("wk").T).view(B, S, cfg.kv_heads, d).transpose(1, 2)
-            v = (a @ p("wv").T).view(B, S, cfg.kv_heads, d).transpose(1, 2)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            x = x + o.transpose(1, 2).reshape(B, S, cfg.hidden) @ p("wo").T
-            m = rms_norm(x, p("mlp_norm"), cfg.norm_eps)
-            x = x + (F.silu(m @ p("w1").T) * (m @ p("w3").T)) @ p("w2").T
+            p = {k: self.p(f"layers.{i}.{k}") for k in LAYER_PARAMS}
+            x = transformer_layer(x, p, cfg.norm_eps, cfg.head_dim, cos, sin, LayerHooks())
         return rms_norm(x, self.p("norm"), cfg.norm_eps)
 
     def loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -122,7 +122,9 @@ class Strategy(ABC):
         b = t.shape[0] // dp.size
         return t[dp.rank * b : (dp.rank + 1) * b]
 
-    def total_loss(self, local: torch.Tensor, token_axes: tuple[str, ...] = ("model",)) -> torch.Tensor:
+    def total_loss(
+        self, local: torch.Tensor, token_axes: tuple[str, ...] = ("model",)
+    ) -> torch.Tensor:
         """Global mean loss: sum the local contributions over the axes that split tokens and dp."""
         total = local.detach().clone()
         for axis in (*token_axes, "dp"):
@@ -160,3 +162,35 @@ class Strategy(ABC):
     @torch.no_grad()
     def forward_only(self, batch: Batch) -> torch.Tensor:
         return self.loss(batch)[1]
+
+
+# Megatron's split of every reference parameter: column-parallel weights by rows (dim 0),
+# row-parallel weights (wo, w2) by columns, embedding and LM head by vocabulary rows, norms whole.
+MEGATRON_SHARD_DIM = {
+    "embed": 0,
+    "head": 0,
+    "wq": 0,
+    "wk": 0,
+    "wv": 0,
+    "wo": 1,
+    "w1": 0,
+    "w3": 0,
+    "w2": 1,
+}
+
+
+def shard_dim(name: str) -> int | None:
+    """Megatron shard dim of a reference-named parameter (None: replicated)."""
+    return MEGATRON_SHARD_DIM.get(name.rsplit(".", 1)[-1])
+
+
+def gather_named(
+    params: dict[str, torch.nn.Parameter], comm: Comm, grads: bool
+) -> dict[str, torch.Tensor]:
+    """Whole tensors from Megatron-sharded ``params`` (or their grads) over ``comm``."""
+    out = {}
+    for name, p in params.items():
+        t = (p.grad if grads else p).detach()
+        dim = shard_dim(name)
+        out[name] = t if dim is None else comm.all_gather(t, dim=dim)
+    return out

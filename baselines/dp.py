@@ -1,0 +1,79 @@
+"""DP: every rank holds the whole model; the batch's sequences are split over the D ranks and
+gradients are summed with one all-reduce after backward. ``single`` is DP on one rank: the
+reference model behind the strategy interface.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tspbench.core.config import ConfigError, ModelConfig
+from tspbench.core.mesh import Mesh
+from tspbench.core.reference import ReferenceModel
+from tspbench.core.strategy import Batch, Layout, Strategy
+
+
+class DP(Strategy):
+    name = "dp"
+
+    @classmethod
+    def mesh_dims(cls, layout: Layout) -> dict[str, int]:
+        return {"dp": layout.dp, "model": layout.degree}
+
+    @classmethod
+    def validate(cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int) -> None:
+        super().validate(cfg, layout, seq_len, batch)
+        cls.require_divisible("batch", batch, layout.degree, "D (degree); dp splits sequences")
+
+    def __init__(self, cfg: ModelConfig, mesh: Mesh, **kw) -> None:
+        super().__init__(cfg, mesh, **kw)
+        self.comm = mesh["model"]
+        self.model = ReferenceModel(cfg, seed=self.seed, dtype=self.dtype, device=self.device)
+
+    def shard_batch(self, tokens: torch.Tensor, labels: torch.Tensor) -> Batch:
+        n, r = self.comm.size, self.comm.rank
+
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            return self.dp_slice(t).chunk(n)[r].to(self.device)
+
+        return Batch(rows(tokens), rows(labels), tokens.numel())
+
+    def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = (self.model(batch.tokens) @ self.model.p("head").T).float()
+        ce = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), reduction="sum")
+        local = ce / batch.n_tokens
+        return local, self.total_loss(local)
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return list(self.model.parameters())
+
+    def finish_grads(self) -> None:
+        self.all_reduce_grads(self.parameters(), self.comm)
+        super().finish_grads()
+
+    def grad_sq_norm(self) -> torch.Tensor:
+        return sum(p.grad.float().pow(2).sum() for p in self.parameters())
+
+    def hidden(self, batch: Batch) -> torch.Tensor:
+        with torch.no_grad():
+            return self.comm.all_gather(self.model(batch.tokens), dim=0)
+
+    def full_params(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        return {
+            n: (p.grad if grads else p).detach() for n, p in self.model.named_full_params().items()
+        }
+
+
+class Single(DP):
+    """The single-device reference (D must be 1)."""
+
+    name = "single"
+
+    @classmethod
+    def validate(cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int) -> None:
+        super().validate(cfg, layout, seq_len, batch)
+        if layout.degree != 1:
+            raise ConfigError(
+                f"degree={layout.degree}: strategy 'single' runs one rank per replica (degree=1)"
+            )

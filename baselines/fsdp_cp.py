@@ -1,0 +1,190 @@
+"""FSDP+CP: fully sharded weights folded with context parallelism on the same D ranks.
+
+Weights, gradients and AdamW state are 1/D per rank at rest: the model is cut into units
+(embedding; each layer; final norm + LM head), each flattened and split into D equal shards.
+Before a unit runs, its shard is all-gathered; after the forward the gathered copy is dropped
+(saved-tensor hooks keep only a *recipe* for the weights the backward needs) and it is
+all-gathered again when the backward reaches the unit; the gradient is reduce-scattered back to
+the shards (summed: the ranks share sequences, so sums, not averages, are wanted). Tokens are
+zigzag over the same D ranks with K/V all-gather attention, exactly as in SP.
+
+Written plainly rather than with FSDP2's ``fully_shard`` so that its traffic goes through the
+same counted collectives as every other strategy (FSDP2's collectives bypass them) and the
+gradient reduction is an explicit sum.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.graph import saved_tensors_hooks
+
+from tspbench.core import zigzag
+from tspbench.core.attention import attention
+from tspbench.core.collectives import GatherSequence
+from tspbench.core.comm import Comm
+from tspbench.core.config import ModelConfig
+from tspbench.core.layers import LayerHooks, rms_norm, rope_tables, transformer_layer
+from tspbench.core.mesh import Mesh
+from tspbench.core.reference import LAYER_PARAMS, param_shapes
+from tspbench.core.strategy import Batch, Layout, Strategy
+
+
+@dataclass
+class Unit:
+    """One all-gather unit: named parameters flattened into one padded buffer, 1/D held here."""
+
+    names: list[str]
+    shapes: list[tuple[int, ...]]
+    shard: torch.nn.Parameter
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        sizes = [math.prod(s) for s in self.shapes]
+        parts = flat[: sum(sizes)].split(sizes)
+        return {n.rsplit(".", 1)[-1]: p.view(s) for n, p, s in zip(self.names, parts, self.shapes)}
+
+
+@dataclass(frozen=True)
+class Regather:
+    """What the backward keeps instead of a gathered weight: where to find it again."""
+
+    unit: int
+    shape: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
+class GatherUnit(torch.autograd.Function):
+    """All-gather a unit forward; reduce-scatter its gradient backward (and drop the regather)."""
+
+    @staticmethod
+    def forward(ctx, shard, comm: Comm, owner: FSDPCP, unit: int):  # type: ignore[override]
+        ctx.meta = (comm, owner, unit)
+        return comm.all_gather(shard, dim=0)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        comm, owner, unit = ctx.meta
+        owner.regathered.pop(unit, None)
+        return comm.reduce_scatter(g, dim=0), None, None, None
+
+
+class FSDPCP(Strategy):
+    name = "fsdp_cp"
+
+    @classmethod
+    def mesh_dims(cls, layout: Layout) -> dict[str, int]:
+        return {"dp": layout.dp, "model": layout.degree}
+
+    @classmethod
+    def validate(cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int) -> None:
+        super().validate(cfg, layout, seq_len, batch)
+        zigzag.check_divisible(seq_len, layout.degree)
+
+    def __init__(self, cfg: ModelConfig, mesh: Mesh, **kw) -> None:
+        super().__init__(cfg, mesh, **kw)
+        self.comm = mesh["model"]
+        D, r = self.comm.size, self.comm.rank
+        shapes = param_shapes(cfg)
+        groups = [["embed"]]
+        groups += [[f"layers.{i}.{k}" for k in LAYER_PARAMS] for i in range(cfg.layers)]
+        groups += [["norm", "head"]]
+        self.units = []
+        for names in groups:
+            flat = torch.cat([self.init_full(n).flatten() for n in names])
+            flat = F.pad(flat, (0, -flat.numel() % D))
+            self.units.append(
+                Unit(names, [shapes[n] for n in names], self.to_param(flat.chunk(D)[r]))
+            )
+        self.regathered: dict[int, torch.Tensor] = {}
+
+    # -- the FSDP mechanics ---------------------------------------------------------------------
+    def _regather(self, unit: int) -> torch.Tensor:
+        if unit not in self.regathered:
+            with torch.no_grad():
+                self.regathered[unit] = self.comm.all_gather(self.units[unit].shard, dim=0)
+        return self.regathered[unit]
+
+    def run_unit(self, unit: int, fn, *args):
+        """Gather unit ``unit``, run ``fn(weights, *args)``; save no gathered weight."""
+        flat = GatherUnit.apply(self.units[unit].shard, self.comm, self, unit)
+        ptr = flat.untyped_storage().data_ptr()
+
+        def pack(t: torch.Tensor):
+            if t.untyped_storage().data_ptr() == ptr:
+                return Regather(unit, t.shape, t.stride(), t.storage_offset())
+            return t
+
+        def unpack(obj):
+            if isinstance(obj, Regather):
+                return self._regather(obj.unit).as_strided(obj.shape, obj.stride, obj.offset)
+            return obj
+
+        with saved_tensors_hooks(pack, unpack):
+            return fn(self.units[unit].views(flat), *args)
+
+    # -- the model ------------------------------------------------------------------------------
+    def shard_batch(self, tokens: torch.Tensor, labels: torch.Tensor) -> Batch:
+        D, r = self.comm.size, self.comm.rank
+
+        def local(t: torch.Tensor) -> torch.Tensor:
+            return zigzag.shard(self.dp_slice(t), D, r).to(self.device)
+
+        return Batch(local(tokens), local(labels), tokens.numel())
+
+    def _body(self, batch: Batch) -> torch.Tensor:
+        cfg, D, r = self.cfg, self.comm.size, self.comm.rank
+        S = batch.tokens.shape[1] * D
+        x = self.run_unit(0, lambda w: F.embedding(batch.tokens, w["embed"]))
+        cos, sin = rope_tables(zigzag.positions(S, D, r), cfg.head_dim, cfg.rope_theta, x.dtype)
+        cos, sin = cos.to(self.device), sin.to(self.device)
+        to_g = zigzag.gathered_to_global(S, D).to(self.device)
+        to_r = zigzag.global_to_gathered(S, D).to(self.device)
+
+        def gather_kv(k: torch.Tensor, v: torch.Tensor):
+            kv = GatherSequence.apply(torch.stack([k, v]), self.comm, 3, to_g, to_r)
+            return kv[0], kv[1]
+
+        hooks = LayerHooks(gather_kv=gather_kv, attn=lambda q, k, v: attention(q, k, v, r, D))
+        for i in range(cfg.layers):
+            x = self.run_unit(
+                1 + i,
+                lambda w, x: transformer_layer(x, w, cfg.norm_eps, cfg.head_dim, cos, sin, hooks),
+                x,
+            )
+        return x
+
+    def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        def head(w, x):
+            logits = (rms_norm(x, w["norm"], self.cfg.norm_eps) @ w["head"].T).float()
+            return F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), reduction="sum")
+
+        local = self.run_unit(len(self.units) - 1, head, self._body(batch)) / batch.n_tokens
+        return local, self.total_loss(local)
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [u.shard for u in self.units]
+
+    def grad_sq_norm(self) -> torch.Tensor:
+        return self.comm.all_reduce_metric(
+            sum(p.grad.float().pow(2).sum() for p in self.parameters())
+        )
+
+    def hidden(self, batch: Batch) -> torch.Tensor:
+        with torch.no_grad():
+            x = self._body(batch)
+            h = self.run_unit(
+                len(self.units) - 1, lambda w, x: rms_norm(x, w["norm"], self.cfg.norm_eps), x
+            )
+        return zigzag.unshard(list(self.comm.all_gather(h, dim=1).chunk(self.comm.size, dim=1)))
+
+    def full_params(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        out = {}
+        for u in self.units:
+            t = (u.shard.grad if grads else u.shard).detach()
+            flat = self.comm.all_gather(t, dim=0)
+            out.update({n: v for n, v in zip(u.names, u.views(flat).values())})
+        return out

@@ -1,0 +1,88 @@
+"""TP: Megatron tensor parallelism over D ranks.
+
+Wq/Wk/Wv/W1/W3 are column-parallel (rows split), Wo/W2 row-parallel (columns split), each
+followed by an all-reduce of the [B, S, h] output; embedding and LM head are vocab-parallel
+(masked lookup + all-reduce; cross-entropy from all-reduced max, sum-exp and target logit).
+Activations are replicated on every rank of the group: that is what TSP is compared against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tspbench.core.attention import attention
+from tspbench.core.collectives import copy_to, reduce_from
+from tspbench.core.config import ModelConfig
+from tspbench.core.layers import LayerHooks, rms_norm, rope_tables, transformer_layer
+from tspbench.core.mesh import Mesh
+from tspbench.core.reference import LAYER_PARAMS, param_shapes
+from tspbench.core.strategy import Batch, Layout, Strategy, gather_named, shard_dim
+from tspbench.core.vocab_parallel import cross_entropy_sum, embedding
+
+
+class TP(Strategy):
+    name = "tp"
+
+    @classmethod
+    def mesh_dims(cls, layout: Layout) -> dict[str, int]:
+        return {"dp": layout.dp, "model": layout.degree}
+
+    @classmethod
+    def validate(cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int) -> None:
+        super().validate(cfg, layout, seq_len, batch)
+        for field in ("heads", "kv_heads", "ffn", "vocab"):
+            cls.require_divisible(f"model.{field}", getattr(cfg, field), layout.degree, "T")
+
+    def __init__(self, cfg: ModelConfig, mesh: Mesh, **kw) -> None:
+        super().__init__(cfg, mesh, **kw)
+        self.comm = mesh["model"]
+        T, r = self.comm.size, self.comm.rank
+        self.params: dict[str, torch.nn.Parameter] = {}
+        for name in param_shapes(cfg):
+            full, dim = self.init_full(name), shard_dim(name)
+            self.params[name] = self.to_param(full if dim is None else full.chunk(T, dim)[r])
+        self.hooks = LayerHooks(
+            enter=lambda t: copy_to(t, self.comm),
+            exit=lambda t: reduce_from(t, self.comm),
+            attn=attention,
+        )
+
+    def shard_batch(self, tokens: torch.Tensor, labels: torch.Tensor) -> Batch:
+        return Batch(
+            self.dp_slice(tokens).to(self.device),
+            self.dp_slice(labels).to(self.device),
+            tokens.numel(),
+        )
+
+    def hidden_local(self, batch: Batch) -> torch.Tensor:
+        cfg, p = self.cfg, self.params
+        x = embedding(batch.tokens, p["embed"], self.comm)
+        pos = torch.arange(batch.tokens.shape[1])
+        cos, sin = (
+            t.to(self.device) for t in rope_tables(pos, cfg.head_dim, cfg.rope_theta, x.dtype)
+        )
+        for i in range(cfg.layers):
+            lp = {k: p[f"layers.{i}.{k}"] for k in LAYER_PARAMS}
+            x = transformer_layer(x, lp, cfg.norm_eps, cfg.head_dim, cos, sin, self.hooks)
+        return rms_norm(x, p["norm"], cfg.norm_eps)
+
+    def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.hidden_local(batch)
+        local = cross_entropy_sum(h, self.params["head"], batch.labels, self.comm) / batch.n_tokens
+        return local, self.total_loss(local, token_axes=())  # every rank holds the whole loss
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return list(self.params.values())
+
+    def grad_sq_norm(self) -> torch.Tensor:
+        sq = {True: torch.zeros(()), False: torch.zeros(())}
+        for n, p in self.params.items():
+            sq[shard_dim(n) is not None] += p.grad.float().pow(2).sum().cpu()
+        return self.comm.all_reduce_metric(sq[True]) + sq[False]
+
+    def hidden(self, batch: Batch) -> torch.Tensor:
+        with torch.no_grad():
+            return self.hidden_local(batch)
+
+    def full_params(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        return gather_named(self.params, self.comm, grads)

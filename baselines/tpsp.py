@@ -1,0 +1,109 @@
+"""TP+SP: a 2-D mesh of T x Sigma = D ranks, Megatron TP inside (contiguous ranks), context
+parallelism across.
+
+Weights are split over the T ranks of a TP group as in Megatron and replicated over the Sigma
+groups; tokens are split zigzag over Sigma and replicated inside a TP group. Attention all-gathers
+K/V (of the group's local heads) over Sigma; projections all-reduce over T. Gradients are summed
+over Sigma after backward. Every factorisation T x Sigma of D is a separate configuration.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tspbench.core import zigzag
+from tspbench.core.attention import attention
+from tspbench.core.collectives import GatherSequence, copy_to, reduce_from
+from tspbench.core.config import ConfigError, ModelConfig
+from tspbench.core.layers import LayerHooks, rms_norm, rope_tables, transformer_layer
+from tspbench.core.mesh import Mesh
+from tspbench.core.reference import LAYER_PARAMS, param_shapes
+from tspbench.core.strategy import Batch, Layout, Strategy, gather_named, shard_dim
+from tspbench.core.vocab_parallel import cross_entropy_sum, embedding
+
+
+class TPSP(Strategy):
+    name = "tpsp"
+
+    @classmethod
+    def mesh_dims(cls, layout: Layout) -> dict[str, int]:
+        return {"dp": layout.dp, "sp": layout.sp, "tp": layout.tp}
+
+    @classmethod
+    def validate(cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int) -> None:
+        super().validate(cfg, layout, seq_len, batch)
+        if layout.tp * layout.sp != layout.degree:
+            raise ConfigError(
+                f"tp={layout.tp} x sp={layout.sp} = {layout.tp * layout.sp}: must equal "
+                f"degree={layout.degree} (T x Sigma = D)"
+            )
+        for field in ("heads", "kv_heads", "ffn", "vocab"):
+            cls.require_divisible(f"model.{field}", getattr(cfg, field), layout.tp, "T (tp)")
+        zigzag.check_divisible(seq_len, layout.sp)
+
+    def __init__(self, cfg: ModelConfig, mesh: Mesh, **kw) -> None:
+        super().__init__(cfg, mesh, **kw)
+        self.tp, self.sp = mesh["tp"], mesh["sp"]
+        T, r = self.tp.size, self.tp.rank
+        self.params: dict[str, torch.nn.Parameter] = {}
+        for name in param_shapes(cfg):
+            full, dim = self.init_full(name), shard_dim(name)
+            self.params[name] = self.to_param(full if dim is None else full.chunk(T, dim)[r])
+
+    def shard_batch(self, tokens: torch.Tensor, labels: torch.Tensor) -> Batch:
+        S, r = self.sp.size, self.sp.rank
+
+        def local(t: torch.Tensor) -> torch.Tensor:
+            return zigzag.shard(self.dp_slice(t), S, r).to(self.device)
+
+        return Batch(local(tokens), local(labels), tokens.numel())
+
+    def hidden_local(self, batch: Batch) -> torch.Tensor:
+        cfg, p, n, r = self.cfg, self.params, self.sp.size, self.sp.rank
+        S = batch.tokens.shape[1] * n
+        x = embedding(batch.tokens, p["embed"], self.tp)
+        cos, sin = rope_tables(zigzag.positions(S, n, r), cfg.head_dim, cfg.rope_theta, x.dtype)
+        cos, sin = cos.to(self.device), sin.to(self.device)
+        to_g = zigzag.gathered_to_global(S, n).to(self.device)
+        to_r = zigzag.global_to_gathered(S, n).to(self.device)
+
+        def gather_kv(k: torch.Tensor, v: torch.Tensor):
+            kv = GatherSequence.apply(torch.stack([k, v]), self.sp, 3, to_g, to_r)
+            return kv[0], kv[1]
+
+        hooks = LayerHooks(
+            enter=lambda t: copy_to(t, self.tp),
+            exit=lambda t: reduce_from(t, self.tp),
+            gather_kv=gather_kv,
+            attn=lambda q, k, v: attention(q, k, v, r, n),
+        )
+        for i in range(cfg.layers):
+            lp = {k: p[f"layers.{i}.{k}"] for k in LAYER_PARAMS}
+            x = transformer_layer(x, lp, cfg.norm_eps, cfg.head_dim, cos, sin, hooks)
+        return rms_norm(x, p["norm"], cfg.norm_eps)
+
+    def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.hidden_local(batch)
+        local = cross_entropy_sum(h, self.params["head"], batch.labels, self.tp) / batch.n_tokens
+        return local, self.total_loss(local, token_axes=("sp",))
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return list(self.params.values())
+
+    def finish_grads(self) -> None:
+        self.all_reduce_grads(self.parameters(), self.sp)
+        super().finish_grads()
+
+    def grad_sq_norm(self) -> torch.Tensor:
+        sq = {True: torch.zeros(()), False: torch.zeros(())}
+        for n, p in self.params.items():
+            sq[shard_dim(n) is not None] += p.grad.float().pow(2).sum().cpu()
+        return self.tp.all_reduce_metric(sq[True]) + sq[False]
+
+    def hidden(self, batch: Batch) -> torch.Tensor:
+        with torch.no_grad():
+            h = self.hidden_local(batch)
+        return zigzag.unshard(list(self.sp.all_gather(h, dim=1).chunk(self.sp.size, dim=1)))
+
+    def full_params(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        return gather_named(self.params, self.tp, grads)
