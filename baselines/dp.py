@@ -24,7 +24,11 @@ class DP(Strategy):
     @classmethod
     def validate(cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int) -> None:
         super().validate(cfg, layout, seq_len, batch)
-        cls.require_divisible("batch", batch, layout.degree, "D (degree); dp splits sequences")
+        if batch % layout.degree:
+            raise ConfigError(
+                f"batch={batch}: must be divisible by degree={layout.degree} "
+                "(dp gives each rank whole sequences)"
+            )
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, **kw) -> None:
         super().__init__(cfg, mesh, **kw)

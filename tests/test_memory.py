@@ -1,0 +1,73 @@
+"""Per-rank peak live tensor bytes of one training step (tiny model, fp32), measured by the
+storage tracker, and the qualitative memory claims they must show."""
+
+from __future__ import annotations
+
+import pytest
+
+from distributed import run_world
+
+SIX = ["dp", "tp", "sp", "tpsp", "fsdp_cp", "tsp"]
+LENGTHS = (256, 2048)
+
+
+def _cases() -> list[dict]:
+    cases = []
+    for S in LENGTHS:
+        for s in SIX:
+            c = {"id": f"{s}-{S}", "strategy": s, "D": 4, "S": S, "B": 1, "check": "peak"}
+            if s == "dp":
+                c["B"] = 4  # same global tokens per rank-group as the others: 1 sequence a rank
+            if s == "tpsp":
+                c.update(tp=2, sp=2)
+            cases.append(c)
+        for D in (1, 2):
+            cases.append(
+                {"id": f"tsp-D{D}-{S}", "strategy": "tsp", "D": D, "S": S, "B": 1, "check": "peak"}
+            )
+    return cases
+
+
+@pytest.fixture(scope="module")
+def peaks() -> dict[str, int]:
+    ranks = run_world(4, "checks:run_cases", _cases())
+    ids = ranks[0].keys()
+    return {k: max(r[k]["peak"] for r in ranks) for k in ids}  # max over ranks
+
+
+def mib(b: int) -> str:
+    return f"{b / 2**20:8.2f}"
+
+
+def test_tsp_peak_falls_with_degree(peaks, report):
+    rows = ["  D " + "".join(f"  S={S:<6}" for S in LENGTHS)]
+
+    def key(D: int, S: int) -> str:
+        return f"tsp-D{D}-{S}" if D < 4 else f"tsp-{S}"
+
+    for D in (1, 2, 4):
+        rows.append(f"{D:3d} " + "".join(f"{mib(peaks[key(D, S)])}  " for S in LENGTHS))
+    report("TSP peak live MiB per rank vs D (tiny model, B=1, fp32, train step)", "\n".join(rows))
+    for S in LENGTHS:
+        d1, d2, d4 = peaks[f"tsp-D1-{S}"], peaks[f"tsp-D2-{S}"], peaks[f"tsp-{S}"]
+        assert d2 < 0.6 * d1 and d4 < 0.6 * d2
+
+
+def test_six_strategies_at_d4(peaks, report):
+    rows = [f"{'strategy':10s}" + "".join(f"  S={S:<6}" for S in LENGTHS) + "   growth"]
+    growth = {}
+    for s in SIX:
+        a, b = (peaks[f"{s}-{S}"] for S in LENGTHS)
+        growth[s] = b - a
+        rows.append(f"{s:10s}{mib(a)}  {mib(b)}  {mib(b - a)}")
+    report(
+        "Peak live MiB per rank at D=4 (tiny model, fp32, train step; growth = S x8)",
+        "\n".join(rows),
+    )
+    # TSP divides both model state and activations by D: lowest at both lengths
+    for S in LENGTHS:
+        assert all(peaks[f"tsp-{S}"] < peaks[f"{s}-{S}"] for s in SIX if s != "tsp")
+    # activations: replicated over the group in dp (whole sequences) and tp -> grow fastest
+    assert growth["dp"] > 4 * growth["tsp"] and growth["tp"] > 2 * growth["tsp"]
+    # weights: replicated in dp and sp -> larger than tsp already at the short length
+    assert peaks["sp-256"] > 1.5 * peaks["tsp-256"] and peaks["dp-256"] > 3 * peaks["tsp-256"]
