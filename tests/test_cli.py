@@ -1,0 +1,205 @@
+"""`tspbench run`: every strategy through the CLI agrees with the reference; torchrun, mpiexec
+and the local launcher write the same record; infer mode, a forced OOM and bad arguments."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+BASE = ["--model", "tiny", "--seq-len", "32", "--warmup", "0", "--steps", "1", "--quiet"]
+SCHEMA = json.loads(
+    (Path(__file__).parent.parent / "tspbench/schemas/record.schema.json").read_text()
+)
+# every strategy on the same global batch of 4 sequences
+RUNS = {
+    "single": ["--strategy", "single", "--batch", "4"],
+    "single-dp4": ["--strategy", "single", "--batch", "1", "--dp", "4"],
+    "tsp": ["--strategy", "tsp", "--degree", "4", "--batch", "4"],
+    "dp": ["--strategy", "dp", "--degree", "4", "--batch", "4"],
+    "tp": ["--strategy", "tp", "--degree", "4", "--batch", "4"],
+    "sp": ["--strategy", "sp", "--degree", "4", "--batch", "4"],
+    "tpsp": ["--strategy", "tpsp", "--tp", "2", "--sp", "2", "--batch", "4"],
+    "fsdp_cp": ["--strategy", "fsdp_cp", "--degree", "4", "--batch", "4"],
+}
+
+
+def tspbench(*args: str, launcher: list[str] | None = None, timeout: float = 300):
+    cmd = (launcher or [sys.executable]) + ["-m", "tspbench", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory) -> dict[str, dict]:
+    d = tmp_path_factory.mktemp("runs")
+    out = {}
+    for name, args in RUNS.items():
+        world = 1 if name == "single" else 4
+        p = tspbench(
+            "run",
+            *BASE,
+            *args,
+            "--launch",
+            "local",
+            "--nproc",
+            str(world),
+            "--out",
+            str(d / f"{name}.json"),
+        )
+        assert p.returncode == 0, p.stderr[-3000:]
+        out[name] = json.loads((d / f"{name}.json").read_text())
+    return out
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_all_strategies_agree_with_single(records, name):
+    ref, rec = records["single"], records[name]
+    jsonschema.validate(rec, SCHEMA)
+    assert rec["status"] == "ok"
+    assert rec["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+    assert rec["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+    assert rec["global_batch"] == 4 and rec["world_size"] == (1 if name == "single" else 4)
+    assert rec["tokens_per_s"] > 0 and rec["flops_per_step"] > 0
+    assert len(rec["peak_mem_bytes_per_rank"]) == rec["world_size"]
+    assert rec["peak_mem_bytes"] == max(rec["peak_mem_bytes_per_rank"])
+    if rec["world_size"] > 1:
+        assert rec["comm_bytes_total"] > 0
+
+
+def test_flops_are_the_same_work(records):
+    """DP splits the reference's work exactly. Zigzag strategies run the same GEMMs, but their
+    attention skips fully masked key blocks, which full-mask causal SDPA (as FlopCounterMode
+    counts it) does not: they count a little less, never more."""
+    ref = records["single"]["flops_per_step"]
+    for name in ("dp", "single-dp4"):
+        assert records[name]["flops_per_step"] == ref, name
+    for name in ("sp", "fsdp_cp"):
+        assert 0.9 * ref < records[name]["flops_per_step"] < ref, name
+    assert records["sp"]["flops_per_step"] == records["fsdp_cp"]["flops_per_step"]
+
+
+LAUNCHERS = {
+    "torchrun": ["torchrun", "--standalone", "--nproc-per-node", "2"],
+    "mpiexec": ["mpiexec", "-n", "2"],
+}
+
+
+@pytest.mark.parametrize("launcher", list(LAUNCHERS))
+def test_launchers_give_the_same_record(tmp_path, launcher):
+    args = [*BASE, "--strategy", "tsp", "--degree", "2", "--batch", "2"]
+    if shutil.which(LAUNCHERS[launcher][0]) is None:
+        pytest.fail(f"{LAUNCHERS[launcher][0]} not installed (bash env/install.sh installs it)")
+    local = tspbench("run", *args, "--launch", "local", "--out", str(tmp_path / "local.json"))
+    assert local.returncode == 0, local.stderr[-2000:]
+    cmd = LAUNCHERS[launcher] + [sys.executable, "-m", "tspbench"]
+    if launcher == "torchrun":
+        cmd = LAUNCHERS[launcher] + ["-m", "tspbench"]
+    p = subprocess.run(
+        cmd + ["run", *args, "--out", str(tmp_path / "l.json")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    a = json.loads((tmp_path / "local.json").read_text())
+    b = json.loads((tmp_path / "l.json").read_text())
+    assert b["launcher"] == {"torchrun": "torchrun", "mpiexec": "mpi"}[launcher]
+    assert set(a) == set(b)
+    for key in (
+        "loss",
+        "grad_norm",
+        "comm_bytes",
+        "flops_per_step",
+        "peak_mem_bytes_per_rank",
+        "param_numel_per_rank",
+        "world_size",
+        "status",
+    ):
+        assert a[key] == b[key], key
+
+
+def test_infer_reports_memory_without_grads_or_optimizer(tmp_path, records):
+    p = tspbench(
+        "run",
+        *BASE,
+        *RUNS["tsp"],
+        "--mode",
+        "infer",
+        "--launch",
+        "local",
+        "--out",
+        str(tmp_path / "i.json"),
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    rec = json.loads((tmp_path / "i.json").read_text())
+    jsonschema.validate(rec, SCHEMA)
+    train = records["tsp"]
+    assert rec["grad_norm"] is None and rec["optimizer_numel_per_rank"] == [0] * 4
+    assert rec["loss"] == pytest.approx(train["loss"], rel=1e-5)
+    assert rec["peak_mem_bytes"] < train["peak_mem_bytes"]
+    # forward only: no reduce-scatter / reduce of gradients
+    assert "reduce" not in rec["comm_bytes"] and "reduce_scatter" not in rec["comm_bytes"]
+
+
+def test_forced_oom_is_a_result(tmp_path):
+    out = tmp_path / "oom.json"
+    p = tspbench(
+        "run", *BASE, *RUNS["tsp"], "--launch", "local", "--max-memory", "200K", "--out", str(out)
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    rec = json.loads(out.read_text())
+    jsonschema.validate(rec, SCHEMA)
+    assert rec["status"] == "oom" and "exceed the budget" in rec["error_message"]
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (
+            ["--strategy", "tsp", "--seq-len", "30", "--degree", "4"],
+            "seq_len=30: must be divisible",
+        ),
+        (["--strategy", "nope", "--seq-len", "32"], "argument --strategy: invalid choice: 'nope'"),
+        (["--strategy", "tsp", "--seq-len", "0"], "argument --seq-len: '0': must be >= 1"),
+        (["--strategy", "tp", "--seq-len", "32", "--degree", "3"], "model.heads=8: must be"),
+        (["--strategy", "tsp", "--seq-len", "32", "--set", "bogus=1"], "'bogus': unknown model"),
+        (
+            [
+                "--strategy",
+                "tsp",
+                "--seq-len",
+                "32",
+                "--degree",
+                "2",
+                "--launch",
+                "local",
+                "--nproc",
+                "3",
+            ],
+            "--nproc=3: must equal degree x dp = 2",
+        ),
+        (["--strategy", "tsp", "--seq-len", "32", "--degree", "2"], "no launcher environment"),
+        (["--strategy", "tsp", "--seq-len", "32", "--max-memory", "lots"], "--max-memory"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys, monkeypatch, args, needle):
+    """In-process (no torch import per case): exit 2, one stderr line, no record written."""
+    from tspbench.cli import main
+
+    for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    out = tmp_path / "bad.json"
+    try:
+        code = main(["run", *args, "--out", str(out)])
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert code == 2
+    assert len(lines) == 1 and needle in lines[0], err
+    assert not out.exists()

@@ -1,0 +1,3 @@
+from tspbench.cli import main
+
+raise SystemExit(main())

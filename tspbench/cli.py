@@ -1,0 +1,241 @@
+"""The ``tspbench`` command line. Bad input exits 2 with one line naming the field and the rule."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from tspbench.core.config import ConfigError, get_config, parse_overrides
+from tspbench.core.strategy import Layout
+
+EXIT_USAGE = 2
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2
+        print(f"tspbench: error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def size_bytes(text: str) -> int:
+    """'512M', '2G', '1.5GiB', '1000000' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(i?B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a size such as 512M or 2G")
+    scale = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[m.group(2).upper()]
+    value = int(float(m.group(1)) * scale)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be positive")
+    return value
+
+
+def _int_at_least(lo: int):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be an integer") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be >= {lo}")
+        return v
+
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a number") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a positive finite number")
+    return v
+
+
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    from tspbench.registry import strategies
+
+    p.add_argument("--strategy", required=True, choices=sorted(strategies()))
+    p.add_argument("--model", default="tiny", help="preset: tiny, small, 7b")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a model field, e.g. --set kv_heads=4 (repeatable)",
+    )
+    p.add_argument("--seq-len", type=_int_at_least(1), required=True)
+    p.add_argument(
+        "--degree",
+        type=_int_at_least(1),
+        default=None,
+        help="D, ranks in one model group (tpsp: defaults to tp x sp)",
+    )
+    p.add_argument("--tp", type=_int_at_least(1), default=1, help="T (tpsp)")
+    p.add_argument("--sp", type=_int_at_least(1), default=1, help="Sigma (tpsp)")
+    p.add_argument("--dp", type=_int_at_least(1), default=1, help="model replicas")
+    p.add_argument("--mode", choices=("train", "infer"), default="train")
+    p.add_argument("--batch", type=_int_at_least(1), default=1, help="micro-batch per replica")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--warmup", type=_int_at_least(0), default=1)
+    p.add_argument("--steps", type=_int_at_least(1), default=3)
+    p.add_argument("--seed", type=_int_at_least(0), default=0)
+    p.add_argument(
+        "--max-memory",
+        type=size_bytes,
+        default=None,
+        help="per-rank budget for tracked live bytes; exceeding it is an OOM",
+    )
+
+
+def build_spec(a: argparse.Namespace):
+    """Validate every input and return the RunSpec (ConfigError names the field and the rule)."""
+    from tspbench.measure import RunSpec
+    from tspbench.registry import get_strategy
+
+    cfg = get_config(a.model, **parse_overrides(a.set))
+    if a.strategy == "tpsp":
+        degree = a.degree if a.degree is not None else a.tp * a.sp
+    else:
+        if a.tp != 1 or a.sp != 1:
+            raise ConfigError(f"--tp/--sp: only strategy tpsp takes them (got {a.strategy})")
+        degree = a.degree if a.degree is not None else 1
+    layout = Layout(degree=degree, tp=a.tp, sp=a.sp, dp=a.dp)
+    get_strategy(a.strategy).validate(cfg, layout, a.seq_len, a.batch)
+    return RunSpec(
+        strategy=a.strategy,
+        cfg=cfg,
+        layout=layout,
+        seq_len=a.seq_len,
+        batch=a.batch,
+        mode=a.mode,
+        dtype=a.dtype,
+        warmup=a.warmup,
+        steps=a.steps,
+        seed=a.seed,
+        max_memory=a.max_memory,
+        quiet=a.quiet,
+    )
+
+
+def check_out(path: str) -> None:
+    if not path.endswith(".json"):
+        raise ConfigError(f"--out={path!r}: must name a .json file")
+    parent = Path(path).resolve().parent
+    if parent.exists() and not os.access(parent, os.W_OK):
+        raise ConfigError(f"--out={path!r}: directory {parent} is not writable")
+
+
+def record_header(spec, launcher: str, world: int) -> dict[str, Any]:
+    lay = spec.layout
+    return {
+        "strategy": spec.strategy,
+        "model": spec.cfg.name,
+        "seq_len": spec.seq_len,
+        "degree": lay.degree,
+        "tp": lay.tp if spec.strategy == "tpsp" else None,
+        "sp": lay.sp if spec.strategy == "tpsp" else None,
+        "dp": lay.dp,
+        "world_size": world,
+        "mode": spec.mode,
+        "batch": spec.batch,
+        "global_batch": spec.batch * lay.dp,
+        "dtype": spec.dtype,
+        "warmup": spec.warmup,
+        "steps": spec.steps,
+        "seed": spec.seed,
+        "max_memory": spec.max_memory,
+        "model_config": dataclasses.asdict(spec.cfg),
+        "launcher": launcher,
+    }
+
+
+def cmd_run(a: argparse.Namespace) -> int:
+    spec = build_spec(a)
+    check_out(a.out)
+    if a.launch == "local":
+        return run_local(a, spec)
+    from tspbench.run import run_env
+
+    return run_env(spec, a.out, a.timeout)
+
+
+def run_local(a: argparse.Namespace, spec) -> int:
+    from tspbench.launch import spawn_local
+    from tspbench.record import utc_now, write_json
+
+    world = spec.layout.world_size
+    nproc = a.nproc if a.nproc is not None else world
+    if nproc != world:
+        raise ConfigError(f"--nproc={nproc}: must equal degree x dp = {world}")
+    argv = [x for x in sys.argv[1:]]
+    argv = _replace_flag(argv, "--launch", "env")
+    out = Path(a.out)
+    before = out.stat().st_mtime_ns if out.exists() else None
+    codes = spawn_local(argv, nproc)
+    fresh = out.exists() and out.stat().st_mtime_ns != before
+    if not fresh:  # rank 0 died before writing: the launcher leaves the record instead
+        write_json(
+            out,
+            {
+                **record_header(spec, "local", world),
+                "status": "error",
+                "error_message": f"rank exit codes {codes}: rank 0 wrote no record",
+                "timestamp_utc": utc_now(),
+            },
+        )
+        return 1
+    return 0 if codes[0] == 0 else 1
+
+
+def _replace_flag(argv: list[str], flag: str, value: str) -> list[str]:
+    out, skip = [], False
+    for i, x in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if x == flag:
+            skip = i + 1 < len(argv)
+            continue
+        if x.startswith(flag + "="):
+            continue
+        out.append(x)
+    return out + [flag, value]
+
+
+def make_parser() -> Parser:
+    p = Parser(prog="tspbench", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=Parser)
+    r = sub.add_parser("run", help="one measured run, written as a JSON record")
+    add_run_args(r)
+    r.add_argument("--out", required=True, help="record path (.json), written atomically")
+    r.add_argument(
+        "--launch",
+        choices=("env", "local"),
+        default="env",
+        help="env: ranks from torchrun/Slurm/MPI; local: spawn --nproc ranks here",
+    )
+    r.add_argument("--nproc", type=_int_at_least(1), default=None)
+    r.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=300.0,
+        help="seconds a collective may wait before the run is declared hung",
+    )
+    r.add_argument("--quiet", action="store_true")
+    r.set_defaults(func=cmd_run)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"tspbench: error: {e}", file=sys.stderr)
+        return EXIT_USAGE

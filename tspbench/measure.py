@@ -1,0 +1,166 @@
+"""One measured run on one rank; rank 0 assembles the record.
+
+Order of steps: one *probe* step under the memory tracker and the FLOP counter (these hook every
+op, so the probe is never timed; it yields peak memory, FLOPs, the first-step loss and gradient
+norm), then ``warmup`` untimed steps, then ``steps`` timed steps. Each timed step starts after a
+barrier and ends synchronized (CUDA events on GPU); a step's time is the slowest rank's, and the
+record reports the median over steps. Bytes communicated are counted over the timed steps and
+divided by their number.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tspbench.core.config import ModelConfig
+from tspbench.core.memory import MemoryTracker
+from tspbench.core.mesh import build_mesh
+from tspbench.core.optim import AdamW
+from tspbench.core.reference import make_batch
+from tspbench.core.strategy import Layout
+from tspbench.flops import counter
+from tspbench.registry import get_strategy
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything that defines one run (validated by the CLI before any process starts)."""
+
+    strategy: str
+    cfg: ModelConfig
+    layout: Layout
+    seq_len: int
+    batch: int  # micro-batch of one model replica; the global batch is batch x dp
+    mode: str  # train | infer
+    dtype: str
+    warmup: int
+    steps: int
+    seed: int
+    max_memory: int | None = None
+    quiet: bool = False
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_rank(spec: RunSpec, device: torch.device) -> dict[str, Any]:
+    """Run the spec on this rank; return this rank's measurements (collective)."""
+    cls = get_strategy(spec.strategy)
+    mesh = build_mesh(cls.mesh_dims(spec.layout))
+    strat = cls(spec.cfg, mesh, seed=spec.seed, dtype=DTYPES[spec.dtype], device=device)
+    tokens, labels = make_batch(spec.cfg, spec.batch * spec.layout.dp, spec.seq_len, spec.seed)
+    batch = strat.shard_batch(tokens, labels)
+    train = spec.mode == "train"
+    opt = AdamW(strat.parameters()) if train else None
+    rank0 = dist.get_rank() == 0
+
+    def step() -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not train:
+            return strat.forward_only(batch), None
+        loss = strat.forward_backward(batch)
+        gnorm = strat.grad_sq_norm().sqrt()
+        opt.step()
+        opt.zero_grad()
+        return loss, gnorm
+
+    # probe: memory, FLOPs, first-step loss and gradient norm
+    tracker = MemoryTracker(limit=spec.max_memory)
+    tracker.track(strat.parameters(), batch.tokens, batch.labels)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    with tracker, counter() as flops:
+        loss, gnorm = step()
+    out: dict[str, Any] = {
+        "loss": float(loss),
+        "grad_norm": None if gnorm is None else float(gnorm),
+        "flops": int(flops.get_total_flops()),
+        "tracked_peak": tracker.peak,
+        "param_numel": strat.local_numel(),
+        "optimizer_numel": opt.state_numel() if opt else 0,
+    }
+    del tracker
+    if not spec.quiet and rank0:
+        print(f"[tspbench] probe step: loss {out['loss']:.6f}", flush=True)
+
+    for i in range(spec.warmup):
+        step()
+        if not spec.quiet and rank0:
+            print(f"[tspbench] warmup {i + 1}/{spec.warmup}", flush=True)
+
+    mesh.counter.reset()
+    times = []
+    for i in range(spec.steps):
+        dist.barrier()
+        _sync(device)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            _sync(device)
+            dt = start.elapsed_time(end) / 1e3
+        else:
+            t0 = time.perf_counter()
+            step()
+            dt = time.perf_counter() - t0
+        times.append(dt)
+        if not spec.quiet and rank0:
+            print(f"[tspbench] step {i + 1}/{spec.steps}: {dt * 1e3:.1f} ms (rank 0)", flush=True)
+    slowest = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
+    out["step_times"] = slowest.tolist()
+    k = spec.steps
+    out["comm_by_kind"] = {kind: b / k for kind, b in mesh.counter.by_kind().items()}
+    out["comm_by_axis"] = {axis: b / k for axis, b in mesh.counter.by_axis().items()}
+    if device.type == "cuda":
+        out["device_peak"] = torch.cuda.max_memory_allocated(device)
+        out["device_reserved"] = torch.cuda.max_memory_reserved(device)
+    return out
+
+
+def summarize(spec: RunSpec, ranks: list[dict[str, Any]], device_peak_flops: float | None) -> dict:
+    """The measurement part of the record, from every rank's results (rank order)."""
+    r0 = ranks[0]
+    peaks = [r.get("device_peak", r["tracked_peak"]) for r in ranks]
+    times = r0["step_times"]
+    step_time = statistics.median(times)
+    tokens = spec.batch * spec.layout.dp * spec.seq_len
+    flops = sum(r["flops"] for r in ranks)
+    world = len(ranks)
+    comm = r0["comm_by_kind"]
+    by_axis = r0["comm_by_axis"]
+    return {
+        "peak_mem_bytes": max(peaks),
+        "peak_mem_bytes_per_rank": peaks,
+        "peak_mem_source": "cuda_max_memory_allocated" if "device_peak" in r0 else "tracked",
+        "peak_reserved_bytes_per_rank": [r["device_reserved"] for r in ranks]
+        if "device_reserved" in r0
+        else None,
+        "step_time_s": step_time,
+        "step_time_min_s": min(times),
+        "step_time_max_s": max(times),
+        "step_times_s": times,
+        "tokens_per_s": tokens / step_time,
+        "comm_bytes": comm,
+        "comm_bytes_total": sum(comm.values()),
+        "comm_bytes_model_group": sum(b for a, b in by_axis.items() if a != "dp"),
+        "comm_bytes_dp": by_axis.get("dp", 0.0),
+        "comm_bytes_per_rank": [sum(r["comm_by_kind"].values()) for r in ranks],
+        "flops_per_step": flops,
+        "flops_per_rank": [r["flops"] for r in ranks],
+        "mfu": flops / (step_time * world * device_peak_flops) if device_peak_flops else None,
+        "param_numel_per_rank": [r["param_numel"] for r in ranks],
+        "optimizer_numel_per_rank": [r["optimizer_numel"] for r in ranks],
+        "loss": r0["loss"],
+        "grad_norm": r0["grad_norm"],
+    }

@@ -1,0 +1,100 @@
+"""Run records: provenance (hardware, versions, commit, time) and atomic JSON writes."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import socket
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def git_commit() -> str | None:
+    """The commit of the tspbench checkout that produced a number (None outside a checkout)."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode:
+        return None
+    dirty = subprocess.run(
+        ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+        capture_output=True,
+        text=True,
+        timeout=10,
+    ).stdout.strip()
+    return out.stdout.strip() + ("-dirty" if dirty else "")
+
+
+def versions(backend: str | None) -> dict[str, Any]:
+    try:
+        import flash_attn
+
+        fa = flash_attn.__version__
+    except ImportError:
+        fa = None
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "flash_attn": fa,
+        "backend": backend,
+        "cuda": torch.version.cuda,
+        "hip": getattr(torch.version, "hip", None),
+    }
+
+
+def hardware(device: torch.device, world_size: int) -> dict[str, Any]:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = platform.processor() or platform.machine()
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+        except OSError:
+            pass
+    return {
+        "device_type": device.type,
+        "device_name": name,
+        "device_count": world_size,
+        "host": socket.gethostname(),
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def utc_now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def write_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` so that ``path`` is either absent/old or complete, never partial."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+    write_atomic(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
