@@ -22,7 +22,7 @@ class DP(Strategy):
         return {"dp": layout.dp, "model": layout.degree}
 
     @classmethod
-    def validate(cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int) -> None:
+    def validate(cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, **_) -> None:
         super().validate(cfg, layout, seq_len, batch)
         if batch % layout.degree:
             raise ConfigError(
@@ -44,7 +44,7 @@ class DP(Strategy):
         return Batch(rows(tokens), rows(labels), tokens.numel())
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = (self.model(batch.tokens) @ self.model.p("head").T).float()
+        logits = (self.model(batch.tokens, self.layer) @ self.model.p("head").T).float()
         ce = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), reduction="sum")
         local = ce / batch.n_tokens
         return local, self.total_loss(local)
@@ -75,7 +75,7 @@ class Single(DP):
     name = "single"
 
     @classmethod
-    def validate(cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int) -> None:
+    def validate(cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, **_) -> None:
         super().validate(cfg, layout, seq_len, batch)
         if layout.degree != 1:
             raise ConfigError(

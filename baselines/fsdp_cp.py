@@ -80,7 +80,7 @@ class FSDPCP(Strategy):
         return {"dp": layout.dp, "model": layout.degree}
 
     @classmethod
-    def validate(cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int) -> None:
+    def validate(cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, **_) -> None:
         super().validate(cfg, layout, seq_len, batch)
         zigzag.check_divisible(seq_len, layout.degree)
 
@@ -111,6 +111,10 @@ class FSDPCP(Strategy):
     def run_unit(self, unit: int, fn, *args):
         """Gather unit ``unit``, run ``fn(weights, *args)``; save no gathered weight."""
         flat = GatherUnit.apply(self.units[unit].shard, self.comm, self, unit)
+        if self.recompute == "full" and torch.is_grad_enabled():
+            # Under activation checkpointing the layer keeps only its input, and its recompute
+            # gathers the unit again: the hooks below would only shadow the checkpoint's own.
+            return fn(self.units[unit].views(flat), *args)
         ptr = flat.untyped_storage().data_ptr()
 
         def pack(t: torch.Tensor):
@@ -150,7 +154,8 @@ class FSDPCP(Strategy):
 
         hooks = LayerHooks(gather_kv=gather_kv, attn=lambda q, k, v: attention(q, k, v, r, D))
         for i in range(cfg.layers):
-            x = self.run_unit(
+            x = self.layer(
+                self.run_unit,
                 1 + i,
                 lambda w, x: transformer_layer(x, w, cfg.norm_eps, cfg.head_dim, cos, sin, hooks),
                 x,

@@ -28,7 +28,7 @@ class SP(Strategy):
         return {"dp": layout.dp, "model": layout.degree}
 
     @classmethod
-    def validate(cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int) -> None:
+    def validate(cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, **_) -> None:
         super().validate(cfg, layout, seq_len, batch)
         zigzag.check_divisible(seq_len, layout.degree)
 
@@ -61,7 +61,7 @@ class SP(Strategy):
         hooks = LayerHooks(gather_kv=gather_kv, attn=lambda q, k, v: attention(q, k, v, r, D))
         for i in range(cfg.layers):
             lp = {k: p[f"layers.{i}.{k}"] for k in LAYER_PARAMS}
-            x = transformer_layer(x, lp, cfg.norm_eps, cfg.head_dim, cos, sin, hooks)
+            x = self.layer(transformer_layer, x, lp, cfg.norm_eps, cfg.head_dim, cos, sin, hooks)
         return rms_norm(x, p["norm"], cfg.norm_eps)
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:

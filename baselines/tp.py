@@ -28,7 +28,7 @@ class TP(Strategy):
         return {"dp": layout.dp, "model": layout.degree}
 
     @classmethod
-    def validate(cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int) -> None:
+    def validate(cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, **_) -> None:
         super().validate(cfg, layout, seq_len, batch)
         for field in ("heads", "kv_heads", "ffn", "vocab"):
             cls.require_divisible(f"model.{field}", getattr(cfg, field), layout.degree, "T")
@@ -63,7 +63,9 @@ class TP(Strategy):
         )
         for i in range(cfg.layers):
             lp = {k: p[f"layers.{i}.{k}"] for k in LAYER_PARAMS}
-            x = transformer_layer(x, lp, cfg.norm_eps, cfg.head_dim, cos, sin, self.hooks)
+            x = self.layer(
+                transformer_layer, x, lp, cfg.norm_eps, cfg.head_dim, cos, sin, self.hooks
+            )
         return rms_norm(x, p["norm"], cfg.norm_eps)
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,7 +30,7 @@ class TPSP(Strategy):
         return {"dp": layout.dp, "sp": layout.sp, "tp": layout.tp}
 
     @classmethod
-    def validate(cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int) -> None:
+    def validate(cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, **_) -> None:
         super().validate(cfg, layout, seq_len, batch)
         if layout.tp * layout.sp != layout.degree:
             raise ConfigError(
@@ -79,7 +79,7 @@ class TPSP(Strategy):
         )
         for i in range(cfg.layers):
             lp = {k: p[f"layers.{i}.{k}"] for k in LAYER_PARAMS}
-            x = transformer_layer(x, lp, cfg.norm_eps, cfg.head_dim, cos, sin, hooks)
+            x = self.layer(transformer_layer, x, lp, cfg.norm_eps, cfg.head_dim, cos, sin, hooks)
         return rms_norm(x, p["norm"], cfg.norm_eps)
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:

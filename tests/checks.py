@@ -37,12 +37,14 @@ def make_strategy(case: dict):
     cls = get_strategy(case["strategy"])
     cfg = get_config("tiny", **case.get("model", {}))
     layout = layout_of(case)
-    cls.validate(cfg, layout, case["S"], case["B"])
+    opts = {k: case[k] for k in ("recompute", "overlap", "kv_bucket") if k in case}
+    cls.validate(cfg, layout, case["S"], case["B"], kv_bucket=opts.get("kv_bucket", 0))
     world = dist.get_world_size()
     dims = (("replica", world // layout.degree), *cls.mesh_dims(layout).items())
     mesh = mesh_for(tuple(dims))
     mesh.counter.reset()
-    return cls(cfg, mesh, seed=case.get("seed", 0), dtype=DTYPES[case.get("dtype", "fp32")]), cfg
+    dtype = DTYPES[case.get("dtype", "fp32")]
+    return cls(cfg, mesh, seed=case.get("seed", 0), dtype=dtype, **opts), cfg
 
 
 def err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -66,6 +66,58 @@ def _cases() -> list[dict]:
                 **lay,
             }
         )
+    # TSP at full strength (overlap on is the default above): overlap off, head buckets, and
+    # activation recomputation for every strategy
+    for ov in (True, False):
+        for kb in (1, 2):
+            cases.append(
+                {
+                    "id": f"tsp-D2-overlap{int(ov)}-bucket{kb}",
+                    "strategy": "tsp",
+                    "D": 2,
+                    "S": 32,
+                    "B": 2,
+                    "overlap": ov,
+                    "kv_bucket": kb,
+                }
+            )
+    cases.append(
+        {
+            "id": "tsp-D4-overlap0-gqa",
+            "strategy": "tsp",
+            "D": 4,
+            "S": 32,
+            "B": 2,
+            "overlap": False,
+            "model": MODELS["gqa"],
+        }
+    )
+    for strat, lays in LAYOUTS.items():
+        lay = lays[-1]
+        B = 4 if strat == "dp" else 2
+        cases.append(
+            {
+                "id": f"{strat}-recompute",
+                "strategy": strat,
+                "S": 32,
+                "B": B,
+                "recompute": "full",
+                "model": MODELS["gqa"],
+                **lay,
+            }
+        )
+    cases.append(
+        {
+            "id": "tsp-D4-recompute-bucket1-overlap0",
+            "strategy": "tsp",
+            "D": 4,
+            "S": 32,
+            "B": 1,
+            "recompute": "full",
+            "kv_bucket": 1,
+            "overlap": False,
+        }
+    )
     return cases
 
 
@@ -84,7 +136,9 @@ def test_equals_reference(results, case):
 
 
 @pytest.mark.parametrize(
-    "case", [c for c in CASES if c["B"] <= 2 and "dtype" not in c], ids=lambda c: c["id"]
+    "case",
+    [c for c in CASES if c["B"] <= 2 and "dtype" not in c and "recompute" not in c],
+    ids=lambda c: c["id"],
 )
 def test_parameter_elements_follow_the_layout(results, case):
     """dp/sp/single: whole model; tp/tpsp: 1/T (+ norms); tsp/fsdp_cp: 1/D (+ norms / padding)."""

@@ -25,6 +25,20 @@ def _cases() -> list[dict]:
             cases.append(
                 {"id": f"tsp-D{D}-{S}", "strategy": "tsp", "D": D, "S": S, "B": 1, "check": "peak"}
             )
+    # overlap off (overlap is on above), and full recomputation for every strategy
+    cases.append(
+        {
+            "id": "tsp-2048-overlap0",
+            "strategy": "tsp",
+            "D": 4,
+            "S": 2048,
+            "B": 1,
+            "check": "peak",
+            "overlap": False,
+        }
+    )
+    for c in [c for c in cases if c["id"].endswith("-2048") and "-D" not in c["id"]]:
+        cases.append({**c, "id": c["id"] + "-recompute", "recompute": "full"})
     return cases
 
 
@@ -71,3 +85,23 @@ def test_six_strategies_at_d4(peaks, report):
     assert growth["dp"] > 4 * growth["tsp"] and growth["tp"] > 2 * growth["tsp"]
     # weights: replicated in dp and sp -> larger than tsp already at the short length
     assert peaks["sp-256"] > 1.5 * peaks["tsp-256"] and peaks["dp-256"] > 3 * peaks["tsp-256"]
+
+
+def test_overlap_costs_at_most_one_weight_shard(peaks):
+    """Prefetching keeps the next shard in flight: at most one extra shard alive."""
+    from tspbench.core.config import get_config
+
+    cfg, D = get_config("tiny"), 4
+    attn = (2 * cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim // D * cfg.hidden * 4
+    mlp = 3 * cfg.ffn // D * cfg.hidden * 4
+    on, off = peaks["tsp-2048"], peaks["tsp-2048-overlap0"]
+    assert on <= off + max(attn, mlp)
+
+
+def test_recompute_lowers_every_strategys_peak(peaks, report):
+    rows = [f"{'strategy':10s}     none     full"]
+    for s in SIX:
+        none, full = peaks[f"{s}-2048"], peaks[f"{s}-2048-recompute"]
+        rows.append(f"{s:10s}{mib(none)} {mib(full)}")
+        assert full < none, s
+    report("Peak live MiB per rank at D=4, S=2048, by --recompute", "\n".join(rows))

@@ -4,24 +4,23 @@ Rank p holds its zigzag tokens X_p [B, S/D, h] and owns head group p's weights, 
 tensor W_p = [Wq_p; Wk_p; Wv_p; Wo_p^T] (rows of width h) so one broadcast moves them all.
 
 Forward, identical loop order on every rank:
-    for r in 0..D-1:
+    for r in 0..D-1:                          # W_{r+1}'s broadcast is in flight meanwhile
         W_r = broadcast(owner r)
-        Q, K_p, V_p = X_p W_r (local tokens, head group r, RoPE at global positions)
-        K, V = all_gather(K_p, V_p) along the sequence, in global order
-        A = causal attention of the local query chunks over K, V (lower-right mask per chunk)
-        Y_p += A Wo_r                      # local accumulation: no all-reduce
+        Q, K_p, V_p = X_p W_r                 # local tokens, head group r, RoPE at global positions
+        for each bucket of KV heads:          # bounds the gathered K/V buffer
+            K, V = all_gather(K_p, V_p) along the sequence, in global order
+            A = causal attention of the local query chunks over K, V
+        Y_p += A Wo_r                         # local accumulation: no all-reduce
 Saved per head group: local Q, K_p, V_p, A and the log-sum-exp (all S/D tokens long); the
 full-sequence K/V is *not* saved.
 
-Backward, same loop:
-    W_r = broadcast(owner r) again; K, V = all_gather(K_p, V_p) again
+Backward, same loop (W_{r+1}'s broadcast in flight, dW_{r-1}'s reduce still draining):
+    W_r = broadcast(owner r) again; K, V = all_gather(K_p, V_p) again (per bucket)
     dA = dY_p Wo_r^T; dWo_r = A^T dY_p
-    dQ, dK, dV = attention backward        # dK, dV span the whole sequence
-    dK_p, dV_p = reduce_scatter(dK, dV)    # back to the token owners
+    dQ, dK, dV = attention backward           # dK, dV span the whole sequence
+    dK_p, dV_p = reduce_scatter(dK, dV)       # back to the token owners
     dX_p += dQ Wq_r + dK_p Wk_r + dV_p Wv_r; dW{q,k,v}_r = d{Q,K_p,V_p}^T X_p
-    reduce(packed dW_r -> owner r)         # each weight gradient ends on its owner only
-Per step: forward D broadcasts + D K/V gathers; backward D broadcasts, D gathers,
-D reduce-scatters and D reduces. Each step is one function so later work can overlap them.
+    reduce(packed dW_r -> owner r)            # async; each weight gradient ends on its owner
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from tsp_impl.context import TSPContext
+from tsp_impl.overlap import owner_shards
 from tspbench.core.attention import zigzag_bwd, zigzag_fwd
 from tspbench.core.layers import apply_rope
 
@@ -37,12 +37,6 @@ def split_shard(w: torch.Tensor, ctx: TSPContext):
     """(Wq_r, Wk_r, Wv_r, Wo_r^T) views of a packed head-group shard."""
     d = ctx.cfg.head_dim
     return w.split([ctx.hq * d, ctx.hkv * d, ctx.hkv * d, ctx.hq * d], dim=0)
-
-
-def receive_shard(w_own: torch.Tensor, r: int, ctx: TSPContext) -> torch.Tensor:
-    """Owner r's packed shard on every rank (the owner sends its own tensor)."""
-    w = w_own if r == ctx.rank else torch.empty_like(w_own)
-    return ctx.comm.broadcast(w, src=r)
 
 
 def project(x: torch.Tensor, w: torch.Tensor, ctx: TSPContext):
@@ -84,11 +78,15 @@ class BroadcastAttention(torch.autograd.Function):
         save = any(fctx.needs_input_grad)
         y = torch.zeros_like(x)
         saved: list[torch.Tensor] = []
-        for r in range(ctx.D):
-            w = receive_shard(w_own, r, ctx)
+        for _, w in owner_shards(w_own, ctx.comm, ctx.overlap):
             q, k, v = project(x, w, ctx)
-            K, V = gather_kv(k, v, ctx)
-            a, lses = zigzag_fwd(q, K, V, ctx.rank, ctx.D)
+            parts, lses = [], []
+            for qs, ks in ctx.buckets():
+                K, V = gather_kv(k[:, ks], v[:, ks], ctx)
+                a, lse = zigzag_fwd(q[:, qs], K, V, ctx.rank, ctx.D)
+                parts.append(a)
+                lses += lse
+            a = torch.cat(parts, dim=1)
             y += merge_heads(a) @ split_shard(w, ctx)[3]
             if save:
                 saved += [q, k, v, a, *lses]
@@ -102,21 +100,24 @@ class BroadcastAttention(torch.autograd.Function):
     def backward(fctx, dy: torch.Tensor):  # type: ignore[override]
         ctx: TSPContext = fctx.ctx
         x, w_own, *saved = fctx.saved_tensors
-        per = 4 + fctx.n_lse
+        per, n_chunks = 4 + fctx.n_lse, fctx.n_lse // len(ctx.buckets())
         dx = torch.zeros_like(x)
-        dw_own = None
-        dy2 = dy.flatten(0, 1)
-        x2 = x.flatten(0, 1)
-        for r in range(ctx.D):
+        dw_own, reducing = None, None
+        dy2, x2 = dy.flatten(0, 1), x.flatten(0, 1)
+        for r, w in owner_shards(w_own, ctx.comm, ctx.overlap):
             q, k, v, a, *lses = saved[r * per : (r + 1) * per]
-            w = receive_shard(w_own, r, ctx)
             wq, wk, wv, wo_t = split_shard(w, ctx)
             a_flat = merge_heads(a)
             da = (dy @ wo_t.T).view(a_flat.shape).unflatten(2, (ctx.hq, -1)).transpose(1, 2)
             dwo_t = a_flat.flatten(0, 1).T @ dy2
-            K, V = gather_kv(k, v, ctx)
-            dq, dK, dV = zigzag_bwd(da.contiguous(), q, K, V, a, lses, ctx.rank, ctx.D)
-            dk, dv = scatter_kv_grad(dK, dV, ctx)
+            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+            for i, (qs, ks) in enumerate(ctx.buckets()):
+                K, V = gather_kv(k[:, ks], v[:, ks], ctx)
+                lse = lses[i * n_chunks : (i + 1) * n_chunks]
+                dq[:, qs], dK, dV = zigzag_bwd(
+                    da[:, qs].contiguous(), q[:, qs], K, V, a[:, qs], lse, ctx.rank, ctx.D
+                )
+                dk[:, ks], dv[:, ks] = scatter_kv_grad(dK, dV, ctx)
             dq = merge_heads(apply_rope(dq, ctx.cos, -ctx.sin))
             dk = merge_heads(apply_rope(dk, ctx.cos, -ctx.sin))
             dv = merge_heads(dv)
@@ -124,7 +125,10 @@ class BroadcastAttention(torch.autograd.Function):
             dw = torch.cat(
                 [dq.flatten(0, 1).T @ x2, dk.flatten(0, 1).T @ x2, dv.flatten(0, 1).T @ x2, dwo_t]
             )
-            ctx.comm.reduce(dw, dst=r)
+            if reducing is not None:  # at most one gradient reduce in flight
+                reducing.wait()
+            reducing = ctx.comm.reduce(dw, dst=r, async_op=True)
             if r == ctx.rank:
                 dw_own = dw
+        reducing.wait()
         return dx, dw_own, None

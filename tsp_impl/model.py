@@ -17,7 +17,7 @@ from tsp_impl.context import TSPContext
 from tsp_impl.mlp import RingMLP
 from tsp_impl.vocab import VocabEmbedding, VocabParallelLoss
 from tspbench.core import zigzag
-from tspbench.core.config import ModelConfig
+from tspbench.core.config import ConfigError, ModelConfig
 from tspbench.core.layers import rms_norm
 from tspbench.core.mesh import Mesh
 from tspbench.core.strategy import Batch, Layout, Strategy
@@ -31,12 +31,21 @@ class TSP(Strategy):
         return {"dp": layout.dp, "model": layout.degree}
 
     @classmethod
-    def validate(cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int) -> None:
+    def validate(
+        cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, kv_bucket: int = 0
+    ) -> None:
         super().validate(cfg, layout, seq_len, batch)
         D = layout.degree
         zigzag.check_divisible(seq_len, D)
         for field in ("heads", "kv_heads", "ffn", "vocab"):
             cls.require_divisible(f"model.{field}", getattr(cfg, field), D, "D (degree)")
+
+        hkv = cfg.kv_heads // D
+        if kv_bucket < 0 or (kv_bucket and hkv % kv_bucket):
+            raise ConfigError(
+                f"kv_bucket={kv_bucket}: must divide the KV heads per head group "
+                f"(kv_heads / D = {hkv}), or be 0 for the whole group"
+            )
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, **kw) -> None:
         super().__init__(cfg, mesh, **kw)
@@ -71,7 +80,7 @@ class TSP(Strategy):
     def context(self, seq_len: int) -> TSPContext:
         if seq_len not in self._ctx:
             self._ctx[seq_len] = TSPContext.build(
-                self.comm, self.cfg, seq_len, self.dtype, self.device
+                self.comm, self.cfg, seq_len, self.dtype, self.device, self.overlap, self.kv_bucket
             )
         return self._ctx[seq_len]
 
@@ -87,15 +96,22 @@ class TSP(Strategy):
     def hidden_local(self, batch: Batch) -> torch.Tensor:
         ctx = self.context(batch.tokens.shape[1] * self.comm.size)
         eps = self.cfg.norm_eps
-        x = VocabEmbedding.apply(batch.tokens, self.embed, self.comm)
-        for lp in self.layers:
+        x = VocabEmbedding.apply(batch.tokens, self.embed, self.comm, self.overlap)
+
+        def block(x: torch.Tensor, lp: dict) -> torch.Tensor:
             x = x + BroadcastAttention.apply(rms_norm(x, lp["attn_norm"], eps), lp["attn"], ctx)
-            x = x + RingMLP.apply(rms_norm(x, lp["mlp_norm"], eps), lp["mlp"], self.comm)
+            mlp_in = rms_norm(x, lp["mlp_norm"], eps)
+            return x + RingMLP.apply(mlp_in, lp["mlp"], self.comm, self.overlap)
+
+        for lp in self.layers:
+            x = self.layer(block, x, lp)
         return rms_norm(x, self.norm, eps)
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         h = self.hidden_local(batch)
-        local = VocabParallelLoss.apply(h, self.head, batch.labels, batch.n_tokens, self.comm)
+        local = VocabParallelLoss.apply(
+            h, self.head, batch.labels, batch.n_tokens, self.comm, self.overlap
+        )
         return local, self.total_loss(local)
 
     def replicated(self) -> list[torch.nn.Parameter]:

@@ -14,21 +14,16 @@ from __future__ import annotations
 
 import torch
 
+from tsp_impl.overlap import owner_shards
 from tspbench.core.comm import Comm
-
-
-def _receive(w_own: torch.Tensor, r: int, comm: Comm) -> torch.Tensor:
-    w = w_own if r == comm.rank else torch.empty_like(w_own)
-    return comm.broadcast(w, src=r)
 
 
 class VocabEmbedding(torch.autograd.Function):
     @staticmethod
-    def forward(fctx, tokens: torch.Tensor, e_own: torch.Tensor, comm: Comm):  # type: ignore[override]
+    def forward(fctx, tokens: torch.Tensor, e_own: torch.Tensor, comm: Comm, overlap: bool):  # type: ignore[override]
         n = e_own.shape[0]
         x = e_own.new_zeros((*tokens.shape, e_own.shape[1]))
-        for r in range(comm.size):
-            e = _receive(e_own, r, comm)
+        for r, e in owner_shards(e_own, comm, overlap):
             hit = (tokens >= r * n) & (tokens < (r + 1) * n)
             x[hit] = e[tokens[hit] - r * n]
         fctx.save_for_backward(tokens)
@@ -42,20 +37,20 @@ class VocabEmbedding(torch.autograd.Function):
         n, h = fctx.shape
         full = dx.new_zeros((n * comm.size, h))
         full.index_add_(0, tokens.flatten(), dx.flatten(0, 1))
-        return None, comm.reduce_scatter(full, dim=0), None
+        return None, comm.reduce_scatter(full, dim=0), None, None
 
 
 class VocabParallelLoss(torch.autograd.Function):
     """Sum over local tokens of cross-entropy, divided by the global token count."""
 
     @staticmethod
-    def forward(fctx, x, w_own, labels, n_tokens: int, comm: Comm):  # type: ignore[override]
+    def forward(fctx, x, w_own, labels, n_tokens: int, comm: Comm, overlap: bool):  # type: ignore[override]
         n = w_own.shape[0]
         m = torch.full(labels.shape, -torch.inf, device=x.device)
         s = torch.zeros(labels.shape, device=x.device)
         target = torch.zeros(labels.shape, device=x.device)
-        for r in range(comm.size):
-            logits = (x @ _receive(w_own, r, comm).T).float()
+        for r, w in owner_shards(w_own, comm, overlap):
+            logits = (x @ w.T).float()
             m_new = torch.maximum(m, logits.amax(-1))
             s = s * (m - m_new).exp() + (logits - m_new[..., None]).exp().sum(-1)
             m = m_new
@@ -64,7 +59,7 @@ class VocabParallelLoss(torch.autograd.Function):
             target += torch.where(hit, logits.gather(-1, idx[..., None])[..., 0], 0.0)
         lse = m + s.log()
         fctx.save_for_backward(x, w_own, labels, lse)
-        fctx.comm, fctx.n_tokens = comm, n_tokens
+        fctx.comm, fctx.n_tokens, fctx.overlap = comm, n_tokens, overlap
         return (lse - target).sum() / n_tokens
 
     @staticmethod
@@ -73,10 +68,9 @@ class VocabParallelLoss(torch.autograd.Function):
         comm: Comm = fctx.comm
         n = w_own.shape[0]
         dx = torch.zeros_like(x)
-        dw_own = None
+        dw_own, reducing = None, None
         scale = g / fctx.n_tokens
-        for r in range(comm.size):
-            w = _receive(w_own, r, comm)
+        for r, w in owner_shards(w_own, comm, fctx.overlap):
             p = ((x @ w.T).float() - lse[..., None]).exp()
             hit = (labels >= r * n) & (labels < (r + 1) * n)
             idx = (labels - r * n).clamp(0, n - 1)
@@ -84,7 +78,10 @@ class VocabParallelLoss(torch.autograd.Function):
             dlogits = (p * scale).to(x.dtype)
             dx += dlogits @ w
             dw = dlogits.flatten(0, 1).T @ x.flatten(0, 1)
-            comm.reduce(dw, dst=r)
+            if reducing is not None:  # at most one gradient reduce in flight
+                reducing.wait()
+            reducing = comm.reduce(dw, dst=r, async_op=True)
             if r == comm.rank:
                 dw_own = dw
-        return dx, dw_own, None, None, None
+        reducing.wait()
+        return dx, dw_own, None, None, None, None

@@ -86,6 +86,24 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=_int_at_least(1), default=3)
     p.add_argument("--seed", type=_int_at_least(0), default=0)
     p.add_argument(
+        "--recompute",
+        choices=("none", "full"),
+        default="none",
+        help="activation checkpointing per layer (every strategy)",
+    )
+    p.add_argument(
+        "--overlap",
+        choices=("on", "off"),
+        default="on",
+        help="tsp: prefetch the next weight shard while computing (off: measure it)",
+    )
+    p.add_argument(
+        "--kv-bucket",
+        type=_int_at_least(0),
+        default=0,
+        help="tsp: KV heads per attention bucket (0: whole head group)",
+    )
+    p.add_argument(
         "--max-memory",
         type=size_bytes,
         default=None,
@@ -106,7 +124,7 @@ def build_spec(a: argparse.Namespace):
             raise ConfigError(f"--tp/--sp: only strategy tpsp takes them (got {a.strategy})")
         degree = a.degree if a.degree is not None else 1
     layout = Layout(degree=degree, tp=a.tp, sp=a.sp, dp=a.dp)
-    get_strategy(a.strategy).validate(cfg, layout, a.seq_len, a.batch)
+    get_strategy(a.strategy).validate(cfg, layout, a.seq_len, a.batch, kv_bucket=a.kv_bucket)
     return RunSpec(
         strategy=a.strategy,
         cfg=cfg,
@@ -120,6 +138,9 @@ def build_spec(a: argparse.Namespace):
         seed=a.seed,
         max_memory=a.max_memory,
         quiet=a.quiet,
+        recompute=a.recompute,
+        overlap=a.overlap == "on",
+        kv_bucket=a.kv_bucket,
     )
 
 
@@ -150,6 +171,9 @@ def record_header(spec, launcher: str, world: int) -> dict[str, Any]:
         "steps": spec.steps,
         "seed": spec.seed,
         "max_memory": spec.max_memory,
+        "recompute": spec.recompute,
+        "overlap": spec.overlap,
+        "kv_bucket": spec.kv_bucket,
         "model_config": dataclasses.asdict(spec.cfg),
         "launcher": launcher,
     }

@@ -10,6 +10,7 @@ divided by their number.
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from dataclasses import dataclass
@@ -46,6 +47,9 @@ class RunSpec:
     seed: int
     max_memory: int | None = None
     quiet: bool = False
+    recompute: str = "none"
+    overlap: bool = True
+    kv_bucket: int = 0
 
 
 def _sync(device: torch.device) -> None:
@@ -57,7 +61,16 @@ def measure_rank(spec: RunSpec, device: torch.device) -> dict[str, Any]:
     """Run the spec on this rank; return this rank's measurements (collective)."""
     cls = get_strategy(spec.strategy)
     mesh = build_mesh(cls.mesh_dims(spec.layout))
-    strat = cls(spec.cfg, mesh, seed=spec.seed, dtype=DTYPES[spec.dtype], device=device)
+    strat = cls(
+        spec.cfg,
+        mesh,
+        seed=spec.seed,
+        dtype=DTYPES[spec.dtype],
+        device=device,
+        recompute=spec.recompute,
+        overlap=spec.overlap,
+        kv_bucket=spec.kv_bucket,
+    )
     tokens, labels = make_batch(spec.cfg, spec.batch * spec.layout.dp, spec.seq_len, spec.seed)
     batch = strat.shard_batch(tokens, labels)
     train = spec.mode == "train"
@@ -78,8 +91,15 @@ def measure_rank(spec: RunSpec, device: torch.device) -> dict[str, Any]:
     tracker.track(strat.parameters(), batch.tokens, batch.labels)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    with tracker, counter() as flops:
-        loss, gnorm = step()
+    # Garbage collection frees cyclic garbage at moments that vary run to run; holding it off
+    # during the probe makes the tracked peak repeatable to the byte.
+    gc.collect()
+    gc.disable()
+    try:
+        with tracker, counter() as flops:
+            loss, gnorm = step()
+    finally:
+        gc.enable()
     out: dict[str, Any] = {
         "loss": float(loss),
         "grad_norm": None if gnorm is None else float(gnorm),

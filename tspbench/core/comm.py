@@ -66,6 +66,11 @@ class Pending:
         self._work = work if isinstance(work, list) else ([work] if work is not None else [])
         self._finish = finish
 
+    @classmethod
+    def ready(cls, value: object) -> Pending:
+        """An already-finished operation (for code paths that ran it synchronously)."""
+        return cls(None, lambda: value)
+
     def wait(self):
         for w in self._work:
             w.wait()

@@ -86,14 +86,18 @@ class ReferenceModel(torch.nn.Module):
     def named_full_params(self) -> dict[str, torch.Tensor]:
         return {n: self.p(n) for n in param_shapes(self.cfg)}
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, layer_call=None) -> torch.Tensor:
+        """Final normed hidden states; ``layer_call(fn, *args)`` wraps each layer (recompute)."""
         cfg = self.cfg
+        layer_call = layer_call or (lambda fn, *args: fn(*args))
         x = F.embedding(tokens, self.p("embed"))
         cos, sin = rope_tables(torch.arange(tokens.shape[1]), cfg.head_dim, cfg.rope_theta, x.dtype)
         cos, sin = cos.to(x.device), sin.to(x.device)
         for i in range(cfg.layers):
             p = {k: self.p(f"layers.{i}.{k}") for k in LAYER_PARAMS}
-            x = transformer_layer(x, p, cfg.norm_eps, cfg.head_dim, cos, sin, LayerHooks())
+            x = layer_call(
+                transformer_layer, x, p, cfg.norm_eps, cfg.head_dim, cos, sin, LayerHooks()
+            )
         return rms_norm(x, self.p("norm"), cfg.norm_eps)
 
     def loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

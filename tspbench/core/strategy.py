@@ -13,10 +13,13 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+import torch.utils.checkpoint
 
 from tspbench.core.comm import Comm
 from tspbench.core.config import ConfigError, ModelConfig
 from tspbench.core.mesh import Mesh
+
+RECOMPUTE = ("none", "full")
 
 
 @dataclass(frozen=True)
@@ -52,9 +55,25 @@ class Strategy(ABC):
         seed: int = 0,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        recompute: str = "none",
+        overlap: bool = True,
+        kv_bucket: int = 0,
     ) -> None:
+        if recompute not in RECOMPUTE:
+            raise ConfigError(f"recompute={recompute!r}: must be one of {', '.join(RECOMPUTE)}")
         self.cfg, self.mesh, self.seed = cfg, mesh, seed
         self.dtype, self.device = dtype, torch.device(device)
+        self.recompute, self.overlap, self.kv_bucket = recompute, overlap, kv_bucket
+
+    def layer(self, fn, *args):
+        """Run one transformer layer, under activation checkpointing when recompute is 'full'.
+
+        Recomputation re-runs the layer's forward, collectives included, in backward: every rank
+        does so for the same layers in the same order, so collective order stays identical.
+        """
+        if self.recompute == "full" and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+        return fn(*args)
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -63,8 +82,13 @@ class Strategy(ABC):
         """Mesh axes (outermost first) this strategy needs for ``layout``."""
 
     @classmethod
-    def validate(cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int) -> None:
-        """Raise ConfigError (naming value and rule) before any collective for a bad combination."""
+    def validate(
+        cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, kv_bucket: int = 0
+    ) -> None:
+        """Raise ConfigError (naming value and rule) before any collective for a bad combination.
+
+        ``kv_bucket`` only concerns TSP's attention buckets; other strategies ignore it.
+        """
         for field in ("degree", "tp", "sp", "dp"):
             v = getattr(layout, field)
             if not isinstance(v, int) or v < 1:
