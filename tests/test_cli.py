@@ -204,3 +204,29 @@ def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys, monkeypatch, args,
     assert code == 2
     assert len(lines) == 1 and needle in lines[0], err
     assert not out.exists()
+
+
+def test_overlap_benchmark_reports_every_part(tmp_path):
+    """Not a timing test: the benchmark runs and reports the four times and the fractions."""
+    out = tmp_path / "ov.json"
+    p = tspbench(
+        "overlap",
+        "--degree",
+        "2",
+        "--seq-len",
+        "64",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--quiet",
+        "--launch",
+        "local",
+        "--out",
+        str(out),
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    rec = json.loads(out.read_text())
+    for key in ("step_overlap_s", "step_no_overlap_s", "compute_s", "comm_s"):
+        assert rec[key] > 0, key
+    assert rec["collectives_per_step"] > 0 and "hidden_fraction" in rec

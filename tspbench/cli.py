@@ -57,10 +57,13 @@ def _positive_float(text: str) -> float:
     return v
 
 
-def add_run_args(p: argparse.ArgumentParser) -> None:
+def add_run_args(p: argparse.ArgumentParser, strategy: str | None = None) -> None:
+    """The arguments that define a run (``strategy``: a default, else --strategy is required)."""
     from tspbench.registry import strategies
 
-    p.add_argument("--strategy", required=True, choices=sorted(strategies()))
+    p.add_argument(
+        "--strategy", required=strategy is None, default=strategy, choices=sorted(strategies())
+    )
     p.add_argument("--model", default="tiny", help="preset: tiny, small, 7b")
     p.add_argument(
         "--set",
@@ -189,6 +192,33 @@ def cmd_run(a: argparse.Namespace) -> int:
     return run_env(spec, a.out, a.timeout)
 
 
+def cmd_overlap(a: argparse.Namespace) -> int:
+    spec = build_spec(a)
+    check_out(a.out)
+    if spec.strategy != "tsp":
+        raise ConfigError(f"--strategy={spec.strategy}: the overlap benchmark measures tsp")
+    if a.launch == "local":
+        return run_local(a, spec)
+    import torch.distributed as dist
+
+    from tspbench.overlap_bench import bench_rank
+    from tspbench.run import run_env
+
+    def work(spec, device, header):
+        t = bench_rank(spec, device)
+        if not spec.quiet and dist.get_rank() == 0:
+            print(
+                "[tspbench] "
+                + ", ".join(
+                    f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in t.items()
+                ),
+                flush=True,
+            )
+        return t
+
+    return run_env(spec, a.out, a.timeout, work)
+
+
 def run_local(a: argparse.Namespace, spec) -> int:
     from tspbench.launch import spawn_local
     from tspbench.record import utc_now, write_json
@@ -237,23 +267,31 @@ def make_parser() -> Parser:
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=Parser)
     r = sub.add_parser("run", help="one measured run, written as a JSON record")
     add_run_args(r)
-    r.add_argument("--out", required=True, help="record path (.json), written atomically")
-    r.add_argument(
+    add_launch_args(r)
+    r.set_defaults(func=cmd_run)
+    o = sub.add_parser("overlap", help="how much of TSP's communication hides behind compute")
+    add_run_args(o, strategy="tsp")
+    add_launch_args(o)
+    o.set_defaults(func=cmd_overlap)
+    return p
+
+
+def add_launch_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, help="record path (.json), written atomically")
+    p.add_argument(
         "--launch",
         choices=("env", "local"),
         default="env",
         help="env: ranks from torchrun/Slurm/MPI; local: spawn --nproc ranks here",
     )
-    r.add_argument("--nproc", type=_int_at_least(1), default=None)
-    r.add_argument(
+    p.add_argument("--nproc", type=_int_at_least(1), default=None)
+    p.add_argument(
         "--timeout",
         type=_positive_float,
         default=300.0,
         help="seconds a collective may wait before the run is declared hung",
     )
-    r.add_argument("--quiet", action="store_true")
-    r.set_defaults(func=cmd_run)
-    return p
+    p.add_argument("--quiet", action="store_true")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -54,7 +54,19 @@ def _causes(world: int, wait_s: float = 3.0) -> dict[int, tuple[str, str]]:
         time.sleep(0.1)
 
 
-def run_env(spec: RunSpec, out: str, timeout_s: float) -> int:
+def _measure(spec: RunSpec, device: torch.device, header: dict) -> dict | None:
+    """`tspbench run`: measure on every rank, summarise on rank 0."""
+    mine = measure_rank(spec, device)
+    gathered = [None] * spec.layout.world_size if dist.get_rank() == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    if dist.get_rank() != 0:
+        return None
+    peak = device_peak(header["hardware"]["device_name"]) if device.type == "cuda" else None
+    return summarize(spec, gathered, peak)
+
+
+def run_env(spec: RunSpec, out: str, timeout_s: float, work=_measure) -> int:
+    """Join the launched job, run ``work`` (collective), and write rank 0's record."""
     env = detect()
     world = spec.layout.world_size
     if env is None:
@@ -76,12 +88,9 @@ def run_env(spec: RunSpec, out: str, timeout_s: float) -> int:
     )
     status, record = "ok", None
     try:
-        mine = measure_rank(spec, device)
-        gathered = [None] * world if rank == 0 else None
-        dist.gather_object(mine, gathered, dst=0)
+        result = work(spec, device, header)
         if rank == 0:
-            peak = device_peak(header["hardware"]["device_name"]) if device.type == "cuda" else None
-            record = {**header, "status": "ok", **summarize(spec, gathered, peak)}
+            record = {**header, "status": "ok", **result}
     except Exception as e:
         status, msg = _classify(e), f"{type(e).__name__}: {e}".strip()
         if not spec.quiet:

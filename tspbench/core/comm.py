@@ -82,6 +82,11 @@ class Comm:
 
     Every method takes ``async_op``: False returns the result, True returns a :class:`Pending`.
     A group of size 1 communicates nothing and counts nothing.
+
+    For overlap measurements: with ``trace`` set to a list, every collective appends
+    ``(axis, method, shape, dtype, kwargs)`` so a step's communication can be replayed alone;
+    with ``skip`` set, collectives return correctly shaped results without communicating (and
+    count nothing), so that a step's compute can be timed alone.
     """
 
     def __init__(
@@ -90,27 +95,43 @@ class Comm:
         self.group, self.ranks, self.axis, self.counter = group, ranks, axis, counter
         self.size = len(ranks)
         self.rank = ranks.index(dist.get_rank()) if dist.is_initialized() else 0
+        self.trace: list[tuple] | None = None
+        self.skip = False
+        self.counter_device = torch.device("cpu")
 
-    def _count(self, kind: str, t: torch.Tensor) -> None:
-        self.counter.add(self.axis, kind, bus_bytes(kind, t.numel() * t.element_size(), self.size))
+    def _start(
+        self, method: str, kind: str, t: torch.Tensor, nbytes_of: torch.Tensor, **kw
+    ) -> bool:
+        """Count and trace one collective; False when it must not communicate."""
+        if self.size == 1:
+            return False
+        if self.trace is not None:
+            self.trace.append((self.axis, method, tuple(t.shape), t.dtype, kw))
+            self.counter_device = t.device
+        if self.skip:
+            return False
+        n = nbytes_of.numel() * nbytes_of.element_size()
+        self.counter.add(self.axis, kind, bus_bytes(kind, n, self.size))
+        return True
 
-    def _ret(self, work, finish, async_op):
+    @staticmethod
+    def _ret(work, finish, async_op):
         p = Pending(work, finish)
         return p if async_op else p.wait()
 
     def broadcast(self, t: torch.Tensor, src: int, async_op: bool = False):
         """In place: ``t`` on every rank becomes group-rank ``src``'s ``t``."""
-        if self.size == 1:
+        if not self._start("broadcast", "broadcast", t, t, src=src):
+            if self.skip and self.rank != src:
+                t.zero_()
             return self._ret(None, lambda: t, async_op)
-        self._count("broadcast", t)
         w = dist.broadcast(t, self.ranks[src], group=self.group, async_op=True)
         return self._ret(w, lambda: t, async_op)
 
     def reduce(self, t: torch.Tensor, dst: int, async_op: bool = False):
         """Sum ``t`` into group-rank ``dst``'s ``t`` (other ranks' ``t`` is scratch afterwards)."""
-        if self.size == 1:
+        if not self._start("reduce", "reduce", t, t, dst=dst):
             return self._ret(None, lambda: t, async_op)
-        self._count("reduce", t)
         w = dist.reduce(t, self.ranks[dst], group=self.group, async_op=True)
         return self._ret(w, lambda: t, async_op)
 
@@ -121,30 +142,34 @@ class Comm:
         op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
     ):
         """In-place reduction (sum by default) over the group."""
-        if self.size == 1:
+        if not self._start("all_reduce", "all_reduce", t, t, op=op):
             return self._ret(None, lambda: t, async_op)
-        self._count("all_reduce", t)
         w = dist.all_reduce(t, op=op, group=self.group, async_op=True)
         return self._ret(w, lambda: t, async_op)
 
     def all_gather(self, t: torch.Tensor, dim: int, async_op: bool = False):
         """Concatenate every rank's ``t`` along ``dim`` in group-rank order."""
-        if self.size == 1:
-            return self._ret(None, lambda: t, async_op)
         t = t.contiguous()
-        out = t.new_empty((self.size, *t.shape))
-        self._count("all_gather", out)
-        w = dist.all_gather_single(out.view(-1), t.view(-1), group=self.group, async_op=True)
+        out = t.new_empty((self.size, *t.shape)) if self.size > 1 else None
+        if not self._start("all_gather", "all_gather", t, out if out is not None else t, dim=dim):
+            if out is None:
+                return self._ret(None, lambda: t, async_op)
+            out.zero_()
+            w = None
+        else:
+            w = dist.all_gather_single(out.view(-1), t.view(-1), group=self.group, async_op=True)
         return self._ret(w, lambda: out.movedim(0, dim).flatten(dim, dim + 1), async_op)
 
     def reduce_scatter(self, t: torch.Tensor, dim: int, async_op: bool = False):
         """Sum over the group, then keep block ``rank`` of ``size`` equal blocks along ``dim``."""
-        if self.size == 1:
-            return self._ret(None, lambda: t, async_op)
+        if not self._start("reduce_scatter", "reduce_scatter", t, t, dim=dim):
+            if self.size == 1:
+                return self._ret(None, lambda: t, async_op)
+            block = t.chunk(self.size, dim=dim)[self.rank].clone()
+            return self._ret(None, lambda: block, async_op)
         n = t.shape[dim] // self.size
         stacked = t.unflatten(dim, (self.size, n)).movedim(dim, 0).contiguous()
         out = t.new_empty(stacked.shape[1:])
-        self._count("reduce_scatter", t)
         w = dist.reduce_scatter_single(
             out.view(-1), stacked.view(-1), group=self.group, async_op=True
         )
@@ -152,16 +177,23 @@ class Comm:
 
     def ring_exchange(self, send: torch.Tensor, recv: torch.Tensor, async_op: bool = False):
         """Send ``send`` to the next rank and receive the previous rank's into ``recv``."""
-        if self.size == 1:
+        if not self._start("ring_exchange", "send_recv", send, recv):
             recv.copy_(send)
             return self._ret(None, lambda: recv, async_op)
-        self._count("send_recv", recv)
         nxt, prv = self.ranks[(self.rank + 1) % self.size], self.ranks[(self.rank - 1) % self.size]
         ops = [
             dist.P2POp(dist.isend, send.contiguous(), nxt, group=self.group),
             dist.P2POp(dist.irecv, recv, prv, group=self.group),
         ]
         return self._ret(dist.batch_isend_irecv(ops), lambda: recv, async_op)
+
+    def replay(self, method: str, shape: tuple[int, ...], dtype: torch.dtype, kw: dict) -> None:
+        """Issue one traced collective again, synchronously, on fresh buffers of its shape."""
+        t = torch.zeros(shape, dtype=dtype, device=self.counter_device)
+        if method == "ring_exchange":
+            self.ring_exchange(t, torch.empty_like(t), **kw)
+        else:
+            getattr(self, method)(t, **kw)
 
     def all_reduce_metric(self, t: torch.Tensor) -> torch.Tensor:
         """Sum a reported metric (loss, norms): not training traffic, deliberately not counted."""

@@ -1,0 +1,107 @@
+"""How much of TSP's communication hides behind its compute (``tspbench overlap``).
+
+Per step, measured in one run on the same shapes: the overlapped step (prefetch on), the same step
+with overlap off, compute alone (collectives skipped: correctly shaped results, no transfer), and
+communication alone (the step's traced collectives replayed back to back). Then
+    hidden fraction = (t_compute + t_comm - t_step) / min(t_compute, t_comm)
+1 means the shorter of the two is fully hidden, 0 means none of it is, negative means the
+overlapped step is slower than doing both one after the other (contention: on a 2-core CPU the
+collectives' threads and the GEMMs compete for the same cores).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from tspbench.core.mesh import build_mesh
+from tspbench.core.optim import AdamW
+from tspbench.core.reference import make_batch
+from tspbench.measure import DTYPES, RunSpec, _sync
+from tspbench.registry import get_strategy
+
+
+def _timed(fn, steps: int, device: torch.device) -> float:
+    """Median over steps of the slowest rank's time of ``fn``."""
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    t = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return statistics.median(t.tolist())
+
+
+def bench_rank(spec: RunSpec, device: torch.device) -> dict:
+    cls = get_strategy(spec.strategy)
+    mesh = build_mesh(cls.mesh_dims(spec.layout))
+    tokens, labels = make_batch(spec.cfg, spec.batch * spec.layout.dp, spec.seq_len, spec.seed)
+
+    def make(overlap: bool):
+        s = cls(
+            spec.cfg,
+            mesh,
+            seed=spec.seed,
+            dtype=DTYPES[spec.dtype],
+            device=device,
+            recompute=spec.recompute,
+            overlap=overlap,
+            kv_bucket=spec.kv_bucket,
+        )
+        opt = AdamW(s.parameters()) if spec.mode == "train" else None
+        b = s.shard_batch(tokens, labels)
+
+        def step():
+            if opt is None:
+                return s.forward_only(b)
+            s.forward_backward(b)
+            opt.step()
+            opt.zero_grad()
+
+        return step
+
+    on, off = make(True), make(False)
+    comms = list(mesh.comms.values())
+    for _ in range(max(1, spec.warmup)):
+        on()
+        off()
+    trace: list = []
+    for c in comms:
+        c.trace = trace
+    on()
+    for c in comms:
+        c.trace = None
+
+    def compute_only():
+        for c in comms:
+            c.skip = True
+        try:
+            on()
+        finally:
+            for c in comms:
+                c.skip = False
+
+    def comm_only():
+        for axis, method, shape, dtype, kw in trace:
+            mesh[axis].replay(method, shape, dtype, kw)
+
+    t = {
+        "step_overlap_s": _timed(on, spec.steps, device),
+        "step_no_overlap_s": _timed(off, spec.steps, device),
+        "compute_s": _timed(compute_only, spec.steps, device),
+        "comm_s": _timed(comm_only, spec.steps, device),
+    }
+    shorter = min(t["compute_s"], t["comm_s"])
+    t["hidden_fraction"] = (t["compute_s"] + t["comm_s"] - t["step_overlap_s"]) / shorter
+    t["hidden_fraction_no_overlap"] = (
+        t["compute_s"] + t["comm_s"] - t["step_no_overlap_s"]
+    ) / shorter
+    t["collectives_per_step"] = len(trace)
+    return t
