@@ -53,8 +53,8 @@ class DP(Strategy):
         return list(self.model.parameters())
 
     def finish_grads(self) -> None:
-        self.all_reduce_grads(self.parameters(), self.comm)
         super().finish_grads()
+        self.all_reduce_grads(self.parameters(), self.comm)
 
     def grad_sq_norm(self) -> torch.Tensor:
         return sum(p.grad.float().pow(2).sum() for p in self.parameters())

@@ -74,8 +74,8 @@ class SP(Strategy):
         return list(self.params.values())
 
     def finish_grads(self) -> None:
-        self.all_reduce_grads(self.parameters(), self.comm)
         super().finish_grads()
+        self.all_reduce_grads(self.parameters(), self.comm)
 
     def grad_sq_norm(self) -> torch.Tensor:
         return sum(p.grad.float().pow(2).sum() for p in self.parameters())

@@ -91,8 +91,8 @@ class TPSP(Strategy):
         return list(self.params.values())
 
     def finish_grads(self) -> None:
-        self.all_reduce_grads(self.parameters(), self.sp)
         super().finish_grads()
+        self.all_reduce_grads(self.parameters(), self.sp)
 
     def grad_sq_norm(self) -> torch.Tensor:
         sq = {True: torch.zeros(()), False: torch.zeros(())}

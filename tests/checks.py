@@ -29,7 +29,9 @@ def mesh_for(dims: tuple[tuple[str, int], ...]):
 
 
 def layout_of(case: dict) -> Layout:
-    return Layout(degree=case["D"], tp=case.get("tp", 1), sp=case.get("sp", 1))
+    return Layout(
+        degree=case["D"], tp=case.get("tp", 1), sp=case.get("sp", 1), dp=case.get("dp", 1)
+    )
 
 
 def make_strategy(case: dict):
@@ -37,10 +39,10 @@ def make_strategy(case: dict):
     cls = get_strategy(case["strategy"])
     cfg = get_config("tiny", **case.get("model", {}))
     layout = layout_of(case)
-    opts = {k: case[k] for k in ("recompute", "overlap", "kv_bucket") if k in case}
+    opts = {k: case[k] for k in ("recompute", "overlap", "kv_bucket", "dp_bucket_mb") if k in case}
     cls.validate(cfg, layout, case["S"], case["B"], kv_bucket=opts.get("kv_bucket", 0))
     world = dist.get_world_size()
-    dims = (("replica", world // layout.degree), *cls.mesh_dims(layout).items())
+    dims = (("replica", world // layout.world_size), *cls.mesh_dims(layout).items())
     mesh = mesh_for(tuple(dims))
     mesh.counter.reset()
     dtype = DTYPES[case.get("dtype", "fp32")]
@@ -75,7 +77,8 @@ def check_equal(case: dict) -> dict:
     strat, cfg = make_strategy(case)
     bf16 = case.get("dtype") == "bf16"
     rtol = case.get("rtol", 1e-4)
-    tokens, labels = make_batch(cfg, case["B"], case["S"], seed=case.get("seed", 0))
+    # the reference sees the global batch: every replica's micro-batch
+    tokens, labels = make_batch(cfg, case["B"] * case.get("dp", 1), case["S"], case.get("seed", 0))
     ref = ReferenceModel(cfg, seed=case.get("seed", 0), dtype=torch.float32)
     ref_opt = AdamW(list(ref.parameters()))
     strat_opt = AdamW(strat.parameters())
@@ -92,7 +95,7 @@ def check_equal(case: dict) -> dict:
             res.setdefault("failed", []).append(name)
 
     batch = strat.shard_batch(tokens, labels)
-    record("hidden", strat.hidden(batch), ref.loss(tokens, labels)[1], rtol)
+    record("hidden", strat.hidden(batch), strat.dp_slice(ref.loss(tokens, labels)[1]), rtol)
     for step in range(3):
         ref_loss, _ = ref.loss(tokens, labels)
         ref_loss.backward()

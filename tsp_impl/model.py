@@ -125,8 +125,8 @@ class TSP(Strategy):
 
     def finish_grads(self) -> None:
         """Norm weights are replicated: sum their local-token gradients over the group."""
-        self.all_reduce_grads(self.replicated(), self.comm)
         super().finish_grads()
+        self.all_reduce_grads(self.replicated(), self.comm)
 
     def grad_sq_norm(self) -> torch.Tensor:
         sq = sum(p.grad.float().pow(2).sum() for p in self.sharded())

@@ -263,6 +263,8 @@ def _replace_flag(argv: list[str], flag: str, value: str) -> list[str]:
 
 
 def make_parser() -> Parser:
+    from tspbench.registry import strategies
+
     p = Parser(prog="tspbench", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=Parser)
     r = sub.add_parser("run", help="one measured run, written as a JSON record")
@@ -273,7 +275,35 @@ def make_parser() -> Parser:
     add_run_args(o, strategy="tsp")
     add_launch_args(o)
     o.set_defaults(func=cmd_overlap)
+    lay = sub.add_parser("layout", help="list model and data-parallel groups, flag node crossings")
+    lay.add_argument("--world", type=_int_at_least(1), required=True)
+    lay.add_argument("--gpus-per-node", type=_int_at_least(1), required=True)
+    lay.add_argument("--strategy", required=True, choices=sorted(strategies()))
+    lay.add_argument("--degree", type=_int_at_least(1), default=None)
+    lay.add_argument("--tp", type=_int_at_least(1), default=1)
+    lay.add_argument("--sp", type=_int_at_least(1), default=1)
+    lay.add_argument("--json", action="store_true", help="print the groups as JSON")
+    lay.set_defaults(func=cmd_layout)
     return p
+
+
+def cmd_layout(a: argparse.Namespace) -> int:
+    import json
+
+    from tspbench.layout import describe, rank_layout
+
+    degree = a.degree if a.degree is not None else (a.tp * a.sp if a.strategy == "tpsp" else 1)
+    if a.world % degree:
+        raise ConfigError(f"--world={a.world}: must be a multiple of the model group ({degree})")
+    layout = Layout(degree=degree, tp=a.tp, sp=a.sp, dp=a.world // degree)
+    if a.strategy == "tpsp" and a.tp * a.sp != degree:
+        raise ConfigError(f"tp={a.tp} x sp={a.sp}: must equal degree={degree}")
+    lay = rank_layout(a.strategy, layout)
+    if a.json:
+        print(json.dumps({**lay.as_dict(), "crossing": lay.crossing(a.gpus_per_node)}))
+    else:
+        print(describe(lay, a.gpus_per_node))
+    return 0
 
 
 def add_launch_args(p: argparse.ArgumentParser) -> None:

@@ -8,6 +8,7 @@ causes to name the root one. An OOM is a result, not a crash: every rank that kn
 
 from __future__ import annotations
 
+import socket
 import sys
 import time
 import traceback
@@ -19,6 +20,7 @@ from tspbench.cli import record_header
 from tspbench.core.config import ConfigError
 from tspbench.flops import device_peak
 from tspbench.launch import RankEnv, detect, free_port, init
+from tspbench.layout import rank_layout
 from tspbench.measure import RunSpec, measure_rank, summarize
 from tspbench.record import git_commit, hardware, utc_now, versions, write_json
 
@@ -65,6 +67,35 @@ def _measure(spec: RunSpec, device: torch.device, header: dict) -> dict | None:
     return summarize(spec, gathered, peak)
 
 
+def placement(spec: RunSpec, env: RankEnv) -> dict:
+    """Model groups, the node of every rank, and whether a model group spans nodes (collective)."""
+    hosts = [None] * env.world_size
+    dist.all_gather_object(hosts, socket.gethostname())
+    lay = rank_layout(spec.strategy, spec.layout)
+    nodes: dict[str, list[int]] = {}
+    for r, h in enumerate(hosts):
+        nodes.setdefault(h, []).append(r)
+    spans = [g for g in lay.model_groups if len({hosts[r] for r in g}) > 1]
+    lws = env.local_world_size
+    size = len(lay.model_groups[0])
+    predicted = bool(lws) and lws < env.world_size and lws % size != 0
+    if env.rank == 0 and (spans or predicted):
+        print(
+            f"[tspbench] WARNING: model group of {size} ranks spans nodes "
+            f"(ranks per node: {lws or 'unknown'}); its collectives cross the network",
+            file=sys.stderr,
+        )
+    return {
+        "model_group": {
+            "size": len(lay.model_groups[0]),
+            "axes": lay.axes,
+            "groups": lay.model_groups,
+        },
+        "rank_nodes": nodes,
+        "model_group_spans_nodes": bool(spans),
+    }
+
+
 def run_env(spec: RunSpec, out: str, timeout_s: float, work=_measure) -> int:
     """Join the launched job, run ``work`` (collective), and write rank 0's record."""
     env = detect()
@@ -83,6 +114,7 @@ def run_env(spec: RunSpec, out: str, timeout_s: float, work=_measure) -> int:
     device, backend = init(env, timeout_s)
     rank = env.rank
     header = record_header(spec, env.source, world)
+    header.update(placement(spec, env))
     header.update(
         hardware=hardware(device, world), versions=versions(backend), git_commit=git_commit()
     )

@@ -17,6 +17,7 @@ import torch.utils.checkpoint
 
 from tspbench.core.comm import Comm
 from tspbench.core.config import ConfigError, ModelConfig
+from tspbench.core.grad_sync import BucketedAllReduce
 from tspbench.core.mesh import Mesh
 
 RECOMPUTE = ("none", "full")
@@ -58,12 +59,15 @@ class Strategy(ABC):
         recompute: str = "none",
         overlap: bool = True,
         kv_bucket: int = 0,
+        dp_bucket_mb: float = 25.0,
     ) -> None:
         if recompute not in RECOMPUTE:
             raise ConfigError(f"recompute={recompute!r}: must be one of {', '.join(RECOMPUTE)}")
         self.cfg, self.mesh, self.seed = cfg, mesh, seed
         self.dtype, self.device = dtype, torch.device(device)
         self.recompute, self.overlap, self.kv_bucket = recompute, overlap, kv_bucket
+        self.dp_bucket_mb = dp_bucket_mb
+        self._dp_sync: BucketedAllReduce | None = None
 
     def layer(self, fn, *args):
         """Run one transformer layer, under activation checkpointing when recompute is 'full'.
@@ -122,11 +126,18 @@ class Strategy(ABC):
     def finish_grads(self) -> None:
         """Gradient reductions after backward; the base sums gradients over data-parallel replicas.
 
-        Subclasses reduce their own replicated parameters first, then call this.
+        Subclasses call this first, then reduce over their model group: the data-parallel sums
+        were issued from the gradients as backward left them, and sums commute.
         """
+        if self._dp_sync is not None:
+            self._dp_sync.finish()
+
+    def dp_sync(self) -> BucketedAllReduce | None:
+        """The data-parallel gradient reducer, created (hooks registered) on first use."""
         dp = self.mesh.comms.get("dp")
-        if dp is not None and dp.size > 1:
-            self.all_reduce_grads(self.parameters(), dp)
+        if self._dp_sync is None and dp is not None and dp.size > 1:
+            self._dp_sync = BucketedAllReduce(self.parameters(), dp, int(self.dp_bucket_mb * 2**20))
+        return self._dp_sync
 
     @staticmethod
     def all_reduce_grads(params: list[torch.nn.Parameter], comm: Comm) -> None:
@@ -178,6 +189,7 @@ class Strategy(ABC):
 
     # -- shared steps ---------------------------------------------------------------------------
     def forward_backward(self, batch: Batch) -> torch.Tensor:
+        self.dp_sync()
         local, total = self.loss(batch)
         local.backward()
         self.finish_grads()

@@ -1,0 +1,59 @@
+"""Data-parallel gradient all-reduce in buckets, overlapped with the backward pass (DDP-style).
+
+Parameters are grouped, in reverse order (the backward produces the last layers' gradients
+first), into buckets of about ``bucket_bytes``. A post-accumulate-grad hook counts each bucket's
+finished gradients; the moment a bucket is complete its packed all-reduce is issued
+asynchronously, while the backward goes on with earlier layers. ``finish()`` waits for all of
+them and copies the sums back. Every replica runs the same model code, so every replica issues
+the buckets in the same order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tspbench.core.comm import Comm, Pending
+
+
+class BucketedAllReduce:
+    def __init__(self, params: list[torch.nn.Parameter], comm: Comm, bucket_bytes: int) -> None:
+        self.comm = comm
+        self.buckets: list[list[torch.nn.Parameter]] = [[]]
+        size = 0
+        for p in reversed(params):
+            if size >= bucket_bytes:
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(p)
+            size += p.numel() * p.element_size()
+        self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
+        self.ready = [0] * len(self.buckets)
+        self.pending: list[tuple[torch.Tensor, Pending] | None] = [None] * len(self.buckets)
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def _on_grad(self, p: torch.nn.Parameter) -> None:
+        i = self.bucket_of[id(p)]
+        self.ready[i] += 1
+        if self.ready[i] == len(self.buckets[i]):
+            self._launch(i)
+
+    def _launch(self, i: int) -> None:
+        flat = torch.cat([p.grad.flatten() for p in self.buckets[i]])
+        self.pending[i] = (flat, self.comm.all_reduce(flat, async_op=True))
+
+    def finish(self) -> None:
+        """Wait for every bucket's sum (issuing any not yet complete, in order) and apply it."""
+        for i, bucket in enumerate(self.buckets):
+            if self.pending[i] is None:
+                for p in bucket:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                self._launch(i)
+        for i, bucket in enumerate(self.buckets):
+            flat, work = self.pending[i]
+            work.wait()
+            for p, f in zip(bucket, flat.split([p.numel() for p in bucket])):
+                p.grad.copy_(f.view_as(p.grad))
+        self.ready = [0] * len(self.buckets)
+        self.pending = [None] * len(self.buckets)
