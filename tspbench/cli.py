@@ -284,6 +284,22 @@ def make_parser() -> Parser:
     lay.add_argument("--sp", type=_int_at_least(1), default=1)
     lay.add_argument("--json", action="store_true", help="print the groups as JSON")
     lay.set_defaults(func=cmd_layout)
+    ag = sub.add_parser("aggregate", help="run records of a sweep -> one table (CSV, Parquet)")
+    ag.add_argument("--config-json", required=True, help="the sweep config, as JSON")
+    ag.add_argument("--runs", required=True, help="folder of <cell>.json records")
+    ag.add_argument("--csv", required=True)
+    ag.add_argument("--parquet", default=None)
+    ag.add_argument("--filtered", required=True, help="CSV of filtered combinations and reasons")
+    ag.set_defaults(func=cmd_aggregate)
+    for name, func, what in (
+        ("tables", cmd_tables, "Markdown and LaTeX tables"),
+        ("figures", cmd_figures, "PNG and PDF figures"),
+    ):
+        t = sub.add_parser(name, help=f"aggregate table -> {what}")
+        t.add_argument("--summary", required=True, help="the aggregate CSV")
+        t.add_argument("--out", required=True)
+        t.add_argument("--note", default="", help="appended to every caption/title")
+        t.set_defaults(func=func)
     return p
 
 
@@ -322,6 +338,54 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
         help="seconds a collective may wait before the run is declared hung",
     )
     p.add_argument("--quiet", action="store_true")
+
+
+def cmd_aggregate(a: argparse.Namespace) -> int:
+    import json
+
+    import pandas as pd
+
+    from tspbench.pipeline.aggregate import aggregate, write_table
+    from tspbench.pipeline.cells import sweep_cells
+
+    cells, filtered = sweep_cells(json.loads(a.config_json))
+    df = aggregate(cells, Path(a.runs))
+    write_table(df, Path(a.csv), Path(a.parquet) if a.parquet else None)
+    write_table(
+        pd.DataFrame(filtered, columns=["cell", "reason"] if not filtered else None),
+        Path(a.filtered),
+    )
+    counts = ", ".join(f"{n} {s}" for s, n in df["status"].value_counts().items())
+    print(f"{len(df)} cells ({counts}); {len(filtered)} combinations filtered")
+    bad = df[df["status"] != "ok"]
+    for _, r in bad.iterrows():
+        print(f"  {r['cell']}: {r['status']}: {r.get('error_message')}")
+    return 0
+
+
+def _summary(path: str):
+    import pandas as pd
+
+    try:
+        return pd.read_csv(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--summary={path!r}: cannot read the aggregate table ({e})") from None
+
+
+def cmd_tables(a: argparse.Namespace) -> int:
+    from tspbench.pipeline.tables import write_tables
+
+    for p in write_tables(_summary(a.summary), Path(a.out), a.note):
+        print(p)
+    return 0
+
+
+def cmd_figures(a: argparse.Namespace) -> int:
+    from tspbench.pipeline.figures import write_figures
+
+    for p in write_figures(_summary(a.summary), Path(a.out), a.note):
+        print(p)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,48 @@
+# tspbench pipeline: sweep -> records -> aggregate table -> tables, figures, report.
+#   snakemake --cores 2                      the default CPU sweep (workflows/config/default.yaml)
+#   snakemake --profile slurm --configfile workflows/config/paper.yaml    a GPU cluster
+# Helpers live in the tspbench package; this file only wires them.
+import json
+import os
+import sys
+
+import yaml
+from snakemake.utils import min_version, validate
+
+from tspbench.core.config import ConfigError
+from tspbench.pipeline.cells import command, slurm_resources, sweep_cells
+
+min_version("9.0")
+
+if (
+    "sweeps" not in config
+):  # no --configfile: the embedded default, --config keys on top
+    with open(workflow.source_path("workflows/config/default.yaml")) as f:
+        config = {**yaml.safe_load(f), **config}
+validate(config, "workflows/schemas/config.schema.yaml")
+try:
+    CELLS_LIST, FILTERED = sweep_cells(config)
+except ConfigError as e:
+    raise ValueError(f"config error: {e}") from None
+CELLS = {c.id: c for c in CELLS_LIST}
+NAME = config["name"]
+OUT = f"results/{NAME}"
+PLOTS = f"plots/{NAME}"
+PYTHON = sys.executable
+
+
+wildcard_constraints:
+    cell=r"[A-Za-z0-9_.-]+",
+
+
+include: "workflows/rules/common.smk"
+include: "workflows/rules/run.smk"
+include: "workflows/rules/report.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        f"{OUT}/summary.csv",
+        f"{OUT}/tables/failures.md",
+        f"{PLOTS}/png",

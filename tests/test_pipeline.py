@@ -1,0 +1,215 @@
+"""The Snakemake pipeline: config validation, Slurm resources in a dry run, a real mini sweep
+that resumes only its missing cells, and tables/figures that mark failed cells."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+SNAKEMAKE = [sys.executable, "-m", "snakemake"]
+
+
+def smk(*args: str, cwd: Path = ROOT, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*SNAKEMAKE, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_paper_dry_run_on_the_slurm_profile_has_the_right_resources():
+    p = smk(
+        "-n", "--profile", "workflows/profiles/slurm", "--configfile", "workflows/config/paper.yaml"
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = p.stdout + p.stderr
+
+    def resources(cell: str) -> dict:
+        block = out[out.index(f"cell={cell}\n") :]
+        line = re.search(r"resources: (.*)", block).group(1)
+        return dict(kv.split("=", 1) for kv in line.split(", "))
+
+    big = resources("tsp.D8.g1024.S131072.B1.infer")
+    assert (big["nodes"], big["tasks_per_node"], big["gres"]) == ("128", "8", "gpu:8")
+    assert (big["mpi"], big["tasks_per_gpu"]) == ("srun", "0")
+    small = resources("tpsp-2x4.D8.g8.S16384.B1.train")
+    assert (small["nodes"], small["tasks_per_node"], small["gres"]) == ("1", "8", "gpu:8")
+    assert int(big["runtime"]) == 8 * int(small["runtime"])  # runtime grows with S
+
+
+def _write(tmp_path: Path, cfg: dict) -> Path:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _base() -> dict:
+    return yaml.safe_load((ROOT / "workflows/config/default.yaml").read_text())
+
+
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        (lambda c: c["sweeps"][0]["strategies"].append("zero"), "'zero' is not one of"),
+        (
+            lambda c: c["sweeps"][0].update(seq_lens=[1001]),
+            "sweeps[0].seq_lens: 1001 must be divisible by 2*D = 8",
+        ),
+        (
+            lambda c: c["sweeps"][0].update(gpus=[6]),
+            "sweeps[0].gpus: 6 must be a multiple of the model group D = 4",
+        ),
+        (lambda c: c["sweeps"][0].update(tpsp=[[4, 2]]), "sweeps[0].tpsp: [4, 2] has T x Sigma"),
+        (lambda c: c.update(steps=0), "0 is less than the minimum of 1"),
+        (lambda c: c.update(model="13b"), "'13b' is not one of"),
+        (lambda c: c.update(name="x; rm -rf /"), "does not match"),
+    ],
+)
+def test_bad_config_stops_the_dry_run_naming_the_field(tmp_path, change, needle):
+    cfg = _base()
+    change(cfg)
+    p = smk("-n", "--cores", "1", "--configfile", str(_write(tmp_path, cfg)))
+    assert p.returncode != 0
+    assert needle in p.stdout + p.stderr, (p.stdout + p.stderr)[-2000:]
+
+
+MINI = {
+    "name": "mini",
+    "model": "tiny",
+    "dtype": "fp32",
+    "warmup": 0,
+    "steps": 1,
+    "gpus_per_node": 2,
+    "launcher": "local",
+    "sweeps": [
+        {
+            "name": "seq",
+            "strategies": ["tsp", "tp"],
+            "degrees": [2],
+            "gpus": [2],
+            "seq_lens": [32, 64],
+            "batches": [1],
+            "modes": ["train"],
+        }
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def mini(tmp_path_factory) -> Path:
+    """A mini sweep (4 cells) run for real in a scratch copy of the workflow."""
+    work = tmp_path_factory.mktemp("wf")
+    for item in ("Snakefile", "workflows", "env"):
+        src = ROOT / item
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, work / item)
+    cfg = _write(work, MINI)
+    p = smk("--cores", "2", "--configfile", str(cfg), cwd=work, timeout=900)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    return work
+
+
+def test_mini_sweep_produces_table_tables_and_figures(mini):
+    df = pd.read_csv(mini / "results/mini/summary.csv")
+    assert len(df) == 4 and set(df["status"]) == {"ok"}
+    for col in (
+        "strategy",
+        "seq_len",
+        "degree",
+        "tp",
+        "sp",
+        "dp",
+        "world_size",
+        "mode",
+        "batch",
+        "dtype",
+        "status",
+        "peak_mem_bytes",
+        "step_time_s",
+        "tokens_per_s",
+        "comm_bytes_total",
+        "comm_bytes_broadcast",
+        "comm_bytes_all_reduce",
+        "flops_per_step",
+        "loss",
+        "grad_norm",
+    ):
+        assert col in df.columns, col
+    assert (mini / "results/mini/summary.parquet").exists()
+    assert (mini / "results/mini/tables/md/memory_vs_seq.md").exists()
+    assert (mini / "results/mini/tables/tex/memory_vs_seq.tex").exists()
+    assert (mini / "plots/mini/png/memory_vs_seq.png").exists()
+    assert (mini / "plots/mini/pdf/memory_vs_seq.pdf").exists()
+
+
+def test_rerun_redoes_only_missing_cells(mini):
+    """The state an interruption leaves: some records written, the rest and the aggregate not."""
+    (mini / "results/mini/runs/tp.D2.g2.S64.B1.train.json").unlink()
+    for p in ("results/mini/summary.csv", "results/mini/summary.parquet"):
+        (mini / p).unlink()
+    p = smk("-n", "--cores", "2", "--configfile", str(mini / "cfg.yaml"), cwd=mini)
+    assert p.returncode == 0
+    jobs = re.findall(r"rule run:\n.*?wildcards: cell=(\S+)", p.stdout + p.stderr, re.S)
+    assert jobs == ["tp.D2.g2.S64.B1.train"]
+
+
+def test_tables_and_figures_mark_oom_and_failed_cells(tmp_path):
+    from tspbench.pipeline.figures import write_figures
+    from tspbench.pipeline.tables import write_tables
+
+    rows = []
+    for s in ("tsp", "tp"):
+        for S in (256, 512, 1024):
+            status = "ok"
+            if (s, S) == ("tp", 1024):
+                status = "oom"
+            if (s, S) == ("tsp", 512):
+                status = "error"
+            rows.append(
+                {
+                    "cell": f"{s}.{S}",
+                    "sweep": "seq",
+                    "label": s,
+                    "strategy": s,
+                    "seq_len": S,
+                    "gpus": 4,
+                    "degree": 4,
+                    "batch": 1,
+                    "mode": "train",
+                    "dtype": "fp32",
+                    "status": status,
+                    "error_message": None if status == "ok" else "boom",
+                    "peak_mem_bytes": S * 1000 if status == "ok" else None,
+                    "tokens_per_s": 1e3 if status == "ok" else None,
+                    "param_numel": 10,
+                    "optimizer_numel": 20,
+                }
+            )
+    df = pd.DataFrame(rows)
+    write_tables(df, tmp_path / "t")
+    table = (tmp_path / "t/md/memory_vs_seq.md").read_text()
+    assert "OOM" in table and "failed" in table
+    assert "tsp.512" in (tmp_path / "t/failures.md").read_text()
+    written = write_figures(df, tmp_path / "f")
+    assert {p.name for p in written} >= {"memory_vs_seq.png", "throughput_vs_seq.pdf"}
+
+
+def test_aggregate_reports_missing_and_corrupt_records(tmp_path):
+    from tspbench.pipeline.aggregate import aggregate
+    from tspbench.pipeline.cells import sweep_cells
+
+    cells, _ = sweep_cells(MINI)
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    (runs / f"{cells[0].id}.json").write_text("{not json")
+    (runs / f"{cells[1].id}.json").write_text(json.dumps({"status": "oom", "error_message": "x"}))
+    df = aggregate(cells, runs).set_index("cell")
+    assert df.loc[cells[0].id, "status"] == "corrupt"
+    assert df.loc[cells[1].id, "status"] == "oom"
+    assert df.loc[cells[2].id, "status"] == "missing"

@@ -1,0 +1,1 @@
+"""Helpers behind the Snakemake pipeline: cells from configs, aggregation, tables, figures."""

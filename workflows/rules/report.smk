@@ -1,0 +1,75 @@
+# Records -> one tidy table -> tables (Markdown, LaTeX) and figures (PNG, PDF) for the report.
+
+
+rule aggregate:
+    input:
+        expand(f"{OUT}/runs/{{cell}}.json", cell=CELLS),
+    output:
+        csv=report(
+            f"{OUT}/summary.csv", caption="../report/summary.rst", category="Data"
+        ),
+        parquet=f"{OUT}/summary.parquet",
+        filtered=f"{OUT}/filtered.csv",
+    log:
+        f"logs/{NAME}/aggregate.log",
+    conda:
+        "../../env/environment.yml"
+    params:
+        python=PYTHON,
+        runs=lambda wc, input: os.path.dirname(input[0]),
+        config=lambda wc: json.dumps(config),
+    shell:
+        "{params.python} -m tspbench aggregate --config-json {params.config:q}"
+        " --runs {params.runs} --csv {output.csv} --parquet {output.parquet}"
+        " --filtered {output.filtered} > {log} 2>&1"
+
+
+rule tables:
+    input:
+        f"{OUT}/summary.csv",
+    output:
+        failures=report(
+            f"{OUT}/tables/failures.md",
+            caption="../report/failures.rst",
+            category="Tables",
+        ),
+        tables=report(
+            directory(f"{OUT}/tables/md"),
+            patterns=["{name}.md"],
+            caption="../report/tables.rst",
+            category="Tables",
+        ),
+    log:
+        f"logs/{NAME}/tables.log",
+    conda:
+        "../../env/environment.yml"
+    params:
+        python=PYTHON,
+        out=lambda wc, output: os.path.dirname(output.failures),
+        note=config.get("note", ""),
+    shell:
+        "{params.python} -m tspbench tables --summary {input} --out {params.out}"
+        " --note={params.note:q} > {log} 2>&1"
+
+
+rule figures:
+    input:
+        f"{OUT}/summary.csv",
+    output:
+        figures=report(
+            directory(f"{PLOTS}/png"),
+            patterns=["{name}.png"],
+            caption="../report/figures.rst",
+            category="Figures",
+        ),
+    log:
+        f"logs/{NAME}/figures.log",
+    conda:
+        "../../env/environment.yml"
+    params:
+        python=PYTHON,
+        out=lambda wc, output: os.path.dirname(output.figures),
+        note=config.get("note", ""),
+    shell:
+        "{params.python} -m tspbench figures --summary {input} --out {params.out}"
+        " --note={params.note:q} > {log} 2>&1"
