@@ -34,14 +34,16 @@ def size_bytes(text: str) -> int:
     return value
 
 
-def _int_at_least(lo: int):
+def _int_in(lo: int, hi: int = 2**24):
+    """An integer argument in [lo, hi] (the upper bound catches typos such as 10**12)."""
+
     def parse(text: str) -> int:
         try:
             v = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r}: must be an integer") from None
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"{text!r}: must be >= {lo}")
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be between {lo} and {hi}")
         return v
 
     return parse
@@ -52,8 +54,10 @@ def _positive_float(text: str) -> float:
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: must be a number") from None
-    if not v > 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r}: must be a positive finite number")
+    if not 0 < v <= 7 * 86400:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: must be a positive number of seconds (<= 1 week)"
+        )
     return v
 
 
@@ -72,22 +76,22 @@ def add_run_args(p: argparse.ArgumentParser, strategy: str | None = None) -> Non
         metavar="FIELD=VALUE",
         help="override a model field, e.g. --set kv_heads=4 (repeatable)",
     )
-    p.add_argument("--seq-len", type=_int_at_least(1), required=True)
+    p.add_argument("--seq-len", type=_int_in(1), required=True)
     p.add_argument(
         "--degree",
-        type=_int_at_least(1),
+        type=_int_in(1, 65536),
         default=None,
         help="D, ranks in one model group (tpsp: defaults to tp x sp)",
     )
-    p.add_argument("--tp", type=_int_at_least(1), default=1, help="T (tpsp)")
-    p.add_argument("--sp", type=_int_at_least(1), default=1, help="Sigma (tpsp)")
-    p.add_argument("--dp", type=_int_at_least(1), default=1, help="model replicas")
+    p.add_argument("--tp", type=_int_in(1, 65536), default=1, help="T (tpsp)")
+    p.add_argument("--sp", type=_int_in(1, 65536), default=1, help="Sigma (tpsp)")
+    p.add_argument("--dp", type=_int_in(1, 65536), default=1, help="model replicas")
     p.add_argument("--mode", choices=("train", "infer"), default="train")
-    p.add_argument("--batch", type=_int_at_least(1), default=1, help="micro-batch per replica")
+    p.add_argument("--batch", type=_int_in(1, 4096), default=1, help="micro-batch per replica")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    p.add_argument("--warmup", type=_int_at_least(0), default=1)
-    p.add_argument("--steps", type=_int_at_least(1), default=3)
-    p.add_argument("--seed", type=_int_at_least(0), default=0)
+    p.add_argument("--warmup", type=_int_in(0, 1000), default=1)
+    p.add_argument("--steps", type=_int_in(1, 1000), default=3)
+    p.add_argument("--seed", type=_int_in(0, 2**31 - 1), default=0)
     p.add_argument(
         "--recompute",
         choices=("none", "full"),
@@ -102,7 +106,7 @@ def add_run_args(p: argparse.ArgumentParser, strategy: str | None = None) -> Non
     )
     p.add_argument(
         "--kv-bucket",
-        type=_int_at_least(0),
+        type=_int_in(0, 65536),
         default=0,
         help="tsp: KV heads per attention bucket (0: whole head group)",
     )
@@ -204,7 +208,7 @@ def cmd_overlap(a: argparse.Namespace) -> int:
     from tspbench.overlap_bench import bench_rank
     from tspbench.run import run_env
 
-    def work(spec, device, header):
+    def work(spec, device, header, beat):
         t = bench_rank(spec, device)
         if not spec.quiet and dist.get_rank() == 0:
             print(
@@ -220,6 +224,9 @@ def cmd_overlap(a: argparse.Namespace) -> int:
 
 
 def run_local(a: argparse.Namespace, spec) -> int:
+    import json
+    import signal
+
     from tspbench.launch import spawn_local
     from tspbench.record import utc_now, write_json
 
@@ -233,17 +240,26 @@ def run_local(a: argparse.Namespace, spec) -> int:
     before = out.stat().st_mtime_ns if out.exists() else None
     codes = spawn_local(argv, nproc)
     fresh = out.exists() and out.stat().st_mtime_ns != before
+    killed = {r: -c for r, c in enumerate(codes) if c < 0}
+    died = "; ".join(f"rank {r} killed by {signal.Signals(s).name}" for r, s in killed.items())
     if not fresh:  # rank 0 died before writing: the launcher leaves the record instead
         write_json(
             out,
             {
                 **record_header(spec, "local", world),
                 "status": "error",
-                "error_message": f"rank exit codes {codes}: rank 0 wrote no record",
+                "error_message": died or f"rank 0 wrote no record (exit codes {codes})",
+                "rank_exit_codes": codes,
                 "timestamp_utc": utc_now(),
             },
         )
         return 1
+    if killed:  # the launcher alone saw which rank died: add it to the record
+        rec = json.loads(out.read_text())
+        rec["rank_exit_codes"] = codes
+        if rec.get("status") == "error":
+            rec["error_message"] = f"{died}; rank 0 saw: {rec.get('error_message')}"
+        write_json(out, rec)
     return 0 if codes[0] == 0 else 1
 
 
@@ -276,14 +292,20 @@ def make_parser() -> Parser:
     add_launch_args(o)
     o.set_defaults(func=cmd_overlap)
     lay = sub.add_parser("layout", help="list model and data-parallel groups, flag node crossings")
-    lay.add_argument("--world", type=_int_at_least(1), required=True)
-    lay.add_argument("--gpus-per-node", type=_int_at_least(1), required=True)
+    lay.add_argument("--world", type=_int_in(1, 65536), required=True)
+    lay.add_argument("--gpus-per-node", type=_int_in(1, 65536), required=True)
     lay.add_argument("--strategy", required=True, choices=sorted(strategies()))
-    lay.add_argument("--degree", type=_int_at_least(1), default=None)
-    lay.add_argument("--tp", type=_int_at_least(1), default=1)
-    lay.add_argument("--sp", type=_int_at_least(1), default=1)
+    lay.add_argument("--degree", type=_int_in(1, 65536), default=None)
+    lay.add_argument("--tp", type=_int_in(1, 65536), default=1)
+    lay.add_argument("--sp", type=_int_in(1, 65536), default=1)
     lay.add_argument("--json", action="store_true", help="print the groups as JSON")
     lay.set_defaults(func=cmd_layout)
+    cc = sub.add_parser("check-config", help="validate a sweep config (schema and sweep rules)")
+    cc.add_argument("config", help="YAML file, e.g. workflows/config/paper.yaml")
+    cc.set_defaults(func=cmd_check_config)
+    cr = sub.add_parser("check-record", help="validate a run record against its schema")
+    cr.add_argument("record")
+    cr.set_defaults(func=cmd_check_record)
     ag = sub.add_parser("aggregate", help="run records of a sweep -> one table (CSV, Parquet)")
     ag.add_argument("--config-json", required=True, help="the sweep config, as JSON")
     ag.add_argument("--runs", required=True, help="folder of <cell>.json records")
@@ -330,7 +352,7 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
         default="env",
         help="env: ranks from torchrun/Slurm/MPI; local: spawn --nproc ranks here",
     )
-    p.add_argument("--nproc", type=_int_at_least(1), default=None)
+    p.add_argument("--nproc", type=_int_in(1, 65536), default=None)
     p.add_argument(
         "--timeout",
         type=_positive_float,
@@ -385,6 +407,35 @@ def cmd_figures(a: argparse.Namespace) -> int:
 
     for p in write_figures(_summary(a.summary), Path(a.out), a.note):
         print(p)
+    return 0
+
+
+def cmd_check_config(a: argparse.Namespace) -> int:
+    from tspbench.pipeline.cells import load_config, sweep_cells
+
+    cells, filtered = sweep_cells(load_config(a.config))
+    print(f"{a.config}: valid; {len(cells)} cells, {len(filtered)} combinations filtered")
+    for f in filtered:
+        print(f"  filtered {f['cell']}: {f['reason']}")
+    return 0
+
+
+def cmd_check_record(a: argparse.Namespace) -> int:
+    import json
+
+    import jsonschema
+
+    schema = json.loads((Path(__file__).parent / "schemas/record.schema.json").read_text())
+    try:
+        rec = json.loads(Path(a.record).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"record {a.record!r}: not readable JSON ({e})") from None
+    try:
+        jsonschema.validate(rec, schema)
+    except jsonschema.ValidationError as e:
+        where = ".".join(map(str, e.absolute_path)) or "(top level)"
+        raise ConfigError(f"record {a.record!r}: {where}: {e.message}") from None
+    print(f"{a.record}: valid record, status {rec['status']}")
     return 0
 
 

@@ -75,7 +75,7 @@ def detect() -> RankEnv | None:
             int(e.get("LOCAL_RANK", 0)),
             e["MASTER_ADDR"],
             _int_env("MASTER_PORT"),
-            "torchrun",
+            e.get("TSPBENCH_LAUNCHER", "torchrun"),  # "local": spawned by tspbench
             lws,
         )
     if "SLURM_PROCID" in e and "SLURM_NTASKS" in e:
@@ -146,6 +146,7 @@ def spawn_local(argv: list[str], nproc: int, grace_s: float = 10.0) -> list[int]
             LOCAL_WORLD_SIZE=str(nproc),
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
+            TSPBENCH_LAUNCHER="local",
         )
         for k in ("SLURM_PROCID", "SLURM_NTASKS", *MPI_VARS):
             env.pop(k, None)

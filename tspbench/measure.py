@@ -25,6 +25,7 @@ from tspbench.core.mesh import build_mesh
 from tspbench.core.optim import AdamW
 from tspbench.core.reference import make_batch
 from tspbench.core.strategy import Layout
+from tspbench.faults import inject
 from tspbench.flops import counter
 from tspbench.registry import get_strategy
 
@@ -57,8 +58,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_rank(spec: RunSpec, device: torch.device) -> dict[str, Any]:
-    """Run the spec on this rank; return this rank's measurements (collective)."""
+def measure_rank(spec: RunSpec, device: torch.device, beat=lambda: None) -> dict[str, Any]:
+    """Run the spec on this rank; return this rank's measurements (collective).
+
+    ``beat()`` is called after every phase and step: the guard's proof of progress.
+    """
     cls = get_strategy(spec.strategy)
     mesh = build_mesh(cls.mesh_dims(spec.layout))
     strat = cls(
@@ -76,14 +80,20 @@ def measure_rank(spec: RunSpec, device: torch.device) -> dict[str, Any]:
     train = spec.mode == "train"
     opt = AdamW(strat.parameters()) if train else None
     rank0 = dist.get_rank() == 0
+    beat()
+    count = [0]
 
     def step() -> tuple[torch.Tensor, torch.Tensor | None]:
+        inject(dist.get_rank(), count[0], spec.seq_len, spec.strategy)
+        count[0] += 1
+        beat()
         if not train:
             return strat.forward_only(batch), None
         loss = strat.forward_backward(batch)
         gnorm = strat.grad_sq_norm().sqrt()
         opt.step()
         opt.zero_grad()
+        beat()
         return loss, gnorm
 
     # probe: memory, FLOPs, first-step loss and gradient norm

@@ -2,14 +2,18 @@
 
 A failure on any rank becomes the record's ``status``: ``oom`` (the device's or the tracker's
 out-of-memory error on some rank) or ``error`` with its message. The failing rank posts its cause
-to the job's key-value store and leaves; its peers' collectives then fail, and rank 0 reads the
-causes to name the root one. An OOM is a result, not a crash: every rank that knows of one exits 0.
+to the job's key-value store and leaves; its peers' collectives then fail (at once when the peer
+is gone, else after ``--timeout``), and rank 0 reads the causes to name the root one. An OOM is
+a result, not a crash: every rank that knows of one exits 0. A signal (SIGINT, SIGTERM) or a hang
+(no progress for ``--timeout`` s) is caught by :class:`tspbench.guard.Guard`, which writes an
+``error`` record saying so and exits. Exactly one record is written, atomically, by rank 0.
 """
 
 from __future__ import annotations
 
 import socket
 import sys
+import threading
 import time
 import traceback
 
@@ -19,6 +23,7 @@ import torch.distributed as dist
 from tspbench.cli import record_header
 from tspbench.core.config import ConfigError
 from tspbench.flops import device_peak
+from tspbench.guard import Guard
 from tspbench.launch import RankEnv, detect, free_port, init
 from tspbench.layout import rank_layout
 from tspbench.measure import RunSpec, measure_rank, summarize
@@ -32,12 +37,19 @@ def _classify(e: BaseException) -> str:
     return "oom" if oom else "error"
 
 
-def _post(status: str, msg: str) -> None:
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        store.set(FAIL_KEY.format(dist.get_rank()), f"{status}\t{msg}")
-    except Exception:  # the store may be gone with rank 0: nothing more to tell
-        pass
+def _post(status: str, msg: str, wait_s: float = 2.0) -> None:
+    """Tell the peers why this rank stopped (best effort: the store may be gone with rank 0)."""
+
+    def post() -> None:
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            store.set(FAIL_KEY.format(dist.get_rank()), f"{status}\t{msg}")
+        except Exception:
+            pass
+
+    t = threading.Thread(target=post, daemon=True)
+    t.start()
+    t.join(wait_s)
 
 
 def _causes(world: int, wait_s: float = 3.0) -> dict[int, tuple[str, str]]:
@@ -56,9 +68,25 @@ def _causes(world: int, wait_s: float = 3.0) -> dict[int, tuple[str, str]]:
         time.sleep(0.1)
 
 
-def _measure(spec: RunSpec, device: torch.device, header: dict) -> dict | None:
+SECONDARY = ("connection closed", "connection reset", "no progress for", "timed out", "timeout")
+
+
+def root_cause(causes: dict[int, tuple[str, str]], own: tuple[str, str]) -> tuple[str, str]:
+    """The failure that started it: an OOM anywhere, else the first cause that is not a mere
+    consequence of a peer's failure (a closed connection, a timeout), else this rank's own."""
+    ordered = sorted(causes.items())
+    for _, cause in ordered:
+        if cause[0] == "oom":
+            return cause
+    for _, (status, msg) in ordered:
+        if not any(s in msg.lower() for s in SECONDARY):
+            return status, msg
+    return own
+
+
+def _measure(spec: RunSpec, device: torch.device, header: dict, beat) -> dict | None:
     """`tspbench run`: measure on every rank, summarise on rank 0."""
-    mine = measure_rank(spec, device)
+    mine = measure_rank(spec, device, beat)
     gathered = [None] * spec.layout.world_size if dist.get_rank() == 0 else None
     dist.gather_object(mine, gathered, dst=0)
     if dist.get_rank() != 0:
@@ -86,11 +114,7 @@ def placement(spec: RunSpec, env: RankEnv) -> dict:
             file=sys.stderr,
         )
     return {
-        "model_group": {
-            "size": len(lay.model_groups[0]),
-            "axes": lay.axes,
-            "groups": lay.model_groups,
-        },
+        "model_group": {"size": size, "axes": lay.axes, "groups": lay.model_groups},
         "rank_nodes": nodes,
         "model_group_spans_nodes": bool(spans),
     }
@@ -111,41 +135,53 @@ def run_env(spec: RunSpec, out: str, timeout_s: float, work=_measure) -> int:
         raise ConfigError(
             f"world size {env.world_size} (from {env.source}): must equal degree x dp = {world}"
         )
-    device, backend = init(env, timeout_s)
-    rank = env.rank
     header = record_header(spec, env.source, world)
+    lock, written = threading.Lock(), []
+
+    def write(record: dict) -> None:
+        with lock:
+            if written or env.rank != 0:
+                return
+            written.append(True)
+            write_json(out, {**record, "timestamp_utc": utc_now()})
+            if not spec.quiet:
+                print(f"[tspbench] {record['status']}: wrote {out}", flush=True)
+
+    def on_fatal(reason: str) -> None:
+        print(f"[tspbench] rank {env.rank}: {reason}", file=sys.stderr, flush=True)
+        if dist.is_initialized():
+            _post("error", reason)
+        write({**header, "status": "error", "error_message": reason, "failed_ranks": [env.rank]})
+
+    guard = Guard(timeout_s, on_fatal)
+    device, backend = init(env, timeout_s)
+    guard.beat()
     header.update(placement(spec, env))
     header.update(
         hardware=hardware(device, world), versions=versions(backend), git_commit=git_commit()
     )
-    status, record = "ok", None
+    status = "ok"
     try:
-        result = work(spec, device, header)
-        if rank == 0:
-            record = {**header, "status": "ok", **result}
+        result = work(spec, device, header, guard.beat)
+        if env.rank == 0:
+            write({**header, "status": "ok", **result})
     except Exception as e:
         status, msg = _classify(e), f"{type(e).__name__}: {e}".strip()
         if not spec.quiet:
             traceback.print_exc()
         _post(status, msg)
-        if rank != 0:
+        guard.beat()
+        if env.rank != 0:
             oom = status == "oom" or any(s == "oom" for s, _ in _causes(world, 1.0).values())
             sys.stdout.flush()
             return 0 if oom else 1
         causes = _causes(world)
-        root = next((c for c in causes.values() if c[0] == "oom"), causes.get(0, (status, msg)))
+        root = root_cause(causes, (status, msg))
         status = root[0]
-        record = {
-            **header,
-            "status": status,
-            "error_message": root[1],
-            "failed_ranks": sorted(causes),
-        }
-    if rank == 0:
-        record["timestamp_utc"] = utc_now()
-        write_json(out, record)
-        if not spec.quiet:
-            print(f"[tspbench] {status}: wrote {out}", flush=True)
+        write(
+            {**header, "status": status, "error_message": root[1], "failed_ranks": sorted(causes)}
+        )
+    guard.beat()
     if status == "ok":
         dist.barrier()
         dist.destroy_process_group()

@@ -11,6 +11,9 @@ import itertools
 import math
 import shlex
 from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import yaml
 
 from tspbench.core.config import ConfigError, get_config
 from tspbench.core.strategy import Layout
@@ -77,6 +80,32 @@ def check_sweep(i: int, sweep: dict) -> None:
                 raise ConfigError(
                     f"sweeps[{i}].gpus: {g} must be a multiple of the model group D = {D}"
                 )
+
+
+SCHEMA = Path(__file__).resolve().parents[2] / "workflows/schemas/config.schema.yaml"
+
+
+def load_config(path: str) -> dict:
+    """Read (safely) and validate a sweep config: ConfigError names the field and the rule."""
+    import jsonschema
+
+    try:
+        config = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise ConfigError(f"config {path!r}: cannot read it ({e.strerror})") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config {path!r}: not valid YAML ({e})".replace("\n", " ")) from None
+    if not isinstance(config, dict):
+        raise ConfigError(
+            f"config {path!r}: must be a mapping of settings, got {type(config).__name__}"
+        )
+    try:
+        jsonschema.validate(config, yaml.safe_load(SCHEMA.read_text()))
+    except jsonschema.ValidationError as e:
+        where = ".".join(map(str, e.absolute_path)) or "(top level)"
+        raise ConfigError(f"config {path!r}: {where}: {e.message}") from None
+    sweep_cells(config)
+    return config
 
 
 def sweep_cells(config: dict) -> tuple[list[Cell], list[dict]]:

@@ -14,6 +14,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 from matplotlib import ticker  # noqa: E402
@@ -45,18 +46,22 @@ def save(fig, path_stem: Path) -> list[Path]:
 
 
 def _failed_markers(ax, failed: pd.DataFrame, x: str) -> None:
+    """A red cross at the top of the axis per failed cell; labels at one x are stacked."""
     if failed.empty:
         return
     top = ax.get_ylim()[1]
+    seen: dict[object, int] = {}
     for _, r in failed.iterrows():
+        k = seen[r[x]] = seen.get(r[x], -1) + 1
         ax.scatter(r[x], top, marker="x", color="red", s=60, zorder=5, clip_on=False)
         ax.annotate(
             f"{r['label']}: {MARK.get(r['status'], 'failed')}",
             (r[x], top),
             textcoords="offset points",
-            xytext=(3, 4),
+            xytext=(-4, -12 - 10 * k),
             fontsize=7,
             color="red",
+            ha="right",
         )
 
 
@@ -64,6 +69,8 @@ def line(df, x, y, ylabel, title, xlabel, colors, logy=False, note="") -> plt.Fi
     """Lines per strategy over a log2 x axis; failed cells as red crosses."""
     ok, failed = df[df["status"] == "ok"], df[df["status"] != "ok"]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    if ok.empty:  # nothing succeeded: an empty axis that still carries the failure marks
+        ax.set_ylim(0, 1)
     order = [k for k in colors if k in set(df["label"])]
     sns.lineplot(
         data=ok,
@@ -104,7 +111,7 @@ def crossover_bs(hidden: int, kv_dim: int, ffn: int) -> float:
 def breakdown(df, unit: str, scale: float, note: str, colors: dict) -> plt.Figure:
     """Peak memory split into model state (weights, grads, AdamW state) and the rest."""
     ok = df[df["status"] == "ok"].copy()
-    elt = ok["dtype"].map({"fp32": 4, "bf16": 2}).fillna(4)
+    elt = np.where(ok["dtype"] == "bf16", 2, 4)  # bytes per weight/grad element
     ok["weights"] = ok["param_numel"] * elt / scale
     ok["grads"] = ok["param_numel"] * elt / scale
     ok["optimizer state"] = ok["optimizer_numel"] * 4 / scale
@@ -117,7 +124,9 @@ def breakdown(df, unit: str, scale: float, note: str, colors: dict) -> plt.Figur
     ax.set_ylabel(f"peak memory per GPU ({unit})")
     ax.set_xlabel("")
     S = int(df["seq_len"].max())
-    ax.set_title(f"Memory breakdown at S = {S} (training)" + note, fontsize=10)
+    failed = sorted(set(df.loc[df["status"] != "ok", "label"]))
+    extra = f"; no result: {', '.join(failed)}" if failed else ""
+    ax.set_title(f"Memory breakdown at S = {S} (training{extra})" + note, fontsize=10)
     ax.tick_params(axis="x", rotation=20)
     return fig
 
@@ -153,8 +162,10 @@ def write_figures(df: pd.DataFrame, out_dir: Path, note: str = "") -> list[Path]
             note=note,
         )
         out += save(fig, out_dir / "throughput_vs_seq")
-        longest = seq[seq["seq_len"] == seq["seq_len"].max()]
-        out += save(breakdown(longest, unit, scale, note, colors), out_dir / "memory_breakdown")
+        ok_lengths = seq.loc[seq["status"] == "ok", "seq_len"]
+        if len(ok_lengths):  # the longest length with results (failed cells: see the tables)
+            longest = seq[seq["seq_len"] == ok_lengths.max()]
+            out += save(breakdown(longest, unit, scale, note, colors), out_dir / "memory_breakdown")
     for mode in ("train", "infer"):
         sc = df[(df["sweep"] == "scaling") & (df["mode"] == mode)]
         for S, part in sc.groupby("seq_len"):

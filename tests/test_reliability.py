@@ -1,0 +1,333 @@
+"""Reliability: bad input is refused with exit 2 and a message naming the field (nothing
+written), a killed or stalled rank cannot hang the others, signals leave a record, a sweep with a
+failing and an OOM cell still finishes and says so, and the same seed gives the same loss."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN = ["run", "--strategy", "tsp", "--seq-len", "32"]
+OK_CONFIG = yaml.safe_load((ROOT / "workflows/config/default.yaml").read_text())
+
+
+def cfg_with(**top) -> str:
+    return yaml.safe_dump({**OK_CONFIG, **top})
+
+
+def sweep_with(**kw) -> str:
+    c = json.loads(json.dumps(OK_CONFIG))
+    c["sweeps"][0].update(kw)
+    return yaml.safe_dump(c)
+
+
+# (kind, args or file text, environment, expected message)
+BAD = [
+    ("run", ["--seq-len", "0"], {}, "--seq-len: '0': must be between 1 and"),
+    ("run", ["--seq-len", "-5"], {}, "--seq-len: '-5': must be between"),
+    ("run", ["--seq-len", "1.5"], {}, "--seq-len: '1.5': must be an integer"),
+    ("run", ["--seq-len", "99999999999"], {}, "must be between 1 and 16777216"),
+    ("run", ["--degree", "0"], {}, "--degree: '0': must be between 1"),
+    ("run", ["--degree", "3", "--seq-len", "48"], {}, "model.heads=8: must be divisible by D"),
+    ("run", ["--seq-len", "36", "--degree", "4"], {}, "seq_len=36: must be divisible by 2*D=8"),
+    ("run", ["--strategy", "zero"], {}, "argument --strategy: invalid choice: 'zero'"),
+    ("run", ["--model", "13b"], {}, "model='13b': unknown preset"),
+    ("run", ["--model", "tiny; rm -rf /"], {}, "model='tiny; rm -rf /': unknown preset"),
+    ("run", ["--set", "bogus=1"], {}, "--set 'bogus': unknown model field"),
+    ("run", ["--set", "heads=x"], {}, "--set heads='x': must be a int"),
+    ("run", ["--set", "heads"], {}, "--set 'heads': expected field=value"),
+    ("run", ["--set", "kv_heads=3"], {}, "model.kv_heads=3: must divide model.heads=8"),
+    ("run", ["--tp", "2"], {}, "--tp/--sp: only strategy tpsp takes them"),
+    (
+        "run",
+        ["--strategy", "tpsp", "--tp", "2", "--sp", "2", "--degree", "2"],
+        {},
+        "tp=2 x sp=2 = 4: must equal degree=2",
+    ),
+    (
+        "run",
+        ["--strategy", "dp", "--degree", "4", "--batch", "3"],
+        {},
+        "batch=3: must be divisible by degree=4",
+    ),
+    (
+        "run",
+        ["--degree", "2", "--launch", "local", "--nproc", "3"],
+        {},
+        "--nproc=3: must equal degree x dp = 2",
+    ),
+    ("run", ["--degree", "2"], {}, "no launcher environment"),
+    (
+        "run",
+        ["--degree", "2"],
+        {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"},
+        "world size 3 (from torchrun): must equal degree x dp = 2",
+    ),
+    (
+        "run",
+        ["--degree", "2"],
+        {"RANK": "0", "WORLD_SIZE": "2"},
+        "RANK/WORLD_SIZE are set but MASTER_ADDR/MASTER_PORT are not",
+    ),
+    (
+        "run",
+        ["--degree", "2"],
+        {"SLURM_PROCID": "x", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n1"},
+        "environment SLURM_PROCID='x': must be an integer",
+    ),
+    ("run", ["--max-memory", "lots"], {}, "--max-memory: 'lots': expected a size"),
+    ("run", ["--max-memory", "0"], {}, "--max-memory: '0': must be positive"),
+    ("run", ["--timeout", "-1"], {}, "--timeout: '-1': must be a positive number"),
+    ("run", ["--timeout", "nan"], {}, "--timeout: 'nan': must be a positive number"),
+    ("run", ["--kv-bucket", "3"], {}, "kv_bucket=3: must divide the KV heads per head group"),
+    ("run", ["--mode", "serve"], {}, "argument --mode: invalid choice: 'serve'"),
+    ("run", ["--dtype", "fp8"], {}, "argument --dtype: invalid choice: 'fp8'"),
+    ("run", ["--steps", "0"], {}, "--steps: '0': must be between 1 and 1000"),
+    ("run", ["--warmup", "-1"], {}, "--warmup: '-1': must be between 0 and 1000"),
+    ("out", "runs/record.txt", {}, "must name a .json file"),
+    ("config", "sweeps: [unclosed\n", {}, "not valid YAML"),
+    ("config", "", {}, "must be a mapping of settings, got NoneType"),
+    ("config", sweep_with(strategies=["tsp", "zero"]), {}, "sweeps.0.strategies.1: 'zero'"),
+    ("config", sweep_with(seq_lens=[1001]), {}, "sweeps[0].seq_lens: 1001 must be divisible"),
+    ("config", sweep_with(gpus=[6]), {}, "sweeps[0].gpus: 6 must be a multiple of"),
+    ("config", sweep_with(gpus=[0]), {}, "sweeps.0.gpus.0: 0 is less than the minimum of 1"),
+    ("config", sweep_with(batches=[2.5]), {}, "sweeps.0.batches.0: 2.5 is not of type"),
+    ("config", cfg_with(steps=0), {}, "steps: 0 is less than the minimum of 1"),
+    ("config", cfg_with(name="x; rm -rf /"), {}, "name: 'x; rm -rf /' does not match"),
+    ("config", cfg_with(model_overrides={"ffn": "4; rm"}), {}, "model_overrides.ffn: '4; rm'"),
+    ("config", cfg_with(surprise=1), {}, "Additional properties are not allowed ('surprise'"),
+    ("config", cfg_with(launcher="ssh"), {}, "launcher: 'ssh' is not one of"),
+    ("config", cfg_with(max_memory="$(reboot)"), {}, "max_memory: '$(reboot)' does not match"),
+    ("record", '{"status": "ok", ', {}, "not readable JSON"),
+    ("record", json.dumps({"status": "fine"}), {}, "is a required property"),
+    ("summary", "missing.csv", {}, "--summary='"),
+]
+
+
+@pytest.mark.parametrize(
+    "kind, value, env, needle", BAD, ids=[f"{i}-{b[0]}" for i, b in enumerate(BAD)]
+)
+def test_bad_input_exits_2_naming_the_problem(
+    tmp_path, capsys, monkeypatch, kind, value, env, needle
+):
+    from tspbench.cli import main
+
+    for var in (
+        "RANK",
+        "WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "SLURM_PROCID",
+        "SLURM_NTASKS",
+        "SLURM_JOB_NODELIST",
+        "OMPI_COMM_WORLD_SIZE",
+        "PMI_SIZE",
+    ):
+        monkeypatch.delenv(var, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    out = tmp_path / "out.json"
+    if kind == "run":
+        args = [*RUN, *value] if value[0] != "--strategy" else ["run", "--seq-len", "32", *value]
+        if "--seq-len" in value:  # the case's own length replaces the default
+            i = args.index("--seq-len")
+            del args[i : i + 2]
+        argv = [*args, "--out", str(out)]
+    elif kind == "out":
+        out = tmp_path / value
+        argv = [*RUN, "--out", str(out)]
+    elif kind == "config":
+        path = tmp_path / "cfg.yaml"
+        path.write_text(value)
+        argv = ["check-config", str(path)]
+    elif kind == "record":
+        path = tmp_path / "rec.json"
+        path.write_text(value)
+        argv = ["check-record", str(path)]
+    else:
+        out = tmp_path / "tables"
+        argv = ["tables", "--summary", str(tmp_path / value), "--out", str(out)]
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own refusals
+        code = e.code
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert code == 2, err
+    assert len(lines) == 1 and needle in lines[0], err
+    assert not out.exists()
+
+
+def test_at_least_thirty_bad_inputs():
+    assert len(BAD) >= 30
+
+
+def tspbench(*args, env=None, timeout=180):
+    return subprocess.run(
+        [sys.executable, "-m", "tspbench", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def leftovers(marker: str) -> list[str]:
+    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in ps.splitlines() if marker in line and "ps -eo" not in line]
+
+
+FAULT_RUN = [
+    "run",
+    "--strategy",
+    "tsp",
+    "--degree",
+    "4",
+    "--seq-len",
+    "64",
+    "--steps",
+    "3",
+    "--launch",
+    "local",
+    "--quiet",
+]
+TIMEOUT = 10
+
+
+@pytest.fixture(scope="module")
+def baseline_s(tmp_path_factory) -> float:
+    """Wall time of the same run without a fault (start-up dominates on 2 cores)."""
+    out = tmp_path_factory.mktemp("base") / "ok.json"
+    t0 = time.monotonic()
+    p = tspbench(*FAULT_RUN, "--out", str(out), "--timeout", str(TIMEOUT))
+    assert p.returncode == 0, p.stderr[-2000:]
+    return time.monotonic() - t0
+
+
+@pytest.mark.parametrize(
+    "fault, needle",
+    [
+        ("kill:rank=2:step=2", "rank 2 killed by SIGKILL"),
+        ("kill:rank=0:step=1", "rank 0 killed by SIGKILL"),
+        ("stall:rank=1:step=1", "no progress for"),
+        ("error:rank=3:step=1", "injected fault"),
+    ],
+)
+def test_a_dead_or_stalled_rank_ends_every_rank(tmp_path, baseline_s, fault, needle):
+    out = tmp_path / "f.json"
+    t0 = time.monotonic()
+    p = tspbench(
+        *FAULT_RUN, "--out", str(out), "--timeout", str(TIMEOUT), env={"TSPBENCH_FAULT": fault}
+    )
+    took = time.monotonic() - t0
+    rec = json.loads(out.read_text())
+    assert p.returncode == 1 and rec["status"] == "error", rec
+    assert needle in rec["error_message"], rec["error_message"]
+    assert took < baseline_s + TIMEOUT + 10, (took, baseline_s)
+    assert leftovers(str(out)) == []
+
+
+def test_sigterm_leaves_a_record_saying_so(tmp_path):
+    out = tmp_path / "t.json"
+    cmd = [sys.executable, "-m", "tspbench", *FAULT_RUN, "--out", str(out), "--timeout", "60"]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TSPBENCH_FAULT": "stall:rank=1:step=1"},
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(leftovers(str(out))) < 5:
+        time.sleep(0.2)
+    time.sleep(4)  # into the run
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+    rec = json.loads(out.read_text())
+    assert rec["status"] == "error" and "interrupted by SIGTERM" in rec["error_message"], rec
+    assert leftovers(str(out)) == []
+
+
+def test_same_seed_same_loss_bitwise(tmp_path):
+    recs = []
+    for i in range(2):
+        out = tmp_path / f"d{i}.json"
+        p = tspbench(
+            "run",
+            "--strategy",
+            "tsp",
+            "--degree",
+            "2",
+            "--seq-len",
+            "64",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--launch",
+            "local",
+            "--quiet",
+            "--out",
+            str(out),
+        )
+        assert p.returncode == 0, p.stderr[-2000:]
+        recs.append(json.loads(out.read_text()))
+    assert recs[0]["loss"] == recs[1]["loss"] and recs[0]["grad_norm"] == recs[1]["grad_norm"]
+
+
+def test_sweep_with_a_failing_and_an_oom_cell_finishes_and_marks_both(tmp_path):
+    import shutil
+
+    for item in ("Snakefile", "workflows", "env"):
+        src = ROOT / item
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / item)
+    cfg = {
+        "name": "faulty",
+        "model": "tiny",
+        "dtype": "fp32",
+        "warmup": 0,
+        "steps": 1,
+        "gpus_per_node": 2,
+        "launcher": "local",
+        "sweeps": [
+            {
+                "name": "seq",
+                "strategies": ["tsp", "tp"],
+                "degrees": [2],
+                "gpus": [2],
+                "seq_lens": [32, 64],
+                "batches": [1],
+                "modes": ["train"],
+            }
+        ],
+    }
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    faults = "error:rank=1:seq_len=64:strategy=tsp,oom:rank=0:seq_len=64:strategy=tp"
+    p = subprocess.run(
+        [sys.executable, "-m", "snakemake", "--cores", "2", "--configfile", "cfg.yaml"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "TSPBENCH_FAULT": faults},
+    )
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    df = pd.read_csv(tmp_path / "results/faulty/summary.csv").set_index("cell")
+    assert df.loc["tsp.D2.g2.S64.B1.train", "status"] == "error"
+    assert df.loc["tp.D2.g2.S64.B1.train", "status"] == "oom"
+    assert (df["status"] == "ok").sum() == 2
+    table = (tmp_path / "results/faulty/tables/md/memory_vs_seq.md").read_text()
+    assert "OOM" in table and "failed" in table
+    failures = (tmp_path / "results/faulty/tables/failures.md").read_text()
+    assert "injected fault" in failures and "injected out of memory" in failures
+    assert (tmp_path / "plots/faulty/png/memory_vs_seq.png").exists()

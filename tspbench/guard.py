@@ -1,0 +1,68 @@
+"""Keep a rank from hanging or vanishing without a word: signals and a progress watchdog.
+
+SIGINT and SIGTERM (Ctrl-C, scancel, Slurm's time limit) get a no-op Python handler and a
+wakeup pipe: whichever thread the kernel delivers them to, Python's C-level handler writes the
+signal number into the pipe, and a guard thread blocked on that pipe acts at once, even while
+the main thread sits inside a collective (a Python-level handler would wait for the collective
+to return; blocking the signals per thread misses the threads torch started at import). A
+second thread watches progress: if the main thread has not called :meth:`Guard.beat` for
+``timeout`` seconds (a set-up phase, a step or a collective that never ends), the rank gives up.
+Either way ``on_fatal(reason)`` runs once (it writes the record and tells the peers), then the
+process exits at once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+class Guard:
+    def __init__(self, timeout_s: float, on_fatal: Callable[[str], None]) -> None:
+        self.timeout_s = timeout_s
+        self.on_fatal = on_fatal
+        self.last = time.monotonic()
+        self._once = threading.Lock()
+        self._pipe_r, pipe_w = os.pipe()
+        os.set_blocking(pipe_w, False)
+        signal.set_wakeup_fd(pipe_w, warn_on_full_buffer=False)
+        for sig in SIGNALS:
+            signal.signal(sig, lambda *_: None)  # handled by the guard thread, via the pipe
+        threading.Thread(target=self._signals, daemon=True, name="tspbench-signals").start()
+        threading.Thread(target=self._watch, daemon=True, name="tspbench-watchdog").start()
+
+    def beat(self) -> None:
+        """The main thread made progress."""
+        self.last = time.monotonic()
+
+    def fatal(self, reason: str, code: int) -> None:
+        if not self._once.acquire(blocking=False):
+            return
+        try:
+            self.on_fatal(reason)
+        finally:
+            os._exit(code)
+
+    def _signals(self) -> None:
+        while True:
+            sig = os.read(self._pipe_r, 1)[0]
+            if sig in SIGNALS:
+                break
+        name = signal.Signals(sig).name
+        self.fatal(f"interrupted by {name} (Ctrl-C, scancel or a scheduler time limit)", 128 + sig)
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.timeout_s / 4))
+            idle = time.monotonic() - self.last
+            if idle > self.timeout_s:
+                self.fatal(
+                    f"no progress for {idle:.0f} s (--timeout {self.timeout_s:g}): a rank hung "
+                    "or a peer died",
+                    1,
+                )
