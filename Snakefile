@@ -11,6 +11,7 @@ from snakemake.utils import min_version, validate
 
 from tspbench.core.config import ConfigError
 from tspbench.pipeline.cells import command, slurm_resources, sweep_cells
+from tspbench.regress import hardware_id
 
 min_version("9.0")
 
@@ -38,6 +39,7 @@ wildcard_constraints:
 include: "workflows/rules/common.smk"
 include: "workflows/rules/run.smk"
 include: "workflows/rules/report.smk"
+include: "workflows/rules/regress.smk"
 
 
 rule all:

@@ -306,6 +306,19 @@ def make_parser() -> Parser:
     cr = sub.add_parser("check-record", help="validate a run record against its schema")
     cr.add_argument("record")
     cr.set_defaults(func=cmd_check_record)
+    rg = sub.add_parser(
+        "regress", help="compare an aggregate table with a baseline; exit 1 on regression"
+    )
+    rg.add_argument("--current", required=True, help="aggregate CSV of this run")
+    rg.add_argument(
+        "--baseline",
+        default=None,
+        help="baseline CSV (default: results/baselines/<hardware id>.csv)",
+    )
+    rg.add_argument("--tolerances", default="workflows/regress.yaml")
+    rg.add_argument("--out", default=None, help="also write the Markdown report here")
+    rg.add_argument("--update", action="store_true", help="make --current the new baseline")
+    rg.set_defaults(func=cmd_regress)
     ag = sub.add_parser("aggregate", help="run records of a sweep -> one table (CSV, Parquet)")
     ag.add_argument("--config-json", required=True, help="the sweep config, as JSON")
     ag.add_argument("--runs", required=True, help="folder of <cell>.json records")
@@ -437,6 +450,49 @@ def cmd_check_record(a: argparse.Namespace) -> int:
         raise ConfigError(f"record {a.record!r}: {where}: {e.message}") from None
     print(f"{a.record}: valid record, status {rec['status']}")
     return 0
+
+
+def cmd_regress(a: argparse.Namespace) -> int:
+    import shutil
+
+    from tspbench import regress
+    from tspbench.record import git_commit, utc_now, versions, write_atomic, write_json
+
+    baseline = Path(a.baseline or f"results/baselines/{regress.hardware_id()}.csv")
+    current = regress.read_table(a.current, "current")
+    if a.update:
+        baseline.parent.mkdir(parents=True, exist_ok=True)
+        tmp = baseline.with_name(f".{baseline.name}.tmp")
+        shutil.copyfile(a.current, tmp)
+        tmp.replace(baseline)
+        write_json(
+            baseline.with_suffix(".json"),
+            {
+                "hardware_id": regress.hardware_id(),
+                "device_name": current["device_name"].iloc[0],
+                "cpu_count": os.cpu_count(),
+                "versions": versions(None),
+                "git_commit": git_commit(),
+                "created_utc": utc_now(),
+                "source": str(a.current),
+                "cells": len(current),
+            },
+        )
+        print(f"baseline updated: {baseline} ({len(current)} cells)")
+        return 0
+    if not baseline.exists():
+        raise ConfigError(
+            f"--baseline={str(baseline)!r}: no baseline for this hardware; create one with "
+            f"tspbench regress --update --current {a.current}"
+        )
+    base = regress.read_table(baseline, "baseline")
+    findings = regress.compare(base, current, regress.load_tolerances(a.tolerances))
+    text = regress.report(findings, len(base))
+    print(text)
+    if a.out:
+        write_atomic(a.out, text)
+    bad = [f for f in findings if f.verdict in ("regression", "missing", "failed")]
+    return 1 if bad else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -58,6 +58,26 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def gemm_rate(device: torch.device, dtype: torch.dtype, n: int = 512, reps: int = 8) -> float:
+    """GFLOP/s of a fixed square matmul, measured now on this rank (median of 5 rounds).
+
+    Every rank measures at the same moment, under the same contention as the run's own steps,
+    so ``tokens_per_s / calib_gflops`` cancels the machine's speed: the regression check
+    compares that ratio, not raw tokens/s.
+    """
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    rates = []
+    for _ in range(5):
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            torch.mm(a, b)
+        _sync(device)
+        rates.append(2 * n**3 * reps / (time.perf_counter() - t0) / 1e9)
+    return statistics.median(rates)
+
+
 def measure_rank(spec: RunSpec, device: torch.device, beat=lambda: None) -> dict[str, Any]:
     """Run the spec on this rank; return this rank's measurements (collective).
 
@@ -127,6 +147,8 @@ def measure_rank(spec: RunSpec, device: torch.device, beat=lambda: None) -> dict
         if not spec.quiet and rank0:
             print(f"[tspbench] warmup {i + 1}/{spec.warmup}", flush=True)
 
+    out["calib_gflops"] = gemm_rate(device, DTYPES[spec.dtype])
+    beat()
     mesh.counter.reset()
     times = []
     for i in range(spec.steps):
@@ -193,4 +215,8 @@ def summarize(spec: RunSpec, ranks: list[dict[str, Any]], device_peak_flops: flo
         "optimizer_numel_per_rank": [r["optimizer_numel"] for r in ranks],
         "loss": r0["loss"],
         "grad_norm": r0["grad_norm"],
+        "calib_gflops": statistics.median(r["calib_gflops"] for r in ranks),
+        "tokens_per_s_per_gflops": tokens
+        / step_time
+        / statistics.median(r["calib_gflops"] for r in ranks),
     }

@@ -44,6 +44,8 @@ SCALARS = [
     "mfu",
     "loss",
     "grad_norm",
+    "calib_gflops",
+    "tokens_per_s_per_gflops",
     "recompute",
     "overlap",
     "kv_bucket",

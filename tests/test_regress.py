@@ -1,0 +1,143 @@
+"""`tspbench regress`: an unchanged table passes, a slower cell or one more byte fails naming the
+cell and metric, a missing cell is reported, unusable input exits 2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from tspbench.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+TOL = str(ROOT / "workflows/regress.yaml")
+
+
+def table() -> pd.DataFrame:
+    rows = []
+    for s in ("tsp", "tp"):
+        for S in (256, 1024):
+            rows.append(
+                {
+                    "cell": f"{s}.D2.g2.S{S}.B1.train",
+                    "status": "ok",
+                    "strategy": s,
+                    "seq_len": S,
+                    "comm_bytes_total": 1000.0 * S,
+                    "comm_bytes_broadcast": 10.0 * S,
+                    "param_numel": 57664,
+                    "optimizer_numel": 115328,
+                    "flops_per_step": 21069824 * S,
+                    "peak_mem_bytes": 1e6 + S,
+                    "tokens_per_s": 3000.0,
+                    "tokens_per_s_per_gflops": 40.0,
+                    "device_name": "AMD EPYC",
+                }
+            )
+    return pd.DataFrame(rows)
+
+
+def run(tmp_path: Path, current: pd.DataFrame, capsys) -> tuple[int, str]:
+    base, cur = tmp_path / "base.csv", tmp_path / "cur.csv"
+    table().to_csv(base, index=False)
+    current.to_csv(cur, index=False)
+    code = main(
+        [
+            "regress",
+            "--baseline",
+            str(base),
+            "--current",
+            str(cur),
+            "--tolerances",
+            TOL,
+            "--out",
+            str(tmp_path / "report.md"),
+        ]
+    )
+    return code, capsys.readouterr().out
+
+
+def test_unchanged_table_passes(tmp_path, capsys):
+    code, out = run(tmp_path, table(), capsys)
+    assert code == 0 and "0 regression(s)" in out
+
+
+def test_noise_within_tolerance_passes(tmp_path, capsys):
+    cur = table()
+    cur["tokens_per_s_per_gflops"] *= [0.9, 1.1, 0.95, 1.05]
+    cur["peak_mem_bytes"] *= 1.005
+    code, out = run(tmp_path, cur, capsys)
+    assert code == 0, out
+
+
+def test_throughput_cut_by_30_percent_fails_naming_cell_and_metric(tmp_path, capsys):
+    cur = table()
+    cur.loc[1, "tokens_per_s_per_gflops"] *= 0.7
+    code, out = run(tmp_path, cur, capsys)
+    assert code == 1
+    assert "| tsp.D2.g2.S1024.B1.train | tokens_per_s_per_gflops |" in out
+    assert "-30.0% | regression |" in out
+
+
+def test_one_more_byte_element_fails(tmp_path, capsys):
+    cur = table()
+    cur.loc[2, "comm_bytes_broadcast"] += 4  # one fp32 element more
+    code, out = run(tmp_path, cur, capsys)
+    assert code == 1 and "| tp.D2.g2.S256.B1.train | comm_bytes_broadcast |" in out
+
+
+def test_more_memory_fails_less_is_an_improvement(tmp_path, capsys):
+    cur = table()
+    cur.loc[0, "peak_mem_bytes"] *= 1.05
+    cur.loc[3, "peak_mem_bytes"] *= 0.8
+    code, out = run(tmp_path, cur, capsys)
+    assert code == 1
+    assert "tsp.D2.g2.S256.B1.train | peak_mem_bytes" in out and "improvement" in out
+
+
+def test_missing_and_failed_cells_are_reported(tmp_path, capsys):
+    cur = table().drop(index=3)
+    cur.loc[0, "status"] = "oom"
+    code, out = run(tmp_path, cur, capsys)
+    assert code == 1
+    assert "| tp.D2.g2.S1024.B1.train | cell | present | missing | | missing |" in out
+    assert "| tsp.D2.g2.S256.B1.train | status | ok | oom | | failed |" in out
+
+
+def test_new_cells_are_reported_not_failed(tmp_path, capsys):
+    extra = table().iloc[[0]].assign(cell="sp.D2.g2.S256.B1.train")
+    code, out = run(tmp_path, pd.concat([table(), extra]), capsys)
+    assert code == 0 and "| new |" in out
+
+
+@pytest.mark.parametrize("bad", ["nothing.csv", "notatable"])
+def test_unusable_input_exits_2(tmp_path, capsys, bad):
+    cur = tmp_path / "cur.csv"
+    if bad == "notatable":
+        cur.write_text("a,b\n1,2\n")
+    code = main(["regress", "--baseline", str(cur), "--current", str(cur), "--tolerances", TOL])
+    assert code == 2
+
+
+def test_update_writes_baseline_and_provenance(tmp_path, capsys):
+    cur = tmp_path / "cur.csv"
+    table().to_csv(cur, index=False)
+    base = tmp_path / "b" / "cpu-2c.csv"
+    assert main(["regress", "--update", "--current", str(cur), "--baseline", str(base)]) == 0
+    assert base.exists() and base.with_suffix(".json").exists()
+    assert (
+        main(["regress", "--current", str(cur), "--baseline", str(base), "--tolerances", TOL]) == 0
+    )
+
+
+def test_committed_baseline_matches_the_ci_sweep_cells():
+    """The committed CPU baseline covers exactly the CI sweep's cells."""
+    import yaml
+
+    from tspbench.pipeline.cells import sweep_cells
+
+    cfg = yaml.safe_load((ROOT / "workflows/config/ci.yaml").read_text())
+    cells = {c.id for c in sweep_cells(cfg)[0]}
+    base = pd.read_csv(ROOT / "results/baselines/cpu-2c.csv")
+    assert set(base["cell"]) == cells and set(base["status"]) == {"ok"}

@@ -1,0 +1,145 @@
+"""Compare a sweep's aggregate table with a committed baseline, cell by cell, metric by metric.
+
+Deterministic metrics (bytes per collective kind, parameter and optimizer elements, FLOPs) must
+match exactly. Measured peak memory may move within a small relative tolerance. Throughput is
+compared as ``tokens_per_s_per_gflops`` (tokens/s over a GEMM rate measured in the same run, on
+the same ranks), which cancels the machine's speed and its load at that moment; each value is
+already the median over the run's timed steps. A cell missing from the current table, or failing
+where it used to succeed, is a regression; a new cell is reported. Exit codes: 0 clean, 1 any
+regression, 2 unusable input.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import yaml
+
+from tspbench.core.config import ConfigError
+
+
+@dataclass
+class Finding:
+    cell: str
+    metric: str
+    baseline: object
+    current: object
+    verdict: str  # regression | improvement | missing | new | failed
+
+    def row(self) -> str:
+        def fmt(v: object) -> str:
+            return f"{v:.6g}" if isinstance(v, float) else str(v)
+
+        change = ""
+        if isinstance(self.baseline, (int, float)) and isinstance(self.current, (int, float)):
+            if self.baseline:
+                change = f"{(self.current - self.baseline) / abs(self.baseline):+.1%}"
+        return (
+            f"| {self.cell} | {self.metric} | {fmt(self.baseline)} | {fmt(self.current)} | "
+            f"{change} | {self.verdict} |"
+        )
+
+
+def read_table(path: str | Path, what: str) -> pd.DataFrame:
+    try:
+        df = pd.read_csv(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--{what}={str(path)!r}: cannot read the table ({e})") from None
+    for col in ("cell", "status"):
+        if col not in df.columns:
+            raise ConfigError(f"--{what}={str(path)!r}: not an aggregate table (no {col!r} column)")
+    if df["cell"].duplicated().any():
+        raise ConfigError(f"--{what}={str(path)!r}: duplicate cells")
+    return df.set_index("cell")
+
+
+def load_tolerances(path: str | Path) -> dict:
+    try:
+        tol = yaml.safe_load(Path(path).read_text())
+        tol["exact"], tol["relative"]  # noqa: B018 (shape check)
+    except (OSError, yaml.YAMLError, KeyError, TypeError) as e:
+        raise ConfigError(f"--tolerances={str(path)!r}: unusable ({e})") from None
+    return tol
+
+
+def _num(v: object) -> float | None:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(f) else f
+
+
+def compare(base: pd.DataFrame, cur: pd.DataFrame, tol: dict) -> list[Finding]:
+    out: list[Finding] = []
+    for cell in base.index:
+        b = base.loc[cell]
+        if cell not in cur.index:
+            out.append(Finding(cell, "cell", "present", "missing", "missing"))
+            continue
+        c = cur.loc[cell]
+        if b["status"] == "ok" and c["status"] != "ok":
+            out.append(Finding(cell, "status", b["status"], c["status"], "failed"))
+            continue
+        if b["status"] != "ok" or c["status"] != "ok":
+            if b["status"] != c["status"]:
+                out.append(Finding(cell, "status", b["status"], c["status"], "improvement"))
+            continue
+        for metric in tol["exact"]:
+            if metric in b.index:
+                bv, cv = _num(b[metric]) or 0.0, _num(c.get(metric)) or 0.0
+                if bv != cv:
+                    out.append(Finding(cell, metric, bv, cv, "regression"))
+        for metric, rule in tol["relative"].items():
+            bv, cv = _num(b.get(metric)), _num(c.get(metric))
+            if bv is None:
+                continue
+            if cv is None:
+                out.append(Finding(cell, metric, bv, "none", "regression"))
+                continue
+            change = (cv - bv) / abs(bv) if bv else 0.0
+            worse = change if rule["worse"] == "higher" else -change
+            if worse > rule["tolerance"]:
+                out.append(Finding(cell, metric, bv, cv, "regression"))
+            elif worse < -rule["tolerance"]:
+                out.append(Finding(cell, metric, bv, cv, "improvement"))
+    out += [
+        Finding(cell, "cell", "absent", "present", "new")
+        for cell in cur.index
+        if cell not in base.index
+    ]
+    return out
+
+
+def report(findings: list[Finding], n_cells: int) -> str:
+    bad = [f for f in findings if f.verdict in ("regression", "missing", "failed")]
+    head = (
+        f"**Regression check**: {n_cells} baseline cells, {len(bad)} regression(s), "
+        f"{sum(f.verdict == 'improvement' for f in findings)} improvement(s), "
+        f"{sum(f.verdict == 'new' for f in findings)} new cell(s)\n"
+    )
+    if not findings:
+        return head + "\nEvery cell matches the baseline within tolerance.\n"
+    rows = [
+        "| cell | metric | baseline | current | change | verdict |",
+        "|---|---|---|---|---|---|",
+    ]
+    rows += [f.row() for f in sorted(findings, key=lambda f: (f.verdict != "regression", f.cell))]
+    return head + "\n" + "\n".join(rows) + "\n"
+
+
+def hardware_id() -> str:
+    """Which baseline this machine compares against: the GPU model, else the CPU count.
+
+    Coarse on purpose: throughput is compared normalised by the machine's own GEMM rate, so
+    machines of one kind share a baseline.
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0).lower().replace(" ", "-")
+    return f"cpu-{os.cpu_count()}c"
