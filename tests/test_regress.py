@@ -101,8 +101,8 @@ def test_missing_and_failed_cells_are_reported(tmp_path, capsys):
     cur.loc[0, "status"] = "oom"
     code, out = run(tmp_path, cur, capsys)
     assert code == 1
-    assert "| tp.D2.g2.S1024.B1.train | cell | present | missing | | missing |" in out
-    assert "| tsp.D2.g2.S256.B1.train | status | ok | oom | | failed |" in out
+    assert "| tp.D2.g2.S1024.B1.train | cell | present | missing |  | missing |" in out
+    assert "| tsp.D2.g2.S256.B1.train | status | ok | oom |  | failed |" in out
 
 
 def test_new_cells_are_reported_not_failed(tmp_path, capsys):

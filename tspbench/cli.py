@@ -193,7 +193,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         return run_local(a, spec)
     from tspbench.run import run_env
 
-    return run_env(spec, a.out, a.timeout)
+    return run_env(spec, a.out, a.timeout, time_limit_s=a.time_limit)
 
 
 def cmd_overlap(a: argparse.Namespace) -> int:
@@ -371,6 +371,12 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
         type=_positive_float,
         default=300.0,
         help="seconds a collective may wait before the run is declared hung",
+    )
+    p.add_argument(
+        "--time-limit",
+        type=_positive_float,
+        default=None,
+        help="seconds the whole run may take; then it stops and records why",
     )
     p.add_argument("--quiet", action="store_true")
 

@@ -6,7 +6,9 @@ signal number into the pipe, and a guard thread blocked on that pipe acts at onc
 the main thread sits inside a collective (a Python-level handler would wait for the collective
 to return; blocking the signals per thread misses the threads torch started at import). A
 second thread watches progress: if the main thread has not called :meth:`Guard.beat` for
-``timeout`` seconds (a set-up phase, a step or a collective that never ends), the rank gives up.
+``timeout`` seconds (a set-up phase, a step or a collective that never ends), or the run passes
+its ``time_limit`` (set below a scheduler's limit, so the run ends itself and says so instead of
+being killed), the rank gives up.
 Either way ``on_fatal(reason)`` runs once (it writes the record and tells the peers), then the
 process exits at once.
 """
@@ -23,8 +25,12 @@ SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
 class Guard:
-    def __init__(self, timeout_s: float, on_fatal: Callable[[str], None]) -> None:
+    def __init__(
+        self, timeout_s: float, on_fatal: Callable[[str], None], time_limit_s: float | None = None
+    ) -> None:
         self.timeout_s = timeout_s
+        self.deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
+        self.time_limit_s = time_limit_s
         self.on_fatal = on_fatal
         self.last = time.monotonic()
         self._once = threading.Lock()
@@ -59,7 +65,14 @@ class Guard:
     def _watch(self) -> None:
         while True:
             time.sleep(min(1.0, self.timeout_s / 4))
-            idle = time.monotonic() - self.last
+            now = time.monotonic()
+            if self.deadline is not None and now > self.deadline:
+                self.fatal(
+                    f"time limit of {self.time_limit_s:g} s reached (--time-limit: the cell's "
+                    "scheduler runtime minus a margin); the run did not finish in time",
+                    1,
+                )
+            idle = now - self.last
             if idle > self.timeout_s:
                 self.fatal(
                     f"no progress for {idle:.0f} s (--timeout {self.timeout_s:g}): a rank hung "

@@ -58,24 +58,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def gemm_rate(device: torch.device, dtype: torch.dtype, n: int = 512, reps: int = 8) -> float:
-    """GFLOP/s of a fixed square matmul, measured now on this rank (median of 5 rounds).
+def gemm_rate(device: torch.device, dtype: torch.dtype, n: int = 384, reps: int = 4) -> float:
+    """GFLOP/s of a fixed square matmul, measured now on this rank (a few ms).
 
-    Every rank measures at the same moment, under the same contention as the run's own steps,
-    so ``tokens_per_s / calib_gflops`` cancels the machine's speed: the regression check
-    compares that ratio, not raw tokens/s.
+    The run samples it before every timed step, on every rank, under the same contention as the
+    steps; ``tokens_per_s / calib_gflops`` (medians) then cancels the machine's speed and load,
+    and is what the regression check compares instead of raw tokens/s.
     """
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    rates = []
-    for _ in range(5):
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            torch.mm(a, b)
-        _sync(device)
-        rates.append(2 * n**3 * reps / (time.perf_counter() - t0) / 1e9)
-    return statistics.median(rates)
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        torch.mm(a, b)
+    _sync(device)
+    return 2 * n**3 * reps / (time.perf_counter() - t0) / 1e9
 
 
 def measure_rank(spec: RunSpec, device: torch.device, beat=lambda: None) -> dict[str, Any]:
@@ -147,11 +144,11 @@ def measure_rank(spec: RunSpec, device: torch.device, beat=lambda: None) -> dict
         if not spec.quiet and rank0:
             print(f"[tspbench] warmup {i + 1}/{spec.warmup}", flush=True)
 
-    out["calib_gflops"] = gemm_rate(device, DTYPES[spec.dtype])
-    beat()
     mesh.counter.reset()
+    calib = []
     times = []
     for i in range(spec.steps):
+        calib.append(gemm_rate(device, DTYPES[spec.dtype]))
         dist.barrier()
         _sync(device)
         if device.type == "cuda":
@@ -171,6 +168,7 @@ def measure_rank(spec: RunSpec, device: torch.device, beat=lambda: None) -> dict
     slowest = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
     out["step_times"] = slowest.tolist()
+    out["calib_gflops"] = statistics.median(calib)
     k = spec.steps
     out["comm_by_kind"] = {kind: b / k for kind, b in mesh.counter.by_kind().items()}
     out["comm_by_axis"] = {axis: b / k for axis, b in mesh.counter.by_axis().items()}

@@ -112,6 +112,33 @@ def compare(base: pd.DataFrame, cur: pd.DataFrame, tol: dict) -> list[Finding]:
         for cell in cur.index
         if cell not in base.index
     ]
+    out += median_findings(base, cur, tol)
+    return out
+
+
+def median_findings(base: pd.DataFrame, cur: pd.DataFrame, tol: dict) -> list[Finding]:
+    """Per-cell noise averages out in the median change over many cells, a real slowdown does
+    not: metrics with a ``median_tolerance`` are also checked as the median of current/baseline
+    over all cells and over each strategy's cells (these rows' values are ratios)."""
+    both = [
+        c
+        for c in base.index
+        if c in cur.index and base.loc[c, "status"] == "ok" and cur.loc[c, "status"] == "ok"
+    ]
+    out = []
+    for metric, rule in tol["relative"].items():
+        if "median_tolerance" not in rule or metric not in base.columns or not both:
+            continue
+        ratio = cur.loc[both, metric].astype(float) / base.loc[both, metric].astype(float)
+        groups = {"(all cells)": ratio}
+        if "strategy" in base.columns:
+            for s, idx in base.loc[both].groupby("strategy").groups.items():
+                groups[f"(strategy {s})"] = ratio.loc[list(idx)]
+        for name, r in groups.items():
+            change = float(r.median()) - 1
+            worse = change if rule["worse"] == "higher" else -change
+            if worse > rule["median_tolerance"]:
+                out.append(Finding(name, f"median {metric}", 1.0, float(r.median()), "regression"))
     return out
 
 

@@ -120,7 +120,9 @@ def placement(spec: RunSpec, env: RankEnv) -> dict:
     }
 
 
-def run_env(spec: RunSpec, out: str, timeout_s: float, work=_measure) -> int:
+def run_env(
+    spec: RunSpec, out: str, timeout_s: float, work=_measure, time_limit_s: float | None = None
+) -> int:
     """Join the launched job, run ``work`` (collective), and write rank 0's record."""
     env = detect()
     world = spec.layout.world_size
@@ -153,7 +155,7 @@ def run_env(spec: RunSpec, out: str, timeout_s: float, work=_measure) -> int:
             _post("error", reason)
         write({**header, "status": "error", "error_message": reason, "failed_ranks": [env.rank]})
 
-    guard = Guard(timeout_s, on_fatal)
+    guard = Guard(timeout_s, on_fatal, time_limit_s)
     device, backend = init(env, timeout_s)
     guard.beat()
     header.update(placement(spec, env))

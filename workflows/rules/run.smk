@@ -20,5 +20,8 @@ rule run:
         runtime=runtime,
     params:
         cmd=lambda wc: command(cell_of(wc), config, PYTHON),
+        # stop (and record why) before the scheduler's runtime runs out
+        limit=lambda wc, resources: max(30, resources.runtime * 60 - 30),
     shell:
-        "{params.cmd} --out {output} > {log} 2>&1 || true; test -s {output}"
+        "{params.cmd} --out {output} --time-limit {params.limit} > {log} 2>&1 || true;"
+        " test -s {output}"
