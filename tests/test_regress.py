@@ -3,6 +3,7 @@ cell and metric, a missing cell is reported, unusable input exits 2."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pandas as pd
@@ -71,6 +72,13 @@ def test_noise_within_tolerance_passes(tmp_path, capsys):
     assert code == 0, out
 
 
+def test_a_uniform_slowdown_fails_the_median_check(tmp_path, capsys):
+    cur = table()
+    cur["tokens_per_s_per_gflops"] *= 0.8  # every cell 20% slower: within per-cell tolerance
+    code, out = run(tmp_path, cur, capsys)
+    assert code == 1 and "| (all cells) | median tokens_per_s_per_gflops |" in out
+
+
 def test_throughput_cut_by_30_percent_fails_naming_cell_and_metric(tmp_path, capsys):
     cur = table()
     cur.loc[1, "tokens_per_s_per_gflops"] *= 0.7
@@ -124,7 +132,27 @@ def test_update_writes_baseline_and_provenance(tmp_path, capsys):
     cur = tmp_path / "cur.csv"
     table().to_csv(cur, index=False)
     base = tmp_path / "b" / "cpu-2c.csv"
-    assert main(["regress", "--update", "--current", str(cur), "--baseline", str(base)]) == 0
+    slower = tmp_path / "slower.csv"
+    table().assign(tokens_per_s_per_gflops=20.0).to_csv(slower, index=False)
+    assert (
+        main(
+            [
+                "regress",
+                "--update",
+                "--current",
+                str(cur),
+                str(cur),
+                str(slower),
+                "--baseline",
+                str(base),
+                "--tolerances",
+                TOL,
+            ]
+        )
+        == 0
+    )
+    assert (pd.read_csv(base)["tokens_per_s_per_gflops"] == 40.0).all()  # median of 3 repeats
+    assert json.loads(base.with_suffix(".json").read_text())["repeats"] == 3
     assert base.exists() and base.with_suffix(".json").exists()
     assert (
         main(["regress", "--current", str(cur), "--baseline", str(base), "--tolerances", TOL]) == 0

@@ -309,7 +309,12 @@ def make_parser() -> Parser:
     rg = sub.add_parser(
         "regress", help="compare an aggregate table with a baseline; exit 1 on regression"
     )
-    rg.add_argument("--current", required=True, help="aggregate CSV of this run")
+    rg.add_argument(
+        "--current",
+        required=True,
+        nargs="+",
+        help="aggregate CSV of this run (with --update: one or more repeats)",
+    )
     rg.add_argument(
         "--baseline",
         default=None,
@@ -317,7 +322,11 @@ def make_parser() -> Parser:
     )
     rg.add_argument("--tolerances", default="workflows/regress.yaml")
     rg.add_argument("--out", default=None, help="also write the Markdown report here")
-    rg.add_argument("--update", action="store_true", help="make --current the new baseline")
+    rg.add_argument(
+        "--update",
+        action="store_true",
+        help="make --current the new baseline (per-cell median of several repeats)",
+    )
     rg.set_defaults(func=cmd_regress)
     ag = sub.add_parser("aggregate", help="run records of a sweep -> one table (CSV, Parquet)")
     ag.add_argument("--config-json", required=True, help="the sweep config, as JSON")
@@ -459,18 +468,16 @@ def cmd_check_record(a: argparse.Namespace) -> int:
 
 
 def cmd_regress(a: argparse.Namespace) -> int:
-    import shutil
 
     from tspbench import regress
     from tspbench.record import git_commit, utc_now, versions, write_atomic, write_json
 
     baseline = Path(a.baseline or f"results/baselines/{regress.hardware_id()}.csv")
-    current = regress.read_table(a.current, "current")
+    tables = [regress.read_table(c, "current") for c in a.current]
+    tol = regress.load_tolerances(a.tolerances)
     if a.update:
-        baseline.parent.mkdir(parents=True, exist_ok=True)
-        tmp = baseline.with_name(f".{baseline.name}.tmp")
-        shutil.copyfile(a.current, tmp)
-        tmp.replace(baseline)
+        current = regress.median_table(tables, tol["exact"])
+        write_atomic(baseline, current.reset_index().to_csv(index=False))
         write_json(
             baseline.with_suffix(".json"),
             {
@@ -480,7 +487,8 @@ def cmd_regress(a: argparse.Namespace) -> int:
                 "versions": versions(None),
                 "git_commit": git_commit(),
                 "created_utc": utc_now(),
-                "source": str(a.current),
+                "source": [str(c) for c in a.current],
+                "repeats": len(tables),
                 "cells": len(current),
             },
         )
@@ -491,8 +499,10 @@ def cmd_regress(a: argparse.Namespace) -> int:
             f"--baseline={str(baseline)!r}: no baseline for this hardware; create one with "
             f"tspbench regress --update --current {a.current}"
         )
+    if len(tables) != 1:
+        raise ConfigError("--current: compare one table at a time (several only with --update)")
     base = regress.read_table(baseline, "baseline")
-    findings = regress.compare(base, current, regress.load_tolerances(a.tolerances))
+    findings = regress.compare(base, tables[0], tol)
     text = regress.report(findings, len(base))
     print(text)
     if a.out:

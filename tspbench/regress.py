@@ -2,9 +2,12 @@
 
 Deterministic metrics (bytes per collective kind, parameter and optimizer elements, FLOPs) must
 match exactly. Measured peak memory may move within a small relative tolerance. Throughput is
-compared as ``tokens_per_s_per_gflops`` (tokens/s over a GEMM rate measured in the same run, on
-the same ranks), which cancels the machine's speed and its load at that moment; each value is
-already the median over the run's timed steps. A cell missing from the current table, or failing
+compared as ``tokens_per_s_per_gflops`` (tokens/s over a GEMM rate sampled before every
+timed step on the same ranks), which cancels the machine's speed and load; each is a median over
+the run's timed steps, and the baseline is the per-cell median of several repeats, which also
+records each cell's spread: a cell's tolerance is the larger of the configured one and
+``spread_factor`` x its own spread. Per-cell noise averages out in the median over all cells
+(and over each strategy's cells), which is checked with tighter tolerances. A cell missing from the current table, or failing
 where it used to succeed, is a regression; a new cell is reported. Exit codes: 0 clean, 1 any
 regression, 2 unusable input.
 """
@@ -103,7 +106,11 @@ def compare(base: pd.DataFrame, cur: pd.DataFrame, tol: dict) -> list[Finding]:
                 continue
             change = (cv - bv) / abs(bv) if bv else 0.0
             worse = change if rule["worse"] == "higher" else -change
-            if worse > rule["tolerance"]:
+            limit = rule["tolerance"]
+            spread = _num(b.get(f"{metric}_spread"))
+            if spread is not None and "spread_factor" in rule:  # this cell's own measured noise
+                limit = max(limit, rule["spread_factor"] * spread)
+            if worse > limit:
                 out.append(Finding(cell, metric, bv, cv, "regression"))
             elif worse < -rule["tolerance"]:
                 out.append(Finding(cell, metric, bv, cv, "improvement"))
@@ -130,14 +137,17 @@ def median_findings(base: pd.DataFrame, cur: pd.DataFrame, tol: dict) -> list[Fi
         if "median_tolerance" not in rule or metric not in base.columns or not both:
             continue
         ratio = cur.loc[both, metric].astype(float) / base.loc[both, metric].astype(float)
-        groups = {"(all cells)": ratio}
-        if "strategy" in base.columns:
+        groups = {"(all cells)": (ratio, rule["median_tolerance"])}
+        if "strategy" in base.columns and "strategy_median_tolerance" in rule:
             for s, idx in base.loc[both].groupby("strategy").groups.items():
-                groups[f"(strategy {s})"] = ratio.loc[list(idx)]
-        for name, r in groups.items():
+                groups[f"(strategy {s})"] = (
+                    ratio.loc[list(idx)],
+                    rule["strategy_median_tolerance"],
+                )
+        for name, (r, limit) in groups.items():
             change = float(r.median()) - 1
             worse = change if rule["worse"] == "higher" else -change
-            if worse > rule["median_tolerance"]:
+            if worse > limit:
                 out.append(Finding(name, f"median {metric}", 1.0, float(r.median()), "regression"))
     return out
 
@@ -170,3 +180,36 @@ def hardware_id() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name(0).lower().replace(" ", "-")
     return f"cpu-{os.cpu_count()}c"
+
+
+MEASURED = (
+    "peak_mem_bytes",
+    "step_time_s",
+    "step_time_min_s",
+    "step_time_max_s",
+    "tokens_per_s",
+    "calib_gflops",
+    "tokens_per_s_per_gflops",
+    "mfu",
+)
+
+
+def median_table(tables: list[pd.DataFrame], exact: list[str]) -> pd.DataFrame:
+    """One baseline from several repeats: per-cell medians of the measured metrics; deterministic
+    metrics must agree across repeats (else the repeats are not of the same code)."""
+    first = tables[0].copy()
+    for t in tables[1:]:
+        if set(t.index) != set(first.index):
+            raise ConfigError("--current tables: the repeats do not hold the same cells")
+        for m in exact:
+            if m in first.columns and not first[m].fillna(0).equals(
+                t.loc[first.index, m].fillna(0)
+            ):
+                raise ConfigError(f"--current tables: {m} differs between repeats")
+    for m in MEASURED:
+        if m in first.columns:
+            values = pd.concat([t[m] for t in tables], axis=1)
+            first[m] = values.median(axis=1)
+            # the cell's noise across the repeats: largest relative distance from the median
+            first[f"{m}_spread"] = values.div(first[m], axis=0).sub(1).abs().max(axis=1)
+    return first
