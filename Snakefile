@@ -36,6 +36,15 @@ wildcard_constraints:
     cell=r"[A-Za-z0-9_.-]+",
 
 
+# cheap table work runs where snakemake runs, never as cluster jobs
+localrules:
+    all,
+    aggregate,
+    tables,
+    figures,
+    regress,
+
+
 include: "workflows/rules/common.smk"
 include: "workflows/rules/run.smk"
 include: "workflows/rules/report.smk"

@@ -7,9 +7,9 @@ timed step on the same ranks), which cancels the machine's speed and load; each 
 the run's timed steps, and the baseline is the per-cell median of several repeats, which also
 records each cell's spread: a cell's tolerance is the larger of the configured one and
 ``spread_factor`` x its own spread. Per-cell noise averages out in the median over all cells
-(and over each strategy's cells), which is checked with tighter tolerances. A cell missing from the current table, or failing
-where it used to succeed, is a regression; a new cell is reported. Exit codes: 0 clean, 1 any
-regression, 2 unusable input.
+(and over each strategy's cells), which is checked with tighter tolerances. A cell missing from
+the current table, or failing where it used to succeed, is a regression; a new cell is reported.
+Exit codes: 0 clean, 1 any regression, 2 unusable input.
 """
 
 from __future__ import annotations

@@ -139,7 +139,16 @@ def command(cell: Cell, config: dict, python: str) -> str:
     """The shell line that runs a cell: local ranks, or one Slurm task per rank under srun."""
     args = [python, "-m", "tspbench", "run", *run_args(cell, config)]
     if config["launcher"] == "srun":
-        return " ".join(shlex.quote(a) for a in ["srun", *args, "--launch", "env"])
+        # explicit geometry: the plugin's job step drops the inherited task settings, and a bare
+        # srun would start a single task
+        res = slurm_resources(cell, config)
+        srun = [
+            "srun",
+            f"--nodes={res['nodes']}",
+            f"--ntasks={cell.gpus}",
+            f"--ntasks-per-node={res['tasks_per_node']}",
+        ]
+        return " ".join(shlex.quote(a) for a in [*srun, *args, "--launch", "env"])
     return " ".join(shlex.quote(a) for a in [*args, "--launch", "local", "--nproc", str(cell.gpus)])
 
 
