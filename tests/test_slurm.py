@@ -104,10 +104,11 @@ def test_sweep_through_real_slurm(tmp_path, report):
     (tmp_path / "snakemake.out").write_text(log)
     assert p.returncode == 0, log[-4000:]
     sbatch = sorted(set(re.findall(r"(sbatch call: .*)", log)))
+    shown = [next(x for x in sbatch if f"--ntasks-per-node={n}" in x) for n in (2, 4)]
     report(
         "Slurm test",
-        f"took {took:.0f} s; {len(sbatch)} sbatch calls, e.g.:\n"
-        + "\n".join(s[:600] for s in sbatch[:2]),
+        f"took {took:.0f} s; {len(sbatch)} sbatch calls; a 2- and a 4-rank cell's:\n"
+        + "\n".join(x.split(" --wrap=")[0] for x in shown),
     )
     assert len(sbatch) == 4  # one per cell (table rules are localrules)
     df = pd.read_csv(tmp_path / "results/slurmtest/summary.csv").set_index("cell")
