@@ -18,10 +18,6 @@ class DP(Strategy):
     name = "dp"
 
     @classmethod
-    def mesh_dims(cls, layout: Layout) -> dict[str, int]:
-        return {"dp": layout.dp, "model": layout.degree}
-
-    @classmethod
     def validate(cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, **_) -> None:
         super().validate(cfg, layout, seq_len, batch)
         if batch % layout.degree:

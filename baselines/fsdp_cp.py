@@ -23,11 +23,10 @@ import torch.nn.functional as F
 from torch.autograd.graph import saved_tensors_hooks
 
 from tspbench.core import zigzag
-from tspbench.core.attention import attention
-from tspbench.core.collectives import GatherSequence
 from tspbench.core.comm import Comm
 from tspbench.core.config import ModelConfig
-from tspbench.core.layers import LayerHooks, rms_norm, rope_tables, transformer_layer
+from tspbench.core.context_parallel import context_parallel_hooks, zigzag_rope
+from tspbench.core.layers import rms_norm, transformer_layer
 from tspbench.core.mesh import Mesh
 from tspbench.core.reference import LAYER_PARAMS, param_shapes
 from tspbench.core.strategy import Batch, Layout, Strategy
@@ -74,10 +73,6 @@ class GatherUnit(torch.autograd.Function):
 
 class FSDPCP(Strategy):
     name = "fsdp_cp"
-
-    @classmethod
-    def mesh_dims(cls, layout: Layout) -> dict[str, int]:
-        return {"dp": layout.dp, "model": layout.degree}
 
     @classmethod
     def validate(cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, **_) -> None:
@@ -132,27 +127,14 @@ class FSDPCP(Strategy):
 
     # -- the model ------------------------------------------------------------------------------
     def shard_batch(self, tokens: torch.Tensor, labels: torch.Tensor) -> Batch:
-        D, r = self.comm.size, self.comm.rank
-
-        def local(t: torch.Tensor) -> torch.Tensor:
-            return zigzag.shard(self.dp_slice(t), D, r).to(self.device)
-
-        return Batch(local(tokens), local(labels), tokens.numel())
+        return self.zigzag_batch(tokens, labels, self.comm)
 
     def _body(self, batch: Batch) -> torch.Tensor:
-        cfg, D, r = self.cfg, self.comm.size, self.comm.rank
-        S = batch.tokens.shape[1] * D
+        cfg = self.cfg
+        S = batch.tokens.shape[1] * self.comm.size
         x = self.run_unit(0, lambda w: F.embedding(batch.tokens, w["embed"]))
-        cos, sin = rope_tables(zigzag.positions(S, D, r), cfg.head_dim, cfg.rope_theta, x.dtype)
-        cos, sin = cos.to(self.device), sin.to(self.device)
-        to_g = zigzag.gathered_to_global(S, D).to(self.device)
-        to_r = zigzag.global_to_gathered(S, D).to(self.device)
-
-        def gather_kv(k: torch.Tensor, v: torch.Tensor):
-            kv = GatherSequence.apply(torch.stack([k, v]), self.comm, 3, to_g, to_r)
-            return kv[0], kv[1]
-
-        hooks = LayerHooks(gather_kv=gather_kv, attn=lambda q, k, v: attention(q, k, v, r, D))
+        cos, sin = zigzag_rope(S, self.comm, cfg, x.dtype, self.device)
+        hooks = context_parallel_hooks(S, self.comm, self.device)
         for i in range(cfg.layers):
             x = self.layer(
                 self.run_unit,

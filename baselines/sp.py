@@ -11,10 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from tspbench.core import zigzag
-from tspbench.core.attention import attention
-from tspbench.core.collectives import GatherSequence
 from tspbench.core.config import ModelConfig
-from tspbench.core.layers import LayerHooks, rms_norm, rope_tables, transformer_layer
+from tspbench.core.context_parallel import context_parallel_hooks, zigzag_rope
+from tspbench.core.layers import rms_norm, transformer_layer
 from tspbench.core.mesh import Mesh
 from tspbench.core.reference import LAYER_PARAMS, param_shapes
 from tspbench.core.strategy import Batch, Layout, Strategy
@@ -22,10 +21,6 @@ from tspbench.core.strategy import Batch, Layout, Strategy
 
 class SP(Strategy):
     name = "sp"
-
-    @classmethod
-    def mesh_dims(cls, layout: Layout) -> dict[str, int]:
-        return {"dp": layout.dp, "model": layout.degree}
 
     @classmethod
     def validate(cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, **_) -> None:
@@ -38,27 +33,14 @@ class SP(Strategy):
         self.params = {n: self.to_param(self.init_full(n)) for n in param_shapes(cfg)}
 
     def shard_batch(self, tokens: torch.Tensor, labels: torch.Tensor) -> Batch:
-        D, r = self.comm.size, self.comm.rank
-
-        def local(t: torch.Tensor) -> torch.Tensor:
-            return zigzag.shard(self.dp_slice(t), D, r).to(self.device)
-
-        return Batch(local(tokens), local(labels), tokens.numel())
+        return self.zigzag_batch(tokens, labels, self.comm)
 
     def hidden_local(self, batch: Batch) -> torch.Tensor:
-        cfg, p, D, r = self.cfg, self.params, self.comm.size, self.comm.rank
-        S = batch.tokens.shape[1] * D
+        cfg, p = self.cfg, self.params
+        S = batch.tokens.shape[1] * self.comm.size
         x = F.embedding(batch.tokens, p["embed"])
-        cos, sin = rope_tables(zigzag.positions(S, D, r), cfg.head_dim, cfg.rope_theta, x.dtype)
-        cos, sin = cos.to(self.device), sin.to(self.device)
-        to_g = zigzag.gathered_to_global(S, D).to(self.device)
-        to_r = zigzag.global_to_gathered(S, D).to(self.device)
-
-        def gather_kv(k: torch.Tensor, v: torch.Tensor):
-            kv = GatherSequence.apply(torch.stack([k, v]), self.comm, 3, to_g, to_r)
-            return kv[0], kv[1]
-
-        hooks = LayerHooks(gather_kv=gather_kv, attn=lambda q, k, v: attention(q, k, v, r, D))
+        cos, sin = zigzag_rope(S, self.comm, cfg, x.dtype, self.device)
+        hooks = context_parallel_hooks(S, self.comm, self.device)
         for i in range(cfg.layers):
             lp = {k: p[f"layers.{i}.{k}"] for k in LAYER_PARAMS}
             x = self.layer(transformer_layer, x, lp, cfg.norm_eps, cfg.head_dim, cos, sin, hooks)

@@ -24,10 +24,6 @@ class TP(Strategy):
     name = "tp"
 
     @classmethod
-    def mesh_dims(cls, layout: Layout) -> dict[str, int]:
-        return {"dp": layout.dp, "model": layout.degree}
-
-    @classmethod
     def validate(cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, **_) -> None:
         super().validate(cfg, layout, seq_len, batch)
         for field in ("heads", "kv_heads", "ffn", "vocab"):

@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 
 from tspbench.core import zigzag
-from tspbench.core.attention import attention
-from tspbench.core.collectives import GatherSequence, copy_to, reduce_from
+from tspbench.core.collectives import copy_to, reduce_from
 from tspbench.core.config import ConfigError, ModelConfig
-from tspbench.core.layers import LayerHooks, rms_norm, rope_tables, transformer_layer
+from tspbench.core.context_parallel import context_parallel_hooks, zigzag_rope
+from tspbench.core.layers import rms_norm, transformer_layer
 from tspbench.core.mesh import Mesh
 from tspbench.core.reference import LAYER_PARAMS, param_shapes
 from tspbench.core.strategy import Batch, Layout, Strategy, gather_named, shard_dim
@@ -51,31 +51,19 @@ class TPSP(Strategy):
             self.params[name] = self.to_param(full if dim is None else full.chunk(T, dim)[r])
 
     def shard_batch(self, tokens: torch.Tensor, labels: torch.Tensor) -> Batch:
-        S, r = self.sp.size, self.sp.rank
-
-        def local(t: torch.Tensor) -> torch.Tensor:
-            return zigzag.shard(self.dp_slice(t), S, r).to(self.device)
-
-        return Batch(local(tokens), local(labels), tokens.numel())
+        return self.zigzag_batch(tokens, labels, self.sp)
 
     def hidden_local(self, batch: Batch) -> torch.Tensor:
-        cfg, p, n, r = self.cfg, self.params, self.sp.size, self.sp.rank
-        S = batch.tokens.shape[1] * n
+        cfg, p = self.cfg, self.params
+        S = batch.tokens.shape[1] * self.sp.size
         x = embedding(batch.tokens, p["embed"], self.tp)
-        cos, sin = rope_tables(zigzag.positions(S, n, r), cfg.head_dim, cfg.rope_theta, x.dtype)
-        cos, sin = cos.to(self.device), sin.to(self.device)
-        to_g = zigzag.gathered_to_global(S, n).to(self.device)
-        to_r = zigzag.global_to_gathered(S, n).to(self.device)
-
-        def gather_kv(k: torch.Tensor, v: torch.Tensor):
-            kv = GatherSequence.apply(torch.stack([k, v]), self.sp, 3, to_g, to_r)
-            return kv[0], kv[1]
-
-        hooks = LayerHooks(
+        cos, sin = zigzag_rope(S, self.sp, cfg, x.dtype, self.device)
+        hooks = context_parallel_hooks(
+            S,
+            self.sp,
+            self.device,
             enter=lambda t: copy_to(t, self.tp),
             exit=lambda t: reduce_from(t, self.tp),
-            gather_kv=gather_kv,
-            attn=lambda q, k, v: attention(q, k, v, r, n),
         )
         for i in range(cfg.layers):
             lp = {k: p[f"layers.{i}.{k}"] for k in LAYER_PARAMS}

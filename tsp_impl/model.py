@@ -27,10 +27,6 @@ class TSP(Strategy):
     name = "tsp"
 
     @classmethod
-    def mesh_dims(cls, layout: Layout) -> dict[str, int]:
-        return {"dp": layout.dp, "model": layout.degree}
-
-    @classmethod
     def validate(
         cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, kv_bucket: int = 0
     ) -> None:
@@ -86,12 +82,7 @@ class TSP(Strategy):
 
     # -- running --------------------------------------------------------------------------------
     def shard_batch(self, tokens: torch.Tensor, labels: torch.Tensor) -> Batch:
-        D, r = self.comm.size, self.comm.rank
-        return Batch(
-            zigzag.shard(self.dp_slice(tokens), D, r).to(self.device),
-            zigzag.shard(self.dp_slice(labels), D, r).to(self.device),
-            tokens.numel(),
-        )
+        return self.zigzag_batch(tokens, labels, self.comm)
 
     def hidden_local(self, batch: Batch) -> torch.Tensor:
         ctx = self.context(batch.tokens.shape[1] * self.comm.size)

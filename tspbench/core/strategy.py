@@ -15,6 +15,7 @@ from typing import ClassVar
 import torch
 import torch.utils.checkpoint
 
+from tspbench.core import zigzag
 from tspbench.core.comm import Comm
 from tspbench.core.config import ConfigError, ModelConfig
 from tspbench.core.grad_sync import BucketedAllReduce
@@ -81,9 +82,9 @@ class Strategy(ABC):
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
-    @abstractmethod
     def mesh_dims(cls, layout: Layout) -> dict[str, int]:
-        """Mesh axes (outermost first) this strategy needs for ``layout``."""
+        """Mesh axes (outermost first): data parallel outside, the D-rank model group inside."""
+        return {"dp": layout.dp, "model": layout.degree}
 
     @classmethod
     def validate(
@@ -148,6 +149,14 @@ class Strategy(ABC):
         flat = comm.all_reduce(torch.cat([g.flatten() for g in grads]))
         for g, f in zip(grads, flat.split([g.numel() for g in grads])):
             g.copy_(f.view_as(g))
+
+    def zigzag_batch(self, tokens: torch.Tensor, labels: torch.Tensor, comm: Comm) -> Batch:
+        """This replica's micro-batch, this rank's zigzag chunks of every sequence."""
+
+        def local(t: torch.Tensor) -> torch.Tensor:
+            return zigzag.shard(self.dp_slice(t), comm.size, comm.rank).to(self.device)
+
+        return Batch(local(tokens), local(labels), tokens.numel())
 
     def dp_slice(self, t: torch.Tensor) -> torch.Tensor:
         """This replica's micro-batch rows of a global batch (``batch`` rows per replica)."""
