@@ -68,20 +68,24 @@ def _causes(world: int, wait_s: float = 3.0) -> dict[int, tuple[str, str]]:
         time.sleep(0.1)
 
 
-SECONDARY = ("connection closed", "connection reset", "no progress for", "timed out", "timeout")
+CONSEQUENCES = ("connection closed", "connection reset")  # a peer went away: never the cause
+HANGS = ("no progress for", "timed out", "timeout")  # a rank stalled: the cause if nothing else
 
 
 def root_cause(causes: dict[int, tuple[str, str]], own: tuple[str, str]) -> tuple[str, str]:
-    """The failure that started it: an OOM anywhere, else the first cause that is not a mere
-    consequence of a peer's failure (a closed connection, a timeout), else this rank's own."""
-    ordered = sorted(causes.items())
-    for _, cause in ordered:
+    """The failure that started it: an OOM anywhere, else the first real error, else the first
+    hang (a stalled rank's watchdog), else this rank's own (typically a closed connection)."""
+    ordered = [c for _, c in sorted(causes.items())]
+
+    def tier(cause: tuple[str, str]) -> int:
+        msg = cause[1].lower()
         if cause[0] == "oom":
-            return cause
-    for _, (status, msg) in ordered:
-        if not any(s in msg.lower() for s in SECONDARY):
-            return status, msg
-    return own
+            return 0
+        if any(s in msg for s in CONSEQUENCES):
+            return 3
+        return 2 if any(s in msg for s in HANGS) else 1
+
+    return min(ordered + [own], key=tier)
 
 
 def _measure(spec: RunSpec, device: torch.device, header: dict, beat) -> dict | None:
