@@ -5,7 +5,8 @@ STATE=${TSPBENCH_SLURM_STATE:-/tmp/tspbench-slurm}
 for d in slurmd slurmctld munged; do
   f="$STATE/run/$d.pid"
   if [ -s "$f" ]; then
-    kill "$(cat "$f")" 2>/dev/null && echo "stopped $d ($(cat "$f"))"
+    pid=$(cat "$f")  # read first: a daemon removes its own pid file as it stops
+    kill "$pid" 2>/dev/null && echo "stopped $d ($pid)"
     rm -f "$f"
   fi
 done
