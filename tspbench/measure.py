@@ -75,23 +75,27 @@ def gemm_rate(device: torch.device, dtype: torch.dtype, n: int = 384, reps: int 
     return 2 * n**3 * reps / (time.perf_counter() - t0) / 1e9
 
 
-def measure_rank(spec: RunSpec, device: torch.device, beat=lambda: None) -> dict[str, Any]:
-    """Run the spec on this rank; return this rank's measurements (collective).
-
-    ``beat()`` is called after every phase and step: the guard's proof of progress.
-    """
-    cls = get_strategy(spec.strategy)
-    mesh = build_mesh(cls.mesh_dims(spec.layout))
-    strat = cls(
+def build_strategy(spec: RunSpec, mesh, device: torch.device, overlap: bool | None = None):
+    """The spec's strategy on ``mesh`` (``overlap`` overrides the spec's, for the benchmark)."""
+    return get_strategy(spec.strategy)(
         spec.cfg,
         mesh,
         seed=spec.seed,
         dtype=DTYPES[spec.dtype],
         device=device,
         recompute=spec.recompute,
-        overlap=spec.overlap,
+        overlap=spec.overlap if overlap is None else overlap,
         kv_bucket=spec.kv_bucket,
     )
+
+
+def measure_rank(spec: RunSpec, device: torch.device, beat=lambda: None) -> dict[str, Any]:
+    """Run the spec on this rank; return this rank's measurements (collective).
+
+    ``beat()`` is called after every phase and step: the guard's proof of progress.
+    """
+    mesh = build_mesh(get_strategy(spec.strategy).mesh_dims(spec.layout))
+    strat = build_strategy(spec, mesh, device)
     tokens, labels = make_batch(spec.cfg, spec.batch * spec.layout.dp, spec.seq_len, spec.seed)
     batch = strat.shard_batch(tokens, labels)
     train = spec.mode == "train"

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from tspbench.core.mesh import build_mesh
 from tspbench.core.optim import AdamW
 from tspbench.core.reference import make_batch
-from tspbench.measure import DTYPES, RunSpec, _sync
+from tspbench.measure import RunSpec, _sync, build_strategy
 from tspbench.registry import get_strategy
 
 
@@ -40,21 +40,11 @@ def _timed(fn, steps: int, device: torch.device) -> float:
 
 
 def bench_rank(spec: RunSpec, device: torch.device) -> dict:
-    cls = get_strategy(spec.strategy)
-    mesh = build_mesh(cls.mesh_dims(spec.layout))
+    mesh = build_mesh(get_strategy(spec.strategy).mesh_dims(spec.layout))
     tokens, labels = make_batch(spec.cfg, spec.batch * spec.layout.dp, spec.seq_len, spec.seed)
 
     def make(overlap: bool):
-        s = cls(
-            spec.cfg,
-            mesh,
-            seed=spec.seed,
-            dtype=DTYPES[spec.dtype],
-            device=device,
-            recompute=spec.recompute,
-            overlap=overlap,
-            kv_bucket=spec.kv_bucket,
-        )
+        s = build_strategy(spec, mesh, device, overlap)
         opt = AdamW(s.parameters()) if spec.mode == "train" else None
         b = s.shard_batch(tokens, labels)
 
