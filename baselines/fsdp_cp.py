@@ -16,6 +16,7 @@ gradient reduction is an explicit sum.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -110,10 +111,11 @@ class FSDPCP(Strategy):
             # Under activation checkpointing the layer keeps only its input, and its recompute
             # gathers the unit again: the hooks below would only shadow the checkpoint's own.
             return fn(self.units[unit].views(flat), *args)
-        ptr = flat.untyped_storage().data_ptr()
+        # identity, not data_ptr (fake tensors have none); weak, or the hook would keep it alive
+        storage = weakref.ref(flat.untyped_storage())
 
         def pack(t: torch.Tensor):
-            if t.untyped_storage().data_ptr() == ptr:
+            if t.untyped_storage() is storage():
                 return Regather(unit, t.shape, t.stride(), t.storage_offset())
             return t
 

@@ -74,8 +74,8 @@ def merge_heads(t: torch.Tensor) -> torch.Tensor:
 
 class BroadcastAttention(torch.autograd.Function):
     @staticmethod
-    def forward(fctx, x: torch.Tensor, w_own: torch.Tensor, ctx: TSPContext):  # type: ignore[override]
-        save = any(fctx.needs_input_grad)
+    def forward(fctx, x: torch.Tensor, w_own: torch.Tensor, ctx: TSPContext, grad: bool):  # type: ignore[override]
+        save = grad and any(fctx.needs_input_grad)  # (needs_input_grad ignores no_grad)
         y = torch.zeros_like(x)
         saved: list[torch.Tensor] = []
         for _, w in owner_shards(w_own, ctx.comm, ctx.overlap):
@@ -131,4 +131,4 @@ class BroadcastAttention(torch.autograd.Function):
             if r == ctx.rank:
                 dw_own = dw
         reducing.wait()
-        return dx, dw_own, None
+        return dx, dw_own, None, None

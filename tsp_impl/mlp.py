@@ -41,8 +41,8 @@ def ring(w_own: torch.Tensor, comm: Comm, overlap: bool):
 
 class RingMLP(torch.autograd.Function):
     @staticmethod
-    def forward(fctx, x: torch.Tensor, w_own: torch.Tensor, comm: Comm, overlap: bool):  # type: ignore[override]
-        save = any(fctx.needs_input_grad)
+    def forward(fctx, x: torch.Tensor, w_own: torch.Tensor, comm: Comm, overlap: bool, grad: bool):  # type: ignore[override]
+        save = grad and any(fctx.needs_input_grad)  # (needs_input_grad ignores no_grad)
         y = torch.zeros_like(x)
         saved = []
         for _, w in ring(w_own, comm, overlap):
@@ -78,4 +78,4 @@ class RingMLP(torch.autograd.Function):
             arriving = comm.ring_exchange(acc, torch.empty_like(acc), async_op=True)
             if not fctx.overlap:
                 arriving = Pending.ready(arriving.wait())
-        return dx, arriving.wait(), None, None
+        return dx, arriving.wait(), None, None, None

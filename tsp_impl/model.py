@@ -90,9 +90,12 @@ class TSP(Strategy):
         x = VocabEmbedding.apply(batch.tokens, self.embed, self.comm, self.overlap)
 
         def block(x: torch.Tensor, lp: dict) -> torch.Tensor:
-            x = x + BroadcastAttention.apply(rms_norm(x, lp["attn_norm"], eps), lp["attn"], ctx)
+            grad = torch.is_grad_enabled()  # inference keeps nothing for a backward
+            x = x + BroadcastAttention.apply(
+                rms_norm(x, lp["attn_norm"], eps), lp["attn"], ctx, grad
+            )
             mlp_in = rms_norm(x, lp["mlp_norm"], eps)
-            return x + RingMLP.apply(mlp_in, lp["mlp"], self.comm, self.overlap)
+            return x + RingMLP.apply(mlp_in, lp["mlp"], self.comm, self.overlap, grad)
 
         for lp in self.layers:
             x = self.layer(block, x, lp)

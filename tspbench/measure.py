@@ -119,7 +119,7 @@ def measure_rank(spec: RunSpec, device: torch.device, beat=lambda: None) -> dict
 
     # probe: memory, FLOPs, first-step loss and gradient norm
     tracker = MemoryTracker(limit=spec.max_memory)
-    tracker.track(strat.parameters(), batch.tokens, batch.labels)
+    tracker.track(strat.parameters(), opt.masters if opt else [], batch.tokens, batch.labels)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     # Garbage collection frees cyclic garbage at moments that vary run to run; holding it off

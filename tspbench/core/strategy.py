@@ -113,7 +113,12 @@ class Strategy(ABC):
         return init_param(self.cfg, name, self.seed)
 
     def to_param(self, t: torch.Tensor) -> torch.nn.Parameter:
-        return torch.nn.Parameter(t.to(device=self.device, dtype=self.dtype).contiguous())
+        """A parameter that owns exactly its elements: a shard sliced from a full tensor on the
+        same device would otherwise keep the whole tensor's storage alive."""
+        t = t.to(device=self.device, dtype=self.dtype).contiguous()
+        if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+            t = t.clone()
+        return torch.nn.Parameter(t)
 
     # -- running --------------------------------------------------------------------------------
     @abstractmethod
