@@ -1,6 +1,7 @@
 # tspbench pipeline: sweep -> records -> aggregate table -> tables, figures, report.
 #   snakemake --cores 2                      the default CPU sweep (workflows/config/default.yaml)
 #   snakemake --profile slurm --configfile workflows/config/paper.yaml    a GPU cluster
+#   snakemake project --cores 2              paper-scale projections (workflows/config/projected.yaml)
 # Helpers live in the tspbench package; this file only wires them.
 import json
 import os
@@ -43,12 +44,15 @@ localrules:
     tables,
     figures,
     regress,
+    project,
+    projected_report,
 
 
 include: "workflows/rules/common.smk"
 include: "workflows/rules/run.smk"
 include: "workflows/rules/report.smk"
 include: "workflows/rules/regress.smk"
+include: "workflows/rules/project.smk"
 
 
 rule all:

@@ -142,8 +142,34 @@ def run_cases(cases: list[dict]) -> dict:
     for case in cases:
         kind = case.get("check", "equal")
         try:
-            out[case["id"]] = check_equal(case) if kind == "equal" else {"peak": peak_bytes(case)}
+            run = {"equal": check_equal, "measure": measure_case}.get(kind)
+            out[case["id"]] = run(case) if run else {"peak": peak_bytes(case)}
         except Exception as e:  # reported per case so one failure does not hide the rest
             out[case["id"]] = {"ok": False, "exception": f"{type(e).__name__}: {e}"}
             raise
     return out
+
+
+def measure_case(case: dict) -> dict:
+    """One step as ``tspbench run``'s probe measures it: tracked peak (parameters, fp32 masters,
+    inputs and everything the step allocates, AdamW's state included), FLOPs, bytes per kind."""
+    from tspbench.flops import counter
+
+    strat, cfg = make_strategy(case)
+    tokens, labels = make_batch(cfg, case["B"], case["S"], seed=0)
+    batch = strat.shard_batch(tokens, labels)
+    train = case.get("mode", "train") == "train"
+    opt = AdamW(strat.parameters()) if train else None
+    tracker = MemoryTracker()
+    tracker.track(strat.parameters(), opt.masters if opt else [], batch.tokens, batch.labels)
+    strat.mesh.counter.reset()
+    with tracker, counter() as flops:
+        if train:
+            strat.forward_backward(batch)
+            strat.grad_sq_norm()
+            opt.step()
+            opt.zero_grad()
+        else:
+            strat.forward_only(batch)
+    by_kind = strat.mesh.counter.by_kind(axes=("model", "tp", "sp", "dp"))
+    return {"peak": tracker.peak, "flops": int(flops.get_total_flops()), "bytes": by_kind}

@@ -344,6 +344,9 @@ def make_parser() -> Parser:
         t.add_argument("--out", required=True)
         t.add_argument("--note", default="", help="appended to every caption/title")
         t.set_defaults(func=func)
+    from tspbench.scale_cli import add_parsers
+
+    add_parsers(sub, add_run_args)
     return p
 
 

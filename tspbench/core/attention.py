@@ -13,26 +13,54 @@ Backends, picked per device:
   mask is materialised. Backward uses the kernel's own backward with the merged out/lse.
 - ``sdpa``: any other device: ``scaled_dot_product_attention`` with ``causal_lower_right``;
   backward recomputes through autograd.
+- ``fused`` (only under :func:`forced`, only on fake tensors): one kernel call per block, shaped
+  like flash-attn's (out and lse, no [Lq, Lk] buffer), so the fake-tensor estimator sees a GPU
+  flash kernel's memory. Its mask is top-left aligned: values would be wrong, shapes are right.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 
 _aten = torch.ops.aten
 HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
+BACKENDS = ("flash_attn", "cpu_flash", "sdpa", "fused")
+_forced: str | None = None
+
+
+@contextmanager
+def forced(backend: str | None) -> Iterator[None]:
+    """Use ``backend`` whatever the device (the estimator's choice of kernel); None: no change."""
+    global _forced
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"attention backend {backend!r}: must be one of {', '.join(BACKENDS)}")
+    old, _forced = _forced, backend or _forced
+    try:
+        yield
+    finally:
+        _forced = old
 
 
 def backend_for(device: torch.device) -> str:
     """The kernel this module uses on ``device``."""
+    if _forced is not None:
+        return _forced
     if device.type == "cuda" and HAS_FLASH_ATTN:
         return "flash_attn"
     if device.type == "cpu":
         return "cpu_flash"
     return "sdpa"
+
+
+def _require_fake(t: torch.Tensor) -> None:
+    if not isinstance(t, FakeTensor):
+        raise RuntimeError("the 'fused' attention backend only shapes fake tensors (estimator)")
 
 
 def _cpu_block(q, k, v, causal):
@@ -67,6 +95,9 @@ def causal_fwd(
     """(out [B, Hq, Lq, d], lse [B, Hq, Lq] fp32 or None) of lower-right causal attention."""
     backend = backend_for(q.device)
     with torch.no_grad():
+        if backend == "fused":
+            _require_fake(q)
+            return _cpu_block(q, k, v, True)
         if backend == "cpu_flash":
             lq, lk = q.shape[-2], k.shape[-2]
             if lq == lk:
@@ -94,6 +125,10 @@ def causal_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) for :func:`causal_fwd`, given its saved out and lse."""
     backend = backend_for(q.device)
+    if backend == "fused":
+        _require_fake(q)
+        bwd = _aten._scaled_dot_product_flash_attention_for_cpu_backward
+        return bwd(dout, q, k, v, out, lse, 0.0, True)
     if backend == "cpu_flash":
         lq, lk = q.shape[-2], k.shape[-2]
         bwd = _aten._scaled_dot_product_flash_attention_for_cpu_backward

@@ -1,0 +1,148 @@
+"""Fake-tensor estimate: run the real strategy code for a step, at any world size, moving no data.
+
+One process plays each rank in turn: torch's fake process group (backend ``fake``: every
+collective, point-to-point included, completes at once and moves nothing) and ``FakeTensorMode``
+(tensors have shapes, dtypes and storages but no data), with the same :class:`MemoryTracker`,
+:class:`CommCounter` and FLOP counter as a measured run. So peak memory, bytes and FLOPs come from
+the code that runs on the cluster, not from a second model of it.
+
+Faithfulness notes:
+- Attention: ``kernel="fused"`` shapes one flash call per block (out and lse, no [Lq, Lk] buffer):
+  what flash-attn allocates on a GPU. ``cpu_flash`` is what real CPU runs use (prefix/diagonal
+  split with an fp32 merge), for checking the estimate against them.
+- Ranks: zigzag gives the ranks of a model group different key lengths, so each of the D ranks of
+  replica 0 is estimated; data-parallel replicas run the same shapes (only their batch rows
+  differ), so they are not estimated again.
+- Training runs two steps: AdamW creates its state inside the first ``step()``; the second step is
+  the steady state that decides whether a run fits. Both peaks are reported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tspbench.analytic import Case
+from tspbench.core import attention
+from tspbench.core.memory import MemoryTracker
+from tspbench.core.mesh import build_mesh
+from tspbench.core.optim import AdamW
+from tspbench.core.reference import make_batch
+from tspbench.core.strategy import Layout
+from tspbench.flops import counter
+from tspbench.measure import RunSpec, build_strategy
+from tspbench.registry import get_strategy
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the operations that do work (views and metadata-only ops are free)."""
+
+    FREE = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "select", "slice",
+            "split", "split_with_sizes", "unbind", "as_strided", "alias", "detach", "unsqueeze",
+            "squeeze", "unflatten", "lift_fresh", "lift_fresh_copy", "chunk"}  # fmt: skip
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if func.namespace == "aten" and name not in self.FREE:
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def spec_of(c: Case) -> RunSpec:
+    """The run spec of an analytic case (what the estimator executes)."""
+    layout = Layout(degree=c.degree, tp=c.tp, sp=c.sp, dp=c.dp)
+    return RunSpec(
+        c.strategy, c.cfg, layout, c.seq_len, c.batch, c.mode, c.dtype, 0, 1, 0,
+        recompute=c.recompute, kv_bucket=c.kv_bucket,
+    )  # fmt: skip
+
+
+def count_rank_ops(c: Case) -> int:
+    """Operations rank 0 dispatches in a (steady-state) step of case ``c``."""
+    return estimate_rank(spec_of(c), 0, "fused", count_ops=True)["ops"]
+
+
+def estimate_rank(
+    spec: RunSpec, rank: int, kernel: str = "fused", count_ops: bool = False
+) -> dict[str, Any]:
+    """Peak memory (first and steady step), FLOPs and bytes of one rank, on fake tensors."""
+    if dist.is_initialized():
+        raise RuntimeError("estimate_rank needs a process without a process group")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=spec.layout.world_size)
+    try:
+        mesh = build_mesh(get_strategy(spec.strategy).mesh_dims(spec.layout))
+        with FakeTensorMode(), attention.forced(kernel):
+            strat = build_strategy(spec, mesh, torch.device("cpu"))
+            tokens, labels = make_batch(spec.cfg, spec.batch * spec.layout.dp, spec.seq_len, 0)
+            batch = strat.shard_batch(tokens, labels)
+            del tokens, labels
+            train = spec.mode == "train"
+            opt = AdamW(strat.parameters()) if train else None
+            tracker = MemoryTracker()
+            tracker.track(
+                strat.parameters(), opt.masters if opt else [], batch.tokens, batch.labels
+            )
+            at_rest = tracker.live
+            peaks = []
+            for _ in range(2 if train else 1):
+                mesh.counter.reset()
+                tracker.reset_peak()
+                ops = OpCounter() if count_ops else contextlib.nullcontext()
+                with tracker, counter() as flops, ops:
+                    if train:
+                        strat.forward_backward(batch)
+                        strat.grad_sq_norm()
+                        opt.step()
+                        opt.zero_grad()
+                    else:
+                        strat.forward_only(batch)
+                peaks.append(tracker.peak)
+            return {
+                "rank": rank,
+                "at_rest_bytes": at_rest,
+                "peak_first_bytes": peaks[0],
+                "peak_bytes": peaks[-1],
+                "flops": int(flops.get_total_flops()),
+                "comm_by_kind": dict(mesh.counter.by_kind()),
+                "comm_by_axis": dict(mesh.counter.by_axis()),
+                "param_numel": strat.local_numel(),
+                "optimizer_numel": opt.state_numel() if opt else 0,
+                "ops": ops.n if count_ops else None,
+            }
+    finally:
+        dist.destroy_process_group()
+
+
+def estimate(spec: RunSpec, ranks: list[int] | None = None, kernel: str = "fused") -> dict:
+    """Estimate every rank of replica 0 (or ``ranks``); the record's measurement part."""
+    t0 = time.perf_counter()
+    ranks = list(range(spec.layout.degree)) if ranks is None else ranks
+    per = [estimate_rank(spec, r, kernel) for r in ranks]
+    worst = max(per, key=lambda p: p["peak_bytes"])
+    return {
+        "estimated_ranks": ranks,
+        "kernel": kernel,
+        "peak_mem_bytes": worst["peak_bytes"],
+        "peak_mem_first_step_bytes": max(p["peak_first_bytes"] for p in per),
+        "peak_mem_bytes_per_rank": [p["peak_bytes"] for p in per],
+        "at_rest_bytes_per_rank": [p["at_rest_bytes"] for p in per],
+        "flops_per_rank": [p["flops"] for p in per],
+        "comm_bytes": per[0]["comm_by_kind"],
+        "comm_bytes_total": sum(per[0]["comm_by_kind"].values()),
+        "comm_bytes_dp": per[0]["comm_by_axis"].get("dp", 0.0),
+        "comm_bytes_per_rank": [sum(p["comm_by_kind"].values()) for p in per],
+        "param_numel_per_rank": [p["param_numel"] for p in per],
+        "optimizer_numel_per_rank": [p["optimizer_numel"] for p in per],
+        "estimate_s": time.perf_counter() - t0,
+    }

@@ -1,0 +1,321 @@
+"""Paper-scale tables and figures without the hardware, every one labelled "projected".
+
+Memory: one fake-tensor estimate per (strategy, S, recompute) cell (``tspbench estimate``,
+rank 0, fused attention kernel), checked against the device's memory. Throughput: the cost model
+(``tspbench project``) on each hardware preset: tokens/s against S on one node, scaling from 8 to
+1024 GPUs (D = 8 in a node, data parallel across), and the micro-batch sweep on 16 GPUs with the
+analytic memory deciding which micro-batches fit.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from tspbench.analytic import Case, memory
+from tspbench.core.config import get_config
+from tspbench.pipeline.figures import palette, save
+from tspbench.project import load_preset, project
+from tspbench.record import write_atomic
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Cell:
+    strategy: str
+    seq_len: int
+    recompute: str
+    degree: int
+    tp: int = 1
+    sp: int = 1
+
+    @property
+    def label(self) -> str:
+        return f"tpsp {self.tp}x{self.sp}" if self.strategy == "tpsp" else self.strategy
+
+    @property
+    def id(self) -> str:
+        tag = f"tpsp{self.tp}x{self.sp}" if self.strategy == "tpsp" else self.strategy
+        return f"{tag}.S{self.seq_len}.{self.recompute}"
+
+    def args(self, cfg: dict) -> list[str]:
+        out = ["--strategy", self.strategy, "--model", cfg["model"], "--dtype", cfg["dtype"]]
+        out += ["--seq-len", str(self.seq_len), "--degree", str(self.degree)]
+        out += ["--recompute", self.recompute, "--mode", "train"]
+        out += ["--batch", str(self.degree if self.strategy == "dp" else 1)]
+        if self.strategy == "tpsp":
+            out += ["--tp", str(self.tp), "--sp", str(self.sp)]
+        return out
+
+
+def memory_cells(cfg: dict) -> list[Cell]:
+    m, D = cfg["memory"], cfg["degree"]
+    cells = []
+    for s in m["strategies"]:
+        splits = [tuple(x) for x in cfg["tpsp"]] if s == "tpsp" else [(1, 1)]
+        for tp, sp in splits:
+            for S in m["seq_lens"]:
+                for rc in m["recompute"]:
+                    cells.append(Cell(s, S, rc, D, tp, sp))
+    return cells
+
+
+def _case(cfg: dict, strategy: str, S: int, *, tp=1, sp=1, dp=1, batch=1, mode="train", rc="none"):
+    D = cfg["degree"]
+    return Case(
+        strategy,
+        get_config(cfg["model"]),
+        S,
+        batch * (D if strategy == "dp" else 1),
+        D,
+        tp,
+        sp,
+        dp,
+        mode,
+        cfg["dtype"],
+        rc,
+    )
+
+
+def memory_table(cfg: dict, estimates: Path) -> pd.DataFrame:
+    rows = []
+    limit = cfg["device_memory_gib"] * GiB
+    for cell in memory_cells(cfg):
+        rec = json.loads((estimates / f"{cell.id}.json").read_text())
+        rows.append(
+            {
+                "strategy": cell.label,
+                "recompute": cell.recompute,
+                "seq_len": cell.seq_len,
+                "peak_gib": rec["peak_mem_bytes"] / GiB,
+                "analytic_gib": rec["analytic_peak_bytes"] / GiB,
+                "fits": rec["peak_mem_bytes"] <= limit,
+                "estimate_s": rec["estimate_s"],
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def throughput_tables(cfg: dict) -> dict[str, pd.DataFrame]:
+    t = cfg["throughput"]
+    labels = [(s, 1, 1) for s in t["strategies"] if s != "tpsp"]
+    labels += [("tpsp", a, b) for a, b in cfg["tpsp"]] if "tpsp" in t["strategies"] else []
+
+    def name(s, a, b):
+        return f"tpsp {a}x{b}" if s == "tpsp" else s
+
+    by_seq, scaling, batches = [], [], []
+    for hw in cfg["hardware"]:
+        preset = load_preset(hw)
+        cap = preset["memory_bytes"]
+        for s, a, b in labels:
+            for mode in ("train", "infer"):
+                for S in t["seq_lens"]:
+                    c = _case(cfg, s, S, tp=a, sp=b, mode=mode, rc=t["recompute"])
+                    p, m = project(c, preset), memory(c)
+                    by_seq.append(
+                        {
+                            "hardware": hw,
+                            "strategy": name(s, a, b),
+                            "mode": mode,
+                            "seq_len": S,
+                            "tokens_per_s_per_gpu": p["tokens_per_s"] / c.degree,
+                            "step_time_s": p["step_time_s"],
+                            "mfu": p["mfu"],
+                            "peak_gib_analytic": m["peak"] / GiB,
+                            "fits": m["peak"] <= cap,
+                        }
+                    )
+            for gpus in t["gpus"]:
+                for S in t["scaling_seq_lens"]:
+                    c = _case(cfg, s, S, tp=a, sp=b, dp=gpus // cfg["degree"], mode="infer")
+                    p = project(c, preset)
+                    scaling.append(
+                        {
+                            "hardware": hw,
+                            "strategy": name(s, a, b),
+                            "gpus": gpus,
+                            "seq_len": S,
+                            "tokens_per_s": p["tokens_per_s"],
+                            "fits": memory(c)["peak"] <= cap,
+                        }
+                    )
+            for B in t["batches"]:
+                c = _case(
+                    cfg,
+                    s,
+                    t["batch_seq_len"],
+                    tp=a,
+                    sp=b,
+                    dp=t["batch_gpus"] // 8,
+                    batch=B,
+                    mode="train",
+                    rc=t["recompute"],
+                )
+                p, m = project(c, preset), memory(c)
+                batches.append(
+                    {
+                        "hardware": hw,
+                        "strategy": name(s, a, b),
+                        "batch": B,
+                        "tokens_per_s": p["tokens_per_s"],
+                        "peak_gib_analytic": m["peak"] / GiB,
+                        "fits": m["peak"] <= cap,
+                    }
+                )
+    return {
+        "throughput_vs_seq": pd.DataFrame(by_seq),
+        "scaling": pd.DataFrame(scaling),
+        "microbatch": pd.DataFrame(batches),
+    }
+
+
+def _seq_axis(ax, seq_lens) -> None:
+    """Log-scaled sequence axis labelled 16K, 32K, ... and nothing else."""
+    from matplotlib.ticker import NullFormatter
+
+    ticks = sorted(set(seq_lens))
+    ax.set_xscale("log")
+    ax.set_xticks(ticks, [f"{s // 1024}K" for s in ticks])
+    ax.xaxis.set_minor_formatter(NullFormatter())
+
+
+def _md(df: pd.DataFrame, title: str, note: str) -> str:
+    return f"# {title}\n\n{note}\n\n" + df.to_markdown(index=False, floatfmt=".3g") + "\n"
+
+
+def write_report(cfg: dict, estimates: Path, out: Path, plots: Path, command: str) -> None:
+    """Tables (Markdown, CSV) under ``out`` and figures under ``plots``, all marked projected."""
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    out.mkdir(parents=True, exist_ok=True)
+    hw0 = cfg["hardware"][0]
+    note = (
+        f"**Projected**, not measured: {cfg['model']} model, {cfg['dtype']}, D = {cfg['degree']}. "
+        f"Memory: fake-tensor estimates of the real code (rank 0, fused flash-attention memory), "
+        f"device memory {cfg['device_memory_gib']} GiB ({hw0} preset). Throughput: cost model on "
+        f"the named hardware preset (tspbench/data/hardware.json). Made by: `{command}`."
+    )
+    mem = memory_table(cfg, estimates)
+    wide = mem.assign(
+        cell=[f"{p:.1f}" + ("" if f else " (OOM)") for p, f in zip(mem.peak_gib, mem.fits)]
+    ).pivot_table(
+        index=["recompute", "strategy"], columns="seq_len", values="cell", aggfunc="first"
+    )
+    wide.columns = [f"S={c // 1024}K" for c in wide.columns]
+    write_atomic(out / "memory.md", _md(wide.reset_index(), "Peak memory per GPU (GiB)", note))
+    write_atomic(out / "memory.csv", mem.to_csv(index=False))
+    tables = throughput_tables(cfg)
+    for name, df in tables.items():
+        write_atomic(out / f"{name}.csv", df.to_csv(index=False))
+        write_atomic(out / f"{name}.md", _md(df, name.replace("_", " "), note))
+
+    sns.set_theme(style="whitegrid", context="paper")
+    pal = palette(mem.strategy)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+    for ax, rc in zip(axes, ("none", "full")):
+        d = mem[mem.recompute == rc]
+        sns.lineplot(d, x="seq_len", y="peak_gib", hue="strategy", marker="o", ax=ax, palette=pal)
+        ax.axhline(cfg["device_memory_gib"], color="red", ls="--", lw=1)
+        ax.text(d.seq_len.min(), cfg["device_memory_gib"] * 1.05, f"{hw0} memory", color="red")
+        ax.set(yscale="log", xlabel="sequence length", ylabel="peak GiB per GPU")
+        ax.set_title(f"recompute {rc}")
+        _seq_axis(ax, d.seq_len)
+        ax.legend(fontsize=7, loc="upper left", ncol=2)
+    fig.suptitle(f"PROJECTED peak memory, {cfg['model']} train, D={cfg['degree']} (fake tensors)")
+    fig.tight_layout()
+    save(fig, plots / "memory_projected")
+    plt.close(fig)
+
+    ts = tables["throughput_vs_seq"]
+    fig, axes = plt.subplots(1, len(cfg["hardware"]), figsize=(4.2 * len(cfg["hardware"]), 3.6))
+    for ax, hw in zip(axes, cfg["hardware"]):
+        d = ts[(ts.hardware == hw) & (ts["mode"] == "train")]
+        sns.lineplot(
+            d,
+            x="seq_len",
+            y="tokens_per_s_per_gpu",
+            hue="strategy",
+            marker="o",
+            ax=ax,
+            palette=palette(d.strategy),
+        )
+        oom = d[~d.fits]
+        ax.scatter(
+            oom.seq_len,
+            oom.tokens_per_s_per_gpu,
+            marker="x",
+            color="red",
+            zorder=5,
+            label="would not fit",
+        )
+        ax.set(xlabel="sequence length", ylabel="tokens/s per GPU", title=f"{hw} (projected)")
+        _seq_axis(ax, d.seq_len)
+        ax.legend(fontsize=6, loc="lower left")
+    fig.suptitle(f"PROJECTED training throughput, {cfg['model']}, one node (D={cfg['degree']})")
+    fig.tight_layout()
+    save(fig, plots / "throughput_projected")
+    plt.close(fig)
+
+    sc = tables["scaling"]
+    d = sc[(sc.hardware == hw0) & (sc.seq_len == max(sc.seq_len))]
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    sns.lineplot(
+        d,
+        x="gpus",
+        y="tokens_per_s",
+        hue="strategy",
+        marker="o",
+        ax=ax,
+        palette=palette(d.strategy),
+    )
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="GPUs",
+        ylabel="tokens/s (forward)",
+        title=f"PROJECTED scaling on {hw0}, S={max(sc.seq_len) // 1024}K",
+    )
+    fig.tight_layout()
+    save(fig, plots / "scaling_projected")
+    plt.close(fig)
+
+    mb = tables["microbatch"]
+    d = mb[mb.hardware == hw0]
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    sns.lineplot(
+        d,
+        x="batch",
+        y="tokens_per_s",
+        hue="strategy",
+        marker="o",
+        ax=ax,
+        palette=palette(d.strategy),
+    )
+    oom = d[~d.fits]
+    ax.scatter(
+        oom.batch, oom.tokens_per_s, marker="x", color="red", zorder=5, label="would not fit"
+    )
+    ax.set(
+        xscale="log",
+        xlabel="micro-batch",
+        ylabel="tokens/s (train)",
+        title=f"PROJECTED micro-batch sweep, {cfg['throughput']['batch_gpus']} x {hw0}",
+    )
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    save(fig, plots / "microbatch_projected")
+    plt.close(fig)
+
+
+def load(path: str) -> dict[str, Any]:
+    import yaml
+
+    with open(path) as f:
+        return yaml.safe_load(f)

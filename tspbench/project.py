@@ -1,0 +1,232 @@
+"""Throughput projection: a cost model that walks a strategy's step on a hardware preset.
+
+Step time of one rank (the slowest rank is the same: zigzag balances the work):
+
+    T = compute + dispatch + critical comm + max(0, overlappable comm - overlap * compute)
+
+- compute: GEMM FLOPs / GEMM rate + attention FLOPs / attention rate + elementwise bytes /
+  memory bandwidth (FLOPs from :mod:`tspbench.analytic`, elementwise traffic ~ writing and
+  reading every saved activation once per pass);
+- dispatch: operations per step x the per-operation overhead (kernel launch on a GPU, the
+  Python dispatcher on a CPU); operations are counted on the real code under fake tensors, which
+  is cheap because the count does not depend on the tensor sizes;
+- communication: every collective of :func:`tspbench.analytic.schedule` costs a latency plus
+  its bus bytes over the bandwidth of its link class: the model group inside a node uses the
+  intra-node fabric (on a fully connected mesh a collective drives all links, a point-to-point
+  ring step only one; on a switch every pair sees the full bandwidth), data parallelism and
+  model groups larger than a node use the NIC;
+- overlap: what the implementation overlaps (TSP's weight broadcasts, ring hops and weight
+  gradient reduces; the data-parallel bucketed all-reduce) hides behind compute up to the
+  preset's overlap efficiency; everything else is on the critical path.
+Presets: :data:`PRESETS` (datasheets, with sources) or a file written by ``tspbench calibrate``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from dataclasses import replace
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from tspbench import analytic
+from tspbench.analytic import Case
+from tspbench.core.comm import bus_bytes
+from tspbench.core.config import ConfigError
+
+OVERLAPPED = {"tsp": {"broadcast", "send_recv", "reduce"}}  # by the implementation's prefetch
+
+
+def presets() -> dict[str, dict]:
+    data = json.loads(resources.files("tspbench").joinpath("data/hardware.json").read_text())
+    return {k: v for k, v in data.items() if not k.startswith("_")}
+
+
+def load_preset(name_or_path: str) -> dict:
+    """A preset by name, or a JSON file written by ``tspbench calibrate``."""
+    known = presets()
+    if name_or_path in known:
+        return {"name": name_or_path, **known[name_or_path]}
+    path = Path(name_or_path)
+    if path.suffix == ".json" and path.exists():
+        preset = json.loads(path.read_text())
+        if "ranks" not in preset and "peak_flops" not in preset:
+            raise ConfigError(f"--hardware={name_or_path}: not a hardware preset file")
+        return {"name": path.stem, **preset}
+    raise ConfigError(
+        f"--hardware={name_or_path!r}: must be one of {', '.join(sorted(known))} "
+        "or a preset .json written by `tspbench calibrate`"
+    )
+
+
+def rates(preset: dict, ranks_per_node: int) -> dict[str, float]:
+    """Achievable rates per rank: measured at this many ranks per node, or from the datasheet."""
+    if "ranks" in preset:  # calibrated: rates measured with P ranks sharing the machine
+        table = preset["ranks"]
+        p = min((int(k) for k in table if int(k) >= ranks_per_node), default=None)
+        if p is None:
+            raise ConfigError(
+                f"hardware {preset['name']}: calibrated up to {max(map(int, table))} ranks per "
+                f"node, the run needs {ranks_per_node}; calibrate with --ranks {ranks_per_node}"
+            )
+        return table[str(p)]
+    eff = preset.get("bus_efficiency", 1.0)
+    links = preset["links"] if preset["topology"] == "full_mesh" else 1
+    link = preset["link_bandwidth"] * eff
+    coll = {"lat": preset["latency_intra_s"], "bw": link * links}
+    return {
+        "gemm_flops": preset["peak_flops"] * preset["gemm_efficiency"],
+        "attention_flops": preset["peak_flops"] * preset["attention_efficiency"],
+        "memory_bandwidth": preset["memory_bandwidth"] * preset["memory_efficiency"],
+        "op_overhead_s": preset["op_overhead_s"],
+        "overlap_efficiency": preset["overlap_efficiency"],
+        **{kind: coll for kind in analytic.KINDS_COLLECTIVE},
+        "send_recv": {"lat": preset["latency_intra_s"], "bw": link},
+        "inter": {"lat": preset["latency_inter_s"], "bw": preset["nic_bandwidth"] * eff},
+    }
+
+
+def metric_reductions(c: Case) -> list[tuple[str, int]]:
+    """The reported loss's and gradient norm's small all-reduces: (axis, group size) each."""
+    D = c.degree
+    loss = {"tsp": D, "sp": D, "fsdp_cp": D, "dp": D, "tpsp": c.sp}.get(c.strategy, 1)
+    norm = {"tsp": D, "fsdp_cp": D, "tp": D, "tpsp": c.tp}.get(c.strategy, 1) if c.train else 1
+    out = [("model", n) for n in (loss, norm) if n > 1]
+    return out + ([("dp", c.dp)] if c.dp > 1 else [])
+
+
+def _rate(r: dict, name: str, size: float, key: str | None = None) -> float:
+    """A rate for this size: log-interpolated in a calibrated table, else the flat rate."""
+    table = r.get(key or name + "_by_n")
+    if not table:
+        return r[name]
+    pts = sorted((float(k), v) for k, v in table.items())
+    if size <= pts[0][0]:
+        return pts[0][1]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if size <= x1:
+            w = math.log(size / x0) / math.log(x1 / x0)
+            return math.exp(math.log(y0) + w * (math.log(y1) - math.log(y0)))
+    return pts[-1][1]
+
+
+def count_ops(c: Case) -> int:
+    """Operations the real code dispatches per step: counted on a shrunk copy under fake tensors.
+
+    The count depends on the degrees, heads and buckets, not on tensor sizes, so hidden, MLP,
+    vocabulary, sequence and batch are cut to the smallest values the strategy accepts; and every
+    layer dispatches the same operations, so one- and two-layer counts give any depth exactly.
+    """
+    cfg = c.cfg
+    m = 2 * c.degree * max(c.tp, 1)
+    shape = replace(cfg, hidden=cfg.heads * 2, ffn=m, vocab=m, layers=1, name="shape")
+    batch = c.degree if c.strategy == "dp" else 1
+    key = replace(c, cfg=shape, seq_len=4 * max(c.cp, 1), batch=batch, dp=1)
+    n1, n2 = _count(key), _count(replace(key, cfg=replace(shape, layers=2)))
+    return n1 + (cfg.layers - 1) * (n2 - n1)
+
+
+@functools.lru_cache(maxsize=1024)
+def _count(c: Case) -> int:
+    from tspbench.estimate import count_rank_ops
+
+    return count_rank_ops(c)
+
+
+def project(c: Case, preset: dict, ops: int | None = None) -> dict[str, Any]:
+    """Projected step time and its parts for one rank of case ``c`` on ``preset``."""
+    per_node = preset.get("gpus_per_node", 8)
+    world = c.degree * c.dp
+    r = rates(preset, min(world, per_node))
+    fl = analytic.flop_parts(c, executed=True)
+    elem = analytic.elementwise_bytes(c)
+    gemm_rate = _rate(r, "gemm_flops", analytic.gemm_size(c))
+    attn_rate = _rate(r, "attention_flops", c.cfg.head_dim, key="attention_flops_by_d")
+    compute = fl["gemm"] / gemm_rate + fl["attention"] / attn_rate
+    compute += elem / r["memory_bandwidth"]
+    ops = count_ops(c) if ops is None else ops
+    dispatch = ops * r["op_overhead_s"]
+    overlappable = OVERLAPPED.get(c.strategy, set())
+    crit = ovl = 0.0
+    for phase, axis, kind, size, nbytes in analytic.schedule(c):
+        if size <= 1:
+            continue
+        inter = axis == "dp" and world > per_node or axis != "dp" and c.degree > per_node
+        # a calibrated preset may hold fits per group size (groups of 2 in a 4-rank node...)
+        link = r["inter"] if inter else r.get("groups", {}).get(str(size), r)[kind]
+        t = link["lat"] + bus_bytes(kind, nbytes, size) / link["bw"]
+        if phase == "dp" or kind in overlappable:
+            ovl += t
+        else:
+            crit += t
+    straggler = r.get("straggler", 1.0)  # the step waits for its slowest rank
+    compute, dispatch = compute * straggler, dispatch * straggler
+    for _, size in metric_reductions(c):  # uncounted, but they synchronise the ranks
+        crit += r.get("groups", {}).get(str(size), r)["all_reduce"]["lat"]
+    hidden = min(ovl, r["overlap_efficiency"] * compute)
+    step = compute + dispatch + crit + ovl - hidden
+    tokens = c.batch * c.seq_len * c.dp
+    return {
+        "step_time_s": step,
+        "tokens_per_s": tokens / step,
+        "compute_s": compute,
+        "dispatch_s": dispatch,
+        "comm_critical_s": crit,
+        "comm_overlappable_s": ovl,
+        "comm_hidden_s": hidden,
+        "ops_per_step": ops,
+        "flops_per_rank": fl["gemm"] + fl["attention"],
+        "mfu": (fl["gemm"] + fl["attention"]) / step / preset["peak_flops"]
+        if "peak_flops" in preset
+        else None,
+    }
+
+
+def case_of_row(row: dict) -> Case:
+    """The analytic case of one row of an aggregate summary (measured records)."""
+    from tspbench.core.config import get_config
+
+    cfg = get_config(row["model"])
+    if int(row.get("ffn", cfg.ffn)) != cfg.ffn:
+        cfg = replace(cfg, ffn=int(row["ffn"]))
+
+    def opt(k: str) -> int:
+        v = row.get(k)
+        return 1 if v is None or v != v else int(v)  # NaN: not a tpsp row
+
+    return Case(
+        row["strategy"], cfg, int(row["seq_len"]), int(row["batch"]), int(row["degree"]),
+        opt("tp"), opt("sp"), int(row["dp"]), row["mode"], row["dtype"],
+        row.get("recompute", "none"), int(row.get("kv_bucket", 0) or 0),
+    )  # fmt: skip
+
+
+def check_summary(path: str, preset: dict):
+    """Predicted against measured step time for every successful cell of a summary CSV."""
+    import pandas as pd
+
+    df = pd.read_csv(path)
+    rows = []
+    for row in df[df["status"] == "ok"].to_dict("records"):
+        c = case_of_row(row)
+        p = project(c, preset)
+        rows.append(
+            {
+                "strategy": c.strategy,
+                "label": row.get("label", ""),
+                "seq_len": c.seq_len,
+                "degree": c.degree,
+                "dp": c.dp,
+                "batch": c.batch,
+                "mode": c.mode,
+                "measured_s": row["step_time_s"],
+                "projected_s": p["step_time_s"],
+                "error": p["step_time_s"] / row["step_time_s"] - 1,
+                "compute_s": p["compute_s"],
+                "dispatch_s": p["dispatch_s"],
+                "comm_s": p["comm_critical_s"] + p["comm_overlappable_s"] - p["comm_hidden_s"],
+            }
+        )
+    return pd.DataFrame(rows)

@@ -1,0 +1,266 @@
+"""Paper scale without the hardware: ``tspbench model | estimate | project | project-check |
+calibrate``. Each takes the same run arguments as ``tspbench run`` (nothing is launched)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from tspbench.core.config import ConfigError
+
+GiB = 2**30
+
+
+def _case(a: argparse.Namespace):
+    from tspbench.analytic import Case
+    from tspbench.cli import build_spec
+
+    a.quiet = True
+    spec = build_spec(a)
+    return spec, Case.of(spec)
+
+
+def _emit(a: argparse.Namespace, obj: dict[str, Any], text: str) -> None:
+    from tspbench.record import write_json
+
+    print(json.dumps(obj, indent=1, default=str) if a.json else text)
+    if getattr(a, "out", None):
+        if not a.out.endswith(".json"):
+            raise ConfigError(f"--out={a.out!r}: must name a .json file")
+        write_json(a.out, obj)
+
+
+def _provenance() -> dict[str, Any]:
+    import torch
+
+    from tspbench.record import git_commit, utc_now, versions
+
+    return {
+        "git_commit": git_commit(),
+        "timestamp_utc": utc_now(),
+        "versions": versions("gloo"),
+        "host_cpu": torch.backends.cpu.get_cpu_capability(),
+    }
+
+
+def cmd_model(a: argparse.Namespace) -> int:
+    from tspbench import analytic
+
+    spec, c = _case(a)
+    mem = analytic.memory(c)
+    comm = analytic.comm_bytes(c)
+    fl = analytic.flop_parts(c)
+    obj = {
+        "case": {k: v for k, v in vars(c).items() if k != "cfg"} | {"model": c.cfg.name},
+        "memory_bytes": mem,
+        "comm_bytes": {f"{p}/{k}": b for (p, k), b in sorted(comm.items())},
+        "comm_bytes_total": sum(comm.values()),
+        "flops_per_rank": fl,
+        "param_numel": analytic.param_numel(c),
+    }
+    lines = [f"analytic model: {c.strategy} {c.cfg.name} S={c.seq_len} D={c.degree} {c.mode}"]
+    lines.append("memory per rank (GiB):")
+    for k, v in mem.items():
+        lines.append(f"  {k:18s} {v if isinstance(v, str) else f'{v / GiB:10.3f}'}")
+    lines.append("bytes per step and rank (MiB), by phase/kind:")
+    for (p, k), b in sorted(comm.items()):
+        lines.append(f"  {p + '/' + k:28s} {b / 2**20:12.3f}")
+    lines.append(f"FLOPs per rank: GEMM {fl['gemm']:.4g}, attention {fl['attention']:.4g}")
+    _emit(a, obj, "\n".join(lines))
+    return 0
+
+
+def _ranks(text: str, degree: int) -> list[int] | None:
+    if text == "all":
+        return None
+    try:
+        ranks = [int(x) for x in text.split(",")]
+    except ValueError:
+        ranks = [-1]
+    if any(r < 0 or r >= degree for r in ranks):
+        raise ConfigError(f"--ranks={text!r}: must be 'all' or ranks in 0..{degree - 1}")
+    return ranks
+
+
+def cmd_estimate(a: argparse.Namespace) -> int:
+    from tspbench import analytic
+    from tspbench.estimate import estimate
+
+    spec, c = _case(a)
+    ranks = _ranks(a.ranks, spec.layout.degree)
+    est = estimate(spec, ranks, a.kernel)
+    ana = analytic.memory(c)
+    limit = a.device_memory * GiB
+    obj = {
+        "strategy": spec.strategy,
+        "model": spec.cfg.name,
+        "seq_len": spec.seq_len,
+        "degree": spec.layout.degree,
+        "tp": spec.layout.tp,
+        "sp": spec.layout.sp,
+        "dp": spec.layout.dp,
+        "batch": spec.batch,
+        "mode": spec.mode,
+        "dtype": spec.dtype,
+        "recompute": spec.recompute,
+        **est,
+        "analytic_peak_bytes": ana["peak"],
+        "device_memory_bytes": limit,
+        "fits": est["peak_mem_bytes"] <= limit,
+        **_provenance(),
+    }
+    text = (
+        f"fake-tensor estimate: {spec.strategy} {spec.cfg.name} S={spec.seq_len} "
+        f"D={spec.layout.degree} {spec.mode} {spec.dtype} recompute={spec.recompute}\n"
+        f"  peak per GPU {est['peak_mem_bytes'] / GiB:.2f} GiB (first step "
+        f"{est['peak_mem_first_step_bytes'] / GiB:.2f}; analytic {ana['peak'] / GiB:.2f}) "
+        f"ranks {est['estimated_ranks']}: "
+        + ", ".join(f"{p / GiB:.2f}" for p in est["peak_mem_bytes_per_rank"])
+        + f"\n  {'fits' if obj['fits'] else 'does NOT fit'} in {a.device_memory:g} GiB; "
+        f"{est['comm_bytes_total'] / GiB:.3f} GiB communicated per step and rank; "
+        f"estimated in {est['estimate_s']:.1f} s"
+    )
+    _emit(a, obj, text)
+    return 0
+
+
+def cmd_project(a: argparse.Namespace) -> int:
+    from tspbench.project import load_preset, project
+
+    spec, c = _case(a)
+    preset = load_preset(a.hardware)
+    res = project(c, preset)
+    obj = {"hardware": preset["name"], "projected": True, **res}
+    text = (
+        f"projected on {preset['name']}: {spec.strategy} {spec.cfg.name} S={spec.seq_len} "
+        f"D={spec.layout.degree} dp={spec.layout.dp} {spec.mode}\n"
+        + "\n".join(
+            f"  {k:20s} {v:.6g}" if isinstance(v, float) else f"  {k:20s} {v}"
+            for k, v in res.items()
+        )  # fmt: skip
+    )
+    _emit(a, obj, text)
+    return 0
+
+
+def cmd_project_check(a: argparse.Namespace) -> int:
+    from tspbench.project import check_summary, load_preset
+    from tspbench.record import write_atomic
+
+    preset = load_preset(a.hardware)
+    table = check_summary(a.summary, preset)
+    text = table.to_markdown(index=False, floatfmt=".3f")
+    errs = table["error"].abs()
+    text += (
+        f"\n\n{len(table)} cells; |error| median {errs.median():.1%}, max {errs.max():.1%}; "
+        f"within 25%: {(errs <= 0.25).sum()}/{len(table)}\n"
+    )
+    print(text)
+    if a.out:
+        write_atomic(a.out, text)
+    if a.csv:
+        write_atomic(a.csv, table.to_csv(index=False))
+    return 0
+
+
+def cmd_calibrate(a: argparse.Namespace) -> int:
+    from tspbench.calibrate import calibrate
+    from tspbench.record import write_json
+
+    try:
+        ranks = sorted({int(x) for x in a.ranks.split(",")})
+    except ValueError:
+        ranks = [0]
+    if not ranks or min(ranks) < 1 or max(ranks) > 64:
+        raise ConfigError(f"--ranks={a.ranks!r}: must be comma-separated integers in 1..64")
+    if a.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("--device=cuda: no CUDA/ROCm device here (use --device cpu)")
+    if not a.out.endswith(".json"):
+        raise ConfigError(f"--out={a.out!r}: must name a .json file")
+    preset = calibrate(ranks, a.device, a.dtype)
+    write_json(a.out, preset)
+    for p, r in preset["ranks"].items():
+        print(
+            f"{p} rank(s): GEMM {max(r['gemm_flops_by_n'].values()) / 1e9:.1f} GFLOP/s (best "
+            f"size), attention {max(r['attention_flops_by_d'].values()) / 1e9:.1f} GFLOP/s, "
+            f"copy {r['memory_bandwidth'] / 1e9:.1f} GB/s, {r['op_overhead_s'] * 1e6:.1f} us/op, "
+            "all-reduce "
+            f"{r['all_reduce']['lat'] * 1e3:.2f} ms + {r['all_reduce']['bw'] / 1e9:.2f} GB/s"
+        )
+    print(f"wrote {a.out}", file=sys.stderr)
+    return 0
+
+
+def cmd_projected_report(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tspbench.pipeline.projected import load, write_report
+
+    cfg = load(a.config)
+    command = f"snakemake project --cores 2 (config {a.config})"
+    write_report(cfg, Path(a.estimates), Path(a.out), Path(a.plots), command)
+    print(f"wrote {a.out} and {a.plots}")
+    return 0
+
+
+def add_parsers(sub, add_run_args) -> None:
+    """Register the subcommands (``add_run_args``: the run arguments of ``tspbench run``)."""
+    m = sub.add_parser("model", help="analytic memory, bytes and FLOPs per rank (closed forms)")
+    add_run_args(m)
+    m.add_argument("--json", action="store_true")
+    m.add_argument("--out", default=None, help="also write the JSON here")
+    m.set_defaults(func=cmd_model)
+
+    e = sub.add_parser("estimate", help="fake-tensor run of one step at any world size")
+    add_run_args(e)
+    e.add_argument(
+        "--ranks",
+        default="0",
+        help="ranks of the model group to estimate: 0 (default: zigzag gives rank 0 the longest "
+        "keys, so the largest buffers), a list such as 0,3, or all",
+    )
+    e.add_argument(
+        "--kernel",
+        choices=("fused", "cpu_flash"),
+        default="fused",
+        help="attention memory as a fused GPU flash kernel (default) or the CPU kernel",
+    )
+    e.add_argument("--device-memory", type=float, default=192.0, help="GiB per GPU for 'fits'")
+    e.add_argument("--json", action="store_true")
+    e.add_argument("--out", default=None)
+    e.set_defaults(func=cmd_estimate)
+
+    p = sub.add_parser("project", help="projected step time and tokens/s on a hardware preset")
+    add_run_args(p)
+    p.add_argument("--hardware", default="mi300x", help="mi300x, h100, h200 or a calibrated .json")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--out", default=None)
+    p.set_defaults(func=cmd_project)
+
+    pc = sub.add_parser(
+        "project-check", help="project every cell of a measured summary and report the error"
+    )
+    pc.add_argument("--summary", required=True, help="aggregate CSV of measured runs")
+    pc.add_argument("--hardware", required=True, help="the calibrated preset of that machine")
+    pc.add_argument("--out", default=None, help="Markdown table")
+    pc.add_argument("--csv", default=None)
+    pc.set_defaults(func=cmd_project_check)
+
+    pr = sub.add_parser("projected-report", help="projected paper-scale tables and figures")
+    pr.add_argument("--config", default="workflows/config/projected.yaml")
+    pr.add_argument("--estimates", required=True, help="folder of estimate JSONs")
+    pr.add_argument("--out", required=True)
+    pr.add_argument("--plots", required=True)
+    pr.set_defaults(func=cmd_projected_report)
+
+    c = sub.add_parser("calibrate", help="microbenchmark this machine into a hardware preset")
+    c.add_argument("--ranks", default="1,2,4", help="rank counts to measure with")
+    c.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    c.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    c.add_argument("--out", required=True, help="preset JSON to write")
+    c.set_defaults(func=cmd_calibrate)

@@ -1,0 +1,42 @@
+# Paper scale without the hardware: `snakemake project` (workflows/config/projected.yaml).
+# One fake-tensor estimate per memory cell, then projected tables and figures.
+from tspbench.pipeline.projected import load as load_projected, memory_cells
+
+PROJ = load_projected(workflow.source_path("../config/projected.yaml"))
+PROJ_CELLS = {c.id: c for c in memory_cells(PROJ)}
+PROJ_OUT = "results/projected"
+PROJ_PLOTS = "plots/projected"
+
+
+rule project:
+    input:
+        f"{PROJ_OUT}/memory.md",
+
+
+rule estimate:
+    output:
+        f"{PROJ_OUT}/estimates/{{pcell}}.json",
+    log:
+        f"logs/projected/{{pcell}}.log",
+    params:
+        python=PYTHON,
+        args=lambda wc: " ".join(PROJ_CELLS[wc.pcell].args(PROJ)),
+        mem=PROJ["device_memory_gib"],
+    shell:
+        "{params.python} -m tspbench estimate {params.args} --device-memory {params.mem}"
+        " --out {output} > {log} 2>&1"
+
+
+rule projected_report:
+    input:
+        expand(f"{PROJ_OUT}/estimates/{{pcell}}.json", pcell=PROJ_CELLS),
+    output:
+        f"{PROJ_OUT}/memory.md",
+    log:
+        "logs/projected/report.log",
+    params:
+        python=PYTHON,
+        config=workflow.source_path("../config/projected.yaml"),
+    shell:
+        "{params.python} -m tspbench projected-report --config {params.config}"
+        " --estimates {PROJ_OUT}/estimates --out {PROJ_OUT} --plots {PROJ_PLOTS} > {log} 2>&1"
