@@ -18,6 +18,8 @@ rule estimate:
         f"{PROJ_OUT}/estimates/{{pcell}}.json",
     log:
         f"logs/projected/{{pcell}}.log",
+    conda:
+        "../../env/environment.yml"
     params:
         python=PYTHON,
         args=lambda wc: " ".join(PROJ_CELLS[wc.pcell].args(PROJ)),
@@ -34,9 +36,14 @@ rule projected_report:
         f"{PROJ_OUT}/memory.md",
     log:
         "logs/projected/report.log",
+    conda:
+        "../../env/environment.yml"
     params:
         python=PYTHON,
         config=workflow.source_path("../config/projected.yaml"),
+        estimates=lambda wc, input: os.path.dirname(input[0]),
+        out=lambda wc, output: os.path.dirname(output[0]),
+        plots=PROJ_PLOTS,
     shell:
         "{params.python} -m tspbench projected-report --config {params.config}"
-        " --estimates {PROJ_OUT}/estimates --out {PROJ_OUT} --plots {PROJ_PLOTS} > {log} 2>&1"
+        " --estimates {params.estimates} --out {params.out} --plots {params.plots} > {log} 2>&1"
