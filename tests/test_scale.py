@@ -38,7 +38,7 @@ def _cases() -> list[dict]:
         cases.append(c)
 
     for s in ("tsp", "tp", "sp", "fsdp_cp", "dp", "tpsp"):
-        for D in (1, 2, 4):
+        for D in (1, 2, 4) if s == "tsp" else (2, 4):  # D=1: every baseline is `single`
             add(s, D, 2048)
             add(s, D, 2048, rc="full")
             add(s, D, 2048, mode="infer")
@@ -90,7 +90,7 @@ def test_analytic_bytes_and_flops_equal_measured(measured, report):
             bad.append(
                 f"{c['id']}: bytes {want} vs {got}; flops {analytic.flops(case)} vs {m['flops']}"
             )
-    report(f"analytic bytes and FLOPs: {len(CASES) - len(bad)}/{len(CASES)} cases exact")
+    report("analytic bytes and FLOPs", f"{len(CASES) - len(bad)}/{len(CASES)} cases exact")
     assert not bad, "\n".join(bad)
 
 
@@ -118,8 +118,8 @@ def test_peak_memory_within_10_percent(measured, fake, report):
         )
         if abs(a) > 0.10 or abs(f) > 0.10:
             bad.append(rows[-1])
-    report("\n".join(rows))
-    report(f"worst |error|: analytic {worst['analytic']:.3f}, fake {worst['fake']:.3f}")
+    rows.append(f"worst |error|: analytic {worst['analytic']:.3f}, fake {worst['fake']:.3f}")
+    report("peak memory vs measured (first step)", "\n".join(rows))
     assert not bad, "\n".join(bad)
 
 
@@ -200,7 +200,7 @@ def test_calibrate_writes_a_usable_preset(tmp_path):
     )
     assert p.returncode == 0, p.stderr
     preset = load_preset(str(out))
-    assert preset["ranks"]["2"]["gemm_flops"] > 1e8
+    assert min(preset["ranks"]["2"]["gemm_flops_by_n"].values()) > 1e8
     c = analytic.Case("tsp", get_config("tiny"), 512, 1, 2)
     assert project(c, preset)["step_time_s"] > 0
 

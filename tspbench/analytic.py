@@ -394,7 +394,7 @@ def memory(c: Case) -> dict[str, float | str]:
     mlp_t = 3 * t * fl * e  # the SiLU backward's temporaries and the gate gradients
     if tsp:
         loss_t = 3 * logits + act + 2 * vl * h * e
-        layer_t = 2 * act + max(4 * kv_unit, 6 * t * fl * e + 5 * 3 * fl * h * e)
+        layer_t = 2 * act + max(7 * kv_unit // 2, 6 * t * fl * e + 5 * 3 * fl * h * e)
         end_t = 2 * V * h * e
     else:
         loss_t = 2 * logits

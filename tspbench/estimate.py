@@ -20,6 +20,7 @@ Faithfulness notes:
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 from typing import Any
 
@@ -99,14 +100,19 @@ def estimate_rank(
                 mesh.counter.reset()
                 tracker.reset_peak()
                 ops = OpCounter() if count_ops else contextlib.nullcontext()
-                with tracker, counter() as flops, ops:
-                    if train:
-                        strat.forward_backward(batch)
-                        strat.grad_sq_norm()
-                        opt.step()
-                        opt.zero_grad()
-                    else:
-                        strat.forward_only(batch)
+                gc.collect()  # as the measured probe: no collection moments inside the step
+                gc.disable()
+                try:
+                    with tracker, counter() as flops, ops:
+                        if train:
+                            strat.forward_backward(batch)
+                            strat.grad_sq_norm()
+                            opt.step()
+                            opt.zero_grad()
+                        else:
+                            strat.forward_only(batch)
+                finally:
+                    gc.enable()
                 peaks.append(tracker.peak)
             return {
                 "rank": rank,
