@@ -82,6 +82,10 @@ def _case(cfg: dict, strategy: str, S: int, *, tp=1, sp=1, dp=1, batch=1, mode="
     )
 
 
+def _cell_case(cfg: dict, cell: Cell) -> Case:
+    return _case(cfg, cell.strategy, cell.seq_len, tp=cell.tp, sp=cell.sp, rc=cell.recompute)
+
+
 def memory_table(cfg: dict, estimates: Path) -> pd.DataFrame:
     rows = []
     limit = cfg["device_memory_gib"] * GiB
@@ -93,7 +97,7 @@ def memory_table(cfg: dict, estimates: Path) -> pd.DataFrame:
                 "recompute": cell.recompute,
                 "seq_len": cell.seq_len,
                 "peak_gib": rec["peak_mem_bytes"] / GiB,
-                "analytic_gib": rec["analytic_peak_bytes"] / GiB,
+                "analytic_gib": memory(_cell_case(cfg, cell))["peak"] / GiB,
                 "fits": rec["peak_mem_bytes"] <= limit,
                 "estimate_s": rec["estimate_s"],
             }
