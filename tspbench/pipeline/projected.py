@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+from matplotlib.ticker import NullFormatter
 
 from tspbench.analytic import Case, memory
 from tspbench.core.config import get_config
@@ -179,10 +180,18 @@ def throughput_tables(cfg: dict) -> dict[str, pd.DataFrame]:
     }
 
 
+def _lines(ax, d: pd.DataFrame, x: str, y: str) -> None:
+    """One line per strategy (the suite's colours), and a red cross where a cell would not fit."""
+    import seaborn as sns
+
+    sns.lineplot(d, x=x, y=y, hue="strategy", marker="o", ax=ax, palette=palette(d.strategy))
+    oom = d[~d.fits]
+    if len(oom):
+        ax.scatter(oom[x], oom[y], marker="x", color="red", zorder=5, label="would not fit")
+
+
 def _seq_axis(ax, seq_lens) -> None:
     """Log-scaled sequence axis labelled 16K, 32K, ... and nothing else."""
-    from matplotlib.ticker import NullFormatter
-
     ticks = sorted(set(seq_lens))
     ax.set_xscale("log")
     ax.set_xticks(ticks, [f"{s // 1024}K" for s in ticks])
@@ -241,24 +250,7 @@ def write_report(cfg: dict, estimates: Path, out: Path, plots: Path, command: st
     fig, axes = plt.subplots(1, len(cfg["hardware"]), figsize=(4.2 * len(cfg["hardware"]), 3.6))
     for ax, hw in zip(axes, cfg["hardware"]):
         d = ts[(ts.hardware == hw) & (ts["mode"] == "train")]
-        sns.lineplot(
-            d,
-            x="seq_len",
-            y="tokens_per_s_per_gpu",
-            hue="strategy",
-            marker="o",
-            ax=ax,
-            palette=palette(d.strategy),
-        )
-        oom = d[~d.fits]
-        ax.scatter(
-            oom.seq_len,
-            oom.tokens_per_s_per_gpu,
-            marker="x",
-            color="red",
-            zorder=5,
-            label="would not fit",
-        )
+        _lines(ax, d, "seq_len", "tokens_per_s_per_gpu")
         ax.set(xlabel="sequence length", ylabel="tokens/s per GPU", title=f"{hw} (projected)")
         _seq_axis(ax, d.seq_len)
         ax.legend(fontsize=6, loc="lower left")
@@ -270,15 +262,7 @@ def write_report(cfg: dict, estimates: Path, out: Path, plots: Path, command: st
     sc = tables["scaling"]
     d = sc[(sc.hardware == hw0) & (sc.seq_len == max(sc.seq_len))]
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    sns.lineplot(
-        d,
-        x="gpus",
-        y="tokens_per_s",
-        hue="strategy",
-        marker="o",
-        ax=ax,
-        palette=palette(d.strategy),
-    )
+    _lines(ax, d, "gpus", "tokens_per_s")
     ax.set(
         xscale="log",
         yscale="log",
@@ -293,25 +277,16 @@ def write_report(cfg: dict, estimates: Path, out: Path, plots: Path, command: st
     mb = tables["microbatch"]
     d = mb[mb.hardware == hw0]
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    sns.lineplot(
-        d,
-        x="batch",
-        y="tokens_per_s",
-        hue="strategy",
-        marker="o",
-        ax=ax,
-        palette=palette(d.strategy),
-    )
-    oom = d[~d.fits]
-    ax.scatter(
-        oom.batch, oom.tokens_per_s, marker="x", color="red", zorder=5, label="would not fit"
-    )
+    _lines(ax, d, "batch", "tokens_per_s")
     ax.set(
         xscale="log",
         xlabel="micro-batch",
         ylabel="tokens/s (train)",
         title=f"PROJECTED micro-batch sweep, {cfg['throughput']['batch_gpus']} x {hw0}",
     )
+    ticks = sorted(d.batch.unique())
+    ax.set_xticks(ticks, [str(b) for b in ticks])
+    ax.xaxis.set_minor_formatter(NullFormatter())
     ax.legend(fontsize=7)
     fig.tight_layout()
     save(fig, plots / "microbatch_projected")
