@@ -8,7 +8,6 @@ reference itself, so rank 0 can compare alone.
 from __future__ import annotations
 
 import functools
-import gc
 
 import torch
 import torch.distributed as dist
@@ -167,6 +166,7 @@ def measure_case(case: dict) -> dict:
 
 def _measure_once(case: dict) -> dict:
     from tspbench.flops import counter
+    from tspbench.measure import gc_held, one_step
 
     strat, cfg = make_strategy(case)
     tokens, labels = make_batch(cfg, case["B"], case["S"], seed=0)
@@ -176,16 +176,7 @@ def _measure_once(case: dict) -> dict:
     tracker = MemoryTracker()
     tracker.track(strat.parameters(), opt.masters if opt else [], batch.tokens, batch.labels)
     strat.mesh.counter.reset()
-    gc.collect()  # as measure_rank's probe: garbage collection held off during the step
-    gc.disable()
-    with tracker, counter() as flops:
-        if train:
-            strat.forward_backward(batch)
-            strat.grad_sq_norm()
-            opt.step()
-            opt.zero_grad()
-        else:
-            strat.forward_only(batch)
-    gc.enable()
+    with gc_held(), tracker, counter() as flops:  # as measure_rank's probe
+        one_step(strat, batch, opt)
     by_kind = strat.mesh.counter.by_kind(axes=("model", "tp", "sp", "dp"))
     return {"peak": tracker.peak, "flops": int(flops.get_total_flops()), "bytes": by_kind}

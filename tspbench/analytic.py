@@ -17,11 +17,11 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from tspbench.core.comm import bus_bytes
+from tspbench.core.comm import KINDS, bus_bytes
 from tspbench.core.config import ModelConfig
 
 BYTES = {"fp32": 4, "bf16": 2}
-KINDS_COLLECTIVE = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduce")
+KINDS_COLLECTIVE = tuple(k for k in KINDS if k != "send_recv")  # group-wide, not point-to-point
 FP32 = 4
 
 

@@ -21,8 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tspbench.analytic import KINDS_COLLECTIVE
-from tspbench.core.comm import Comm, CommCounter, bus_bytes
+from tspbench.core.comm import KINDS, Comm, CommCounter, bus_bytes
 
 SIZES = (2**12, 2**15, 2**18, 2**21)  # bytes per collective
 
@@ -118,7 +117,7 @@ def _collectives(device: torch.device, size: int) -> dict[str, Any]:
     ranks = next(line for line in lines if dist.get_rank() in line)
     comm = Comm(group, ranks, "model", CommCounter())
     out: dict[str, Any] = {}
-    for kind in (*KINDS_COLLECTIVE, "send_recv"):
+    for kind in KINDS:
         pts = []
         for nbytes in SIZES:
             t = torch.zeros(nbytes // 4, device=device)
@@ -229,7 +228,7 @@ def measure(ranks: int, device_type: str, dtype: str) -> dict[str, Any]:
         else:
             out[k] = statistics.median(vals)
     if ranks == 1:  # nothing to communicate with: collectives cost their dispatch only
-        out.update({k: {"lat": 0.0, "bw": float("inf")} for k in (*KINDS_COLLECTIVE, "send_recv")})
+        out.update({k: {"lat": 0.0, "bw": float("inf")} for k in KINDS})
         out["overlap_efficiency"] = 0.0
         out["straggler"] = 1.0
     out["inter"] = out["all_reduce"]  # one machine: no NIC to model

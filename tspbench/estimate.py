@@ -20,7 +20,6 @@ Faithfulness notes:
 from __future__ import annotations
 
 import contextlib
-import gc
 import time
 from typing import Any
 
@@ -38,7 +37,7 @@ from tspbench.core.optim import AdamW
 from tspbench.core.reference import make_batch
 from tspbench.core.strategy import Layout
 from tspbench.flops import counter
-from tspbench.measure import RunSpec, build_strategy
+from tspbench.measure import RunSpec, build_strategy, gc_held, one_step
 from tspbench.registry import get_strategy
 
 
@@ -100,19 +99,8 @@ def estimate_rank(
                 mesh.counter.reset()
                 tracker.reset_peak()
                 ops = OpCounter() if count_ops else contextlib.nullcontext()
-                gc.collect()  # as the measured probe: no collection moments inside the step
-                gc.disable()
-                try:
-                    with tracker, counter() as flops, ops:
-                        if train:
-                            strat.forward_backward(batch)
-                            strat.grad_sq_norm()
-                            opt.step()
-                            opt.zero_grad()
-                        else:
-                            strat.forward_only(batch)
-                finally:
-                    gc.enable()
+                with gc_held(), tracker, counter() as flops, ops:  # as the measured probe
+                    one_step(strat, batch, opt)
                 peaks.append(tracker.peak)
             return {
                 "rank": rank,

@@ -13,6 +13,8 @@ from __future__ import annotations
 import gc
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +58,30 @@ class RunSpec:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def one_step(strat, batch, opt) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(loss, gradient norm) of one step: training with ``opt`` (forward, backward, norm, AdamW),
+    forward only without; the same step for measured runs, fake-tensor estimates and tests."""
+    if opt is None:
+        return strat.forward_only(batch), None
+    loss = strat.forward_backward(batch)
+    gnorm = strat.grad_sq_norm().sqrt()
+    opt.step()
+    opt.zero_grad()
+    return loss, gnorm
+
+
+@contextmanager
+def gc_held() -> Iterator[None]:
+    """Garbage collection held off after one collection: cyclic garbage is otherwise freed at
+    moments that vary run to run, and the tracked peak would not repeat to the byte."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def gemm_rate(device: torch.device, dtype: torch.dtype, n: int = 384, reps: int = 4) -> float:
@@ -108,12 +134,7 @@ def measure_rank(spec: RunSpec, device: torch.device, beat=lambda: None) -> dict
         inject(dist.get_rank(), count[0], spec.seq_len, spec.strategy)
         count[0] += 1
         beat()
-        if not train:
-            return strat.forward_only(batch), None
-        loss = strat.forward_backward(batch)
-        gnorm = strat.grad_sq_norm().sqrt()
-        opt.step()
-        opt.zero_grad()
+        loss, gnorm = one_step(strat, batch, opt)
         beat()
         return loss, gnorm
 
@@ -122,15 +143,8 @@ def measure_rank(spec: RunSpec, device: torch.device, beat=lambda: None) -> dict
     tracker.track(strat.parameters(), opt.masters if opt else [], batch.tokens, batch.labels)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    # Garbage collection frees cyclic garbage at moments that vary run to run; holding it off
-    # during the probe makes the tracked peak repeatable to the byte.
-    gc.collect()
-    gc.disable()
-    try:
-        with tracker, counter() as flops:
-            loss, gnorm = step()
-    finally:
-        gc.enable()
+    with gc_held(), tracker, counter() as flops:
+        loss, gnorm = step()
     out: dict[str, Any] = {
         "loss": float(loss),
         "grad_norm": None if gnorm is None else float(gnorm),
