@@ -152,19 +152,7 @@ def run_cases(cases: list[dict]) -> dict:
 
 def measure_case(case: dict) -> dict:
     """One step as ``tspbench run``'s probe measures it: tracked peak (parameters, fp32 masters,
-    inputs and everything the step allocates, AdamW's state included), FLOPs, bytes per kind.
-
-    Forward-only steps are measured twice and the smaller peak kept: gloo's worker thread drops
-    its reference to a finished all-gather's output at a moment of its own, so now and then one
-    gathered K/V buffer outlives the step's crest (seen: +1 MiB on a 3.4 MiB peak, 1 run in 3).
-    """
-    if case.get("mode") == "infer":
-        runs = [_measure_once(case) for _ in range(2)]
-        return min(runs, key=lambda r: r["peak"])
-    return _measure_once(case)
-
-
-def _measure_once(case: dict) -> dict:
+    inputs and everything the step allocates, AdamW's state included), FLOPs, bytes per kind."""
     from tspbench.flops import counter
     from tspbench.measure import gc_held, one_step
 

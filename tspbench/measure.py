@@ -75,7 +75,15 @@ def one_step(strat, batch, opt) -> tuple[torch.Tensor, torch.Tensor | None]:
 @contextmanager
 def gc_held() -> Iterator[None]:
     """Garbage collection held off after one collection: cyclic garbage is otherwise freed at
-    moments that vary run to run, and the tracked peak would not repeat to the byte."""
+    moments that vary run to run, and the tracked peak would not repeat to the byte.
+
+    torch imports ``torch._dynamo`` on the first call of any dynamo-disabled wrapper (an
+    autograd Function's ``apply``, say). Were that inside the held region, the import
+    machinery's frames, cyclic garbage, would keep every caller's frame and its tensors alive
+    until GC came back (seen: the embedding output outliving the step's crest, +13%): import it
+    first."""
+    import torch._dynamo  # noqa: F401
+
     gc.collect()
     gc.disable()
     try:
