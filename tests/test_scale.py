@@ -11,7 +11,9 @@ import dataclasses
 import json
 import subprocess
 import sys
+from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from distributed import run_world
@@ -22,6 +24,7 @@ from tspbench.estimate import estimate_rank
 from tspbench.measure import RunSpec
 
 GQA = {"kv_heads": 2}
+REF = Path(__file__).parents[1] / "results" / "reference" / "calibration"
 
 
 def _cases() -> list[dict]:
@@ -220,3 +223,22 @@ def test_7b_estimate_fits_budget(tmp_path):
     assert p.returncode == 0, p.stderr
     wall, rss_kb = p.stderr.strip().splitlines()[-1].split()
     assert float(wall) < 180 and int(rss_kb) < 8 * 2**20
+
+
+def test_project_check_reads_repeated_runs(tmp_path):
+    """Repeated runs of a sweep: the median is the measurement, the range is reported."""
+    from tspbench.project import check_footer, check_summary, load_preset
+
+    ref = pd.read_csv(REF / "default-summary-1.csv")
+    cells = ref[ref["status"] == "ok"].head(3)
+    paths = []
+    for k, scale in enumerate((1.0, 1.5, 0.5)):
+        run = cells.assign(step_time_s=cells["step_time_s"] * scale)
+        paths.append(tmp_path / f"run{k}.csv")
+        run.to_csv(paths[-1], index=False)
+    table = check_summary([str(p) for p in paths], load_preset(str(REF / "cpu-2c.json")))
+    assert list(table["runs"]) == [3] * 3
+    assert table["measured_s"].tolist() == pytest.approx(cells["step_time_s"].tolist())
+    assert table["spread"].tolist() == pytest.approx([2.0] * 3)
+    assert table["inside_range"].all()  # projections within 2x of the measurement here
+    assert "inside the measured range: 3/3" in check_footer(table)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from tspbench.core.config import ConfigError
@@ -146,17 +147,15 @@ def cmd_project(a: argparse.Namespace) -> int:
 
 
 def cmd_project_check(a: argparse.Namespace) -> int:
-    from tspbench.project import check_summary, load_preset
+    from tspbench.project import check_footer, check_summary, load_preset
     from tspbench.record import write_atomic
 
+    for path in a.summary:
+        if not Path(path).is_file():
+            raise ConfigError(f"--summary={path}: no such file; give an aggregate summary.csv")
     preset = load_preset(a.hardware)
     table = check_summary(a.summary, preset)
-    text = table.to_markdown(index=False, floatfmt=".3f")
-    errs = table["error"].abs()
-    text += (
-        f"\n\n{len(table)} cells; |error| median {errs.median():.1%}, max {errs.max():.1%}; "
-        f"within 25%: {(errs <= 0.25).sum()}/{len(table)}\n"
-    )
+    text = table.to_markdown(index=False, floatfmt=".3f") + "\n\n" + check_footer(table)
     print(text)
     if a.out:
         write_atomic(a.out, text)
@@ -245,7 +244,12 @@ def add_parsers(sub, add_run_args) -> None:
     pc = sub.add_parser(
         "project-check", help="project every cell of a measured summary and report the error"
     )
-    pc.add_argument("--summary", required=True, help="aggregate CSV of measured runs")
+    pc.add_argument(
+        "--summary",
+        required=True,
+        nargs="+",
+        help="aggregate CSV of measured runs; several: repeated runs of one sweep (median, range)",
+    )
     pc.add_argument("--hardware", required=True, help="the calibrated preset of that machine")
     pc.add_argument("--out", default=None, help="Markdown table")
     pc.add_argument("--csv", default=None)
