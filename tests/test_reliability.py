@@ -183,8 +183,10 @@ def tspbench(*args, env=None, timeout=180):
 
 
 def leftovers(marker: str) -> list[str]:
-    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [line for line in ps.splitlines() if marker in line and "ps -eo" not in line]
+    """Processes whose command line names ``marker`` (full width: pytest sets COLUMNS, and a
+    truncated line would hide a leftover rank)."""
+    ps = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in ps.splitlines() if marker in line and "ps -ww" not in line]
 
 
 FAULT_RUN = [
