@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
-from pathlib import Path
 
 import jsonschema
 import pytest
+from runner import ROOT, tspbench
 
 BASE = ["--model", "tiny", "--seq-len", "32", "--warmup", "0", "--steps", "1", "--quiet"]
-SCHEMA = json.loads(
-    (Path(__file__).parent.parent / "tspbench/schemas/record.schema.json").read_text()
-)
+SCHEMA = json.loads((ROOT / "tspbench/schemas/record.schema.json").read_text())
 # every strategy on the same global batch of 4 sequences
 RUNS = {
     "single": ["--strategy", "single", "--batch", "4"],
@@ -27,11 +24,6 @@ RUNS = {
     "tpsp": ["--strategy", "tpsp", "--tp", "2", "--sp", "2", "--batch", "4"],
     "fsdp_cp": ["--strategy", "fsdp_cp", "--degree", "4", "--batch", "4"],
 }
-
-
-def tspbench(*args: str, launcher: list[str] | None = None, timeout: float = 300):
-    cmd = (launcher or [sys.executable]) + ["-m", "tspbench", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -96,15 +88,8 @@ def test_launchers_give_the_same_record(tmp_path, launcher):
         pytest.fail(f"{LAUNCHERS[launcher][0]} not installed (bash env/install.sh installs it)")
     local = tspbench("run", *args, "--launch", "local", "--out", str(tmp_path / "local.json"))
     assert local.returncode == 0, local.stderr[-2000:]
-    cmd = LAUNCHERS[launcher] + [sys.executable, "-m", "tspbench"]
-    if launcher == "torchrun":
-        cmd = LAUNCHERS[launcher] + ["-m", "tspbench"]
-    p = subprocess.run(
-        cmd + ["run", *args, "--out", str(tmp_path / "l.json")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    python = [] if launcher == "torchrun" else [sys.executable]  # torchrun starts Python itself
+    p = tspbench("run", *args, "--out", tmp_path / "l.json", launcher=LAUNCHERS[launcher] + python)
     assert p.returncode == 0, p.stderr[-3000:]
     a = json.loads((tmp_path / "local.json").read_text())
     b = json.loads((tmp_path / "l.json").read_text())

@@ -6,22 +6,13 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import yaml
-
-ROOT = Path(__file__).resolve().parent.parent
-SNAKEMAKE = [sys.executable, "-m", "snakemake"]
-
-
-def smk(*args: str, cwd: Path = ROOT, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [*SNAKEMAKE, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
-    )
+from runner import ROOT
+from runner import snakemake as smk
 
 
 def test_paper_dry_run_on_the_slurm_profile_has_the_right_resources():

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from runner import ROOT
 
 from tspbench.cli import main
 
-ROOT = Path(__file__).resolve().parent.parent
 TOL = str(ROOT / "workflows/regress.yaml")
 
 

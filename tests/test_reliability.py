@@ -10,13 +10,12 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pandas as pd
 import pytest
 import yaml
+from runner import ROOT, snakemake, tspbench
 
-ROOT = Path(__file__).resolve().parent.parent
 RUN = ["run", "--strategy", "tsp", "--seq-len", "32"]
 OK_CONFIG = yaml.safe_load((ROOT / "workflows/config/default.yaml").read_text())
 
@@ -172,16 +171,6 @@ def test_at_least_thirty_bad_inputs():
     assert len(BAD) >= 30
 
 
-def tspbench(*args, env=None, timeout=180):
-    return subprocess.run(
-        [sys.executable, "-m", "tspbench", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
-
-
 def leftovers(marker: str) -> list[str]:
     """Processes whose command line names ``marker`` (full width: pytest sets COLUMNS, and a
     truncated line would hide a leftover rank)."""
@@ -315,14 +304,10 @@ def test_sweep_with_a_failing_and_an_oom_cell_finishes_and_marks_both(tmp_path):
     }
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
     faults = "error:rank=1:seq_len=64:strategy=tsp,oom:rank=0:seq_len=64:strategy=tp"
-    p = subprocess.run(
-        [sys.executable, "-m", "snakemake", "--cores", "2", "--configfile", "cfg.yaml"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "TSPBENCH_FAULT": faults},
-    )
+    p = snakemake(
+        "--cores", "2", "--configfile", "cfg.yaml", cwd=tmp_path, timeout=900,
+        env={"TSPBENCH_FAULT": faults},
+    )  # fmt: skip
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     df = pd.read_csv(tmp_path / "results/faulty/summary.csv").set_index("cell")
     assert df.loc["tsp.D2.g2.S64.B1.train", "status"] == "error"

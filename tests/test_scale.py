@@ -11,10 +11,10 @@ import dataclasses
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pandas as pd
 import pytest
+from runner import ROOT, tspbench
 
 from distributed import run_world
 from tspbench import analytic
@@ -24,7 +24,7 @@ from tspbench.estimate import estimate_rank
 from tspbench.measure import RunSpec
 
 GQA = {"kv_heads": 2}
-REF = Path(__file__).parents[1] / "results" / "reference" / "calibration"
+REF = ROOT / "results" / "reference" / "calibration"
 
 
 def _cases() -> list[dict]:
@@ -173,9 +173,7 @@ def test_projection_parts_follow_the_preset():
     ],
 )
 def test_bad_input_exits_2(argv, tmp_path):
-    p = subprocess.run(
-        [sys.executable, "-m", "tspbench", *argv], capture_output=True, text=True, cwd=tmp_path
-    )
+    p = tspbench(*argv, cwd=tmp_path)
     assert p.returncode == 2, p.stderr
     assert "error" in p.stderr and len(p.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "x.json").exists()
@@ -185,9 +183,7 @@ def test_commands_run(tmp_path):
     base = ["--strategy", "tsp", "--model", "tiny", "--seq-len", "512", "--degree", "4"]
     out = tmp_path / "est.json"
     for cmd in (["model", "--json"], ["estimate", "--out", str(out)], ["project", "--json"]):
-        p = subprocess.run(
-            [sys.executable, "-m", "tspbench", *cmd, *base], capture_output=True, text=True
-        )
+        p = tspbench(*cmd, *base)
         assert p.returncode == 0, p.stderr
     rec = json.loads(out.read_text())
     assert rec["fits"] and rec["peak_mem_bytes"] > 0 and rec["git_commit"]
@@ -197,11 +193,7 @@ def test_calibrate_writes_a_usable_preset(tmp_path):
     from tspbench.project import load_preset, project
 
     out = tmp_path / "cpu.json"
-    p = subprocess.run(
-        [sys.executable, "-m", "tspbench", "calibrate", "--ranks", "1,2", "--out", str(out)],
-        capture_output=True,
-        text=True,
-    )
+    p = tspbench("calibrate", "--ranks", "1,2", "--out", out)
     assert p.returncode == 0, p.stderr
     preset = load_preset(str(out))
     assert min(preset["ranks"]["2"]["gemm_flops_by_n"].values()) > 1e8

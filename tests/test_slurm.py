@@ -17,14 +17,13 @@ import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pandas as pd
 import pytest
 import yaml
+from runner import ROOT
 
 pytestmark = pytest.mark.slurm
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def slurm_up() -> bool:

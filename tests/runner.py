@@ -1,0 +1,43 @@
+"""Subprocess plumbing the command-line, pipeline and reliability tests share: the repository
+root, ``python -m tspbench`` and ``python -m snakemake``, each run to the end with its output
+captured (the caller asserts on the return code and the text)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _env(env: dict[str, str] | None) -> dict[str, str] | None:
+    return {**os.environ, **env} if env else None
+
+
+def tspbench(
+    *args: object,
+    env: dict[str, str] | None = None,
+    cwd: Path | str | None = None,
+    launcher: list[str] | None = None,
+    timeout: float = 300,
+) -> subprocess.CompletedProcess:
+    """``tspbench <args>`` (``launcher``: a command to start Python with, e.g. torchrun)."""
+    cmd = [*(launcher or [sys.executable]), "-m", "tspbench", *map(str, args)]
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=_env(env)
+    )
+
+
+def snakemake(
+    *args: str, cwd: Path | str = ROOT, env: dict[str, str] | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "snakemake", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        env=_env(env),
+    )
