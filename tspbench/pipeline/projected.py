@@ -10,6 +10,8 @@ analytic memory deciding which micro-batches fit.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -190,6 +192,18 @@ def _lines(ax, d: pd.DataFrame, x: str, y: str) -> None:
         ax.scatter(oom[x], oom[y], marker="x", color="red", zorder=5, label="would not fit")
 
 
+@contextmanager
+def _figure(path: Path, ncols: int = 1, **kw) -> Iterator[tuple[Any, Any]]:
+    """A figure with ``ncols`` axes, laid out, saved (PNG and PDF) and closed on exit."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, ncols, **kw)
+    yield fig, axes
+    fig.tight_layout()
+    save(fig, path)
+    plt.close(fig)
+
+
 def _seq_axis(ax, seq_lens) -> None:
     """Log-scaled sequence axis labelled 16K, 32K, ... and nothing else."""
     ticks = sorted(set(seq_lens))
@@ -204,7 +218,6 @@ def _md(df: pd.DataFrame, title: str, note: str) -> str:
 
 def write_report(cfg: dict, estimates: Path, out: Path, plots: Path, command: str) -> None:
     """Tables (Markdown, CSV) under ``out`` and figures under ``plots``, all marked projected."""
-    import matplotlib.pyplot as plt
     import seaborn as sns
 
     out.mkdir(parents=True, exist_ok=True)
@@ -231,66 +244,58 @@ def write_report(cfg: dict, estimates: Path, out: Path, plots: Path, command: st
 
     sns.set_theme(style="whitegrid", context="paper")
     pal = palette(mem.strategy)
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
-    for ax, rc in zip(axes, ("none", "full")):
-        d = mem[mem.recompute == rc]
-        sns.lineplot(d, x="seq_len", y="peak_gib", hue="strategy", marker="o", ax=ax, palette=pal)
-        ax.axhline(cfg["device_memory_gib"], color="red", ls="--", lw=1)
-        ax.text(d.seq_len.min(), cfg["device_memory_gib"] * 1.05, f"{hw0} memory", color="red")
-        ax.set(yscale="log", xlabel="sequence length", ylabel="peak GiB per GPU")
-        ax.set_title(f"recompute {rc}")
-        _seq_axis(ax, d.seq_len)
-        ax.legend(fontsize=7, loc="upper left", ncol=2)
-    fig.suptitle(f"PROJECTED peak memory, {cfg['model']} train, D={cfg['degree']} (fake tensors)")
-    fig.tight_layout()
-    save(fig, plots / "memory_projected")
-    plt.close(fig)
+    with _figure(plots / "memory_projected", 2, figsize=(10, 3.8), sharey=True) as (fig, axes):
+        for ax, rc in zip(axes, ("none", "full")):
+            d = mem[mem.recompute == rc]
+            sns.lineplot(
+                d, x="seq_len", y="peak_gib", hue="strategy", marker="o", ax=ax, palette=pal
+            )
+            ax.axhline(cfg["device_memory_gib"], color="red", ls="--", lw=1)
+            ax.text(d.seq_len.min(), cfg["device_memory_gib"] * 1.05, f"{hw0} memory", color="red")
+            ax.set(yscale="log", xlabel="sequence length", ylabel="peak GiB per GPU")
+            ax.set_title(f"recompute {rc}")
+            _seq_axis(ax, d.seq_len)
+            ax.legend(fontsize=7, loc="upper left", ncol=2)
+        fig.suptitle(
+            f"PROJECTED peak memory, {cfg['model']} train, D={cfg['degree']} (fake tensors)"
+        )
 
-    ts = tables["throughput_vs_seq"]
-    fig, axes = plt.subplots(1, len(cfg["hardware"]), figsize=(4.2 * len(cfg["hardware"]), 3.6))
-    for ax, hw in zip(axes, cfg["hardware"]):
-        d = ts[(ts.hardware == hw) & (ts["mode"] == "train")]
-        _lines(ax, d, "seq_len", "tokens_per_s_per_gpu")
-        ax.set(xlabel="sequence length", ylabel="tokens/s per GPU", title=f"{hw} (projected)")
-        _seq_axis(ax, d.seq_len)
-        ax.legend(fontsize=6, loc="lower left")
-    fig.suptitle(f"PROJECTED training throughput, {cfg['model']}, one node (D={cfg['degree']})")
-    fig.tight_layout()
-    save(fig, plots / "throughput_projected")
-    plt.close(fig)
+    ts, n_hw = tables["throughput_vs_seq"], len(cfg["hardware"])
+    with _figure(plots / "throughput_projected", n_hw, figsize=(4.2 * n_hw, 3.6)) as (fig, axes):
+        for ax, hw in zip(axes, cfg["hardware"]):
+            d = ts[(ts.hardware == hw) & (ts["mode"] == "train")]
+            _lines(ax, d, "seq_len", "tokens_per_s_per_gpu")
+            ax.set(xlabel="sequence length", ylabel="tokens/s per GPU", title=f"{hw} (projected)")
+            _seq_axis(ax, d.seq_len)
+            ax.legend(fontsize=6, loc="lower left")
+        fig.suptitle(f"PROJECTED training throughput, {cfg['model']}, one node (D={cfg['degree']})")
 
     sc = tables["scaling"]
     d = sc[(sc.hardware == hw0) & (sc.seq_len == max(sc.seq_len))]
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    _lines(ax, d, "gpus", "tokens_per_s")
-    ax.set(
-        xscale="log",
-        yscale="log",
-        xlabel="GPUs",
-        ylabel="tokens/s (forward)",
-        title=f"PROJECTED scaling on {hw0}, S={max(sc.seq_len) // 1024}K",
-    )
-    fig.tight_layout()
-    save(fig, plots / "scaling_projected")
-    plt.close(fig)
+    with _figure(plots / "scaling_projected", figsize=(5.5, 3.8)) as (_, ax):
+        _lines(ax, d, "gpus", "tokens_per_s")
+        ax.set(
+            xscale="log",
+            yscale="log",
+            xlabel="GPUs",
+            ylabel="tokens/s (forward)",
+            title=f"PROJECTED scaling on {hw0}, S={max(sc.seq_len) // 1024}K",
+        )
 
     mb = tables["microbatch"]
     d = mb[mb.hardware == hw0]
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    _lines(ax, d, "batch", "tokens_per_s")
-    ax.set(
-        xscale="log",
-        xlabel="micro-batch",
-        ylabel="tokens/s (train)",
-        title=f"PROJECTED micro-batch sweep, {cfg['throughput']['batch_gpus']} x {hw0}",
-    )
-    ticks = sorted(d.batch.unique())
-    ax.set_xticks(ticks, [str(b) for b in ticks])
-    ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    save(fig, plots / "microbatch_projected")
-    plt.close(fig)
+    with _figure(plots / "microbatch_projected", figsize=(5.5, 3.8)) as (_, ax):
+        _lines(ax, d, "batch", "tokens_per_s")
+        ax.set(
+            xscale="log",
+            xlabel="micro-batch",
+            ylabel="tokens/s (train)",
+            title=f"PROJECTED micro-batch sweep, {cfg['throughput']['batch_gpus']} x {hw0}",
+        )
+        ticks = sorted(d.batch.unique())
+        ax.set_xticks(ticks, [str(b) for b in ticks])
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.legend(fontsize=7)
 
 
 def load(path: str) -> dict[str, Any]:
