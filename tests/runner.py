@@ -10,6 +10,16 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent  # the project's tools live beside its interpreter, not on PATH
+
+
+def tool(name: str) -> str:
+    """The installed command ``name`` (torchrun, mpiexec, ...) beside the interpreter running
+    the tests: found the same whether or not the virtual environment is activated."""
+    path = BIN / name
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: not installed (bash env/install.sh installs it)")
+    return str(path)
 
 
 def _env(env: dict[str, str] | None) -> dict[str, str] | None:

@@ -4,12 +4,11 @@ and the local launcher write the same record; infer mode, a forced OOM and bad a
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 
 import jsonschema
 import pytest
-from runner import ROOT, tspbench
+from runner import ROOT, tool, tspbench
 
 BASE = ["--model", "tiny", "--seq-len", "32", "--warmup", "0", "--steps", "1", "--quiet"]
 SCHEMA = json.loads((ROOT / "tspbench/schemas/record.schema.json").read_text())
@@ -76,20 +75,19 @@ def test_flops_are_the_same_work(records):
 
 
 LAUNCHERS = {
-    "torchrun": ["torchrun", "--standalone", "--nproc-per-node", "2"],
-    "mpiexec": ["mpiexec", "-n", "2"],
+    "torchrun": ["--standalone", "--nproc-per-node", "2"],
+    "mpiexec": ["-n", "2"],
 }
 
 
 @pytest.mark.parametrize("launcher", list(LAUNCHERS))
 def test_launchers_give_the_same_record(tmp_path, launcher):
     args = [*BASE, "--strategy", "tsp", "--degree", "2", "--batch", "2"]
-    if shutil.which(LAUNCHERS[launcher][0]) is None:
-        pytest.fail(f"{LAUNCHERS[launcher][0]} not installed (bash env/install.sh installs it)")
+    start = [tool(launcher), *LAUNCHERS[launcher]]  # beside sys.executable, not from PATH
     local = tspbench("run", *args, "--launch", "local", "--out", str(tmp_path / "local.json"))
     assert local.returncode == 0, local.stderr[-2000:]
     python = [] if launcher == "torchrun" else [sys.executable]  # torchrun starts Python itself
-    p = tspbench("run", *args, "--out", tmp_path / "l.json", launcher=LAUNCHERS[launcher] + python)
+    p = tspbench("run", *args, "--out", tmp_path / "l.json", launcher=start + python)
     assert p.returncode == 0, p.stderr[-3000:]
     a = json.loads((tmp_path / "local.json").read_text())
     b = json.loads((tmp_path / "l.json").read_text())

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -171,6 +172,13 @@ def test_at_least_thirty_bad_inputs():
     assert len(BAD) >= 30
 
 
+def catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (its SigCgt mask)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    mask = int(next(x for x in status.splitlines() if x.startswith("SigCgt:")).split()[1], 16)
+    return bool(mask >> (sig - 1) & 1)
+
+
 def leftovers(marker: str) -> list[str]:
     """Processes whose command line names ``marker`` (full width: pytest sets COLUMNS, and a
     truncated line would hide a leftover rank)."""
@@ -228,7 +236,18 @@ def test_a_dead_or_stalled_rank_ends_every_rank(tmp_path, baseline_s, fault, nee
     assert leftovers(str(out)) == []
 
 
-def test_sigterm_leaves_a_record_saying_so(tmp_path):
+@pytest.mark.parametrize(
+    "sig, when",
+    [
+        (signal.SIGTERM, "launcher"),  # the launcher is importing torch, no rank started
+        (signal.SIGTERM, "import"),  # ranks still importing torch: no guard yet
+        (signal.SIGINT, "import"),
+        (signal.SIGTERM, "run"),  # a rank stalls mid-run, the rest wait in a collective
+    ],
+)
+def test_a_signal_at_any_moment_leaves_a_record_saying_so(tmp_path, sig, when):
+    """A SIGTERM/SIGINT to the launcher, from its first instant to the middle of the run, ends
+    every rank and leaves a record that names the signal (the launcher exits 128 + signal)."""
     out = tmp_path / "t.json"
     cmd = [sys.executable, "-m", "tspbench", *FAULT_RUN, "--out", str(out), "--timeout", "60"]
     proc = subprocess.Popen(
@@ -238,14 +257,20 @@ def test_sigterm_leaves_a_record_saying_so(tmp_path):
         text=True,
         env={**os.environ, "TSPBENCH_FAULT": "stall:rank=1:step=1"},
     )
+    procs = {"launcher": 1, "import": 2, "run": 5}[when]  # the launcher, then its ranks
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and len(leftovers(str(out))) < 5:
-        time.sleep(0.2)
-    time.sleep(4)  # into the run
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=60)
+    while time.monotonic() < deadline and len(leftovers(str(out))) < procs:
+        time.sleep(0.05)
+    while when == "launcher" and time.monotonic() < deadline and not catches(proc.pid, sig):
+        time.sleep(0.01)  # from tspbench's first line on (before it: the interpreter's start)
+    if when == "run":
+        time.sleep(4)
+    proc.send_signal(sig)
+    code = proc.wait(timeout=60)
     rec = json.loads(out.read_text())
-    assert rec["status"] == "error" and "interrupted by SIGTERM" in rec["error_message"], rec
+    name = signal.Signals(sig).name
+    assert rec["status"] == "error" and f"interrupted by {name}" in rec["error_message"], rec
+    assert code == 128 + sig, (code, proc.stderr.read()[-2000:])
     assert leftovers(str(out)) == []
 
 

@@ -224,6 +224,8 @@ def cmd_overlap(a: argparse.Namespace) -> int:
 
 
 def run_local(a: argparse.Namespace, spec) -> int:
+    """Spawn the ranks here and make sure a record exists afterwards: rank 0's, amended with what
+    only the launcher saw (which rank died of which signal, a signal sent to the launcher)."""
     import json
     import signal
 
@@ -238,10 +240,22 @@ def run_local(a: argparse.Namespace, spec) -> int:
     argv = _replace_flag(argv, "--launch", "env")
     out = Path(a.out)
     before = out.stat().st_mtime_ns if out.exists() else None
-    codes = spawn_local(argv, nproc)
+    codes, got = spawn_local(argv, nproc)
     fresh = out.exists() and out.stat().st_mtime_ns != before
     killed = {r: -c for r, c in enumerate(codes) if c < 0}
     died = "; ".join(f"rank {r} killed by {signal.Signals(s).name}" for r, s in killed.items())
+    if got is not None:  # the launcher itself was signalled, perhaps before any rank's guard
+        interrupted = f"interrupted by {signal.Signals(got).name} (sent to the launcher)"
+        rec = json.loads(out.read_text()) if fresh else {}
+        if "interrupted by" not in str(rec.get("error_message")):
+            rec = {
+                **record_header(spec, "local", world),
+                "status": "error",
+                "error_message": f"{interrupted}; {died}" if died else interrupted,
+                "timestamp_utc": utc_now(),
+            }
+        write_json(out, {**rec, "rank_exit_codes": codes})
+        return 128 + got
     if not fresh:  # rank 0 died before writing: the launcher leaves the record instead
         write_json(
             out,
@@ -515,7 +529,11 @@ def cmd_regress(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tspbench.guard import release_signals
+
     args = make_parser().parse_args(argv)
+    if args.func not in (cmd_run, cmd_overlap):  # no guard or launcher will take the signals
+        release_signals()
     try:
         return args.func(args)
     except ConfigError as e:

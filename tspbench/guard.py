@@ -11,6 +11,11 @@ its ``time_limit`` (set below a scheduler's limit, so the run ends itself and sa
 being killed), the rank gives up.
 Either way ``on_fatal(reason)`` runs once (it writes the record and tells the peers), then the
 process exits at once.
+
+A signal can also come before the guard exists, while Python imports torch (seconds on a loaded
+machine): :func:`hold_signals`, called on the first line of ``python -m tspbench``, remembers it,
+and the guard acts on it as soon as it is up; a command that never starts a guard calls
+:func:`release_signals`, which restores the default handlers and re-raises a held signal.
 """
 
 from __future__ import annotations
@@ -22,6 +27,27 @@ import time
 from collections.abc import Callable
 
 SIGNALS = {signal.SIGINT, signal.SIGTERM}
+_held: list[int] = []
+
+
+def hold_signals() -> None:
+    """Until a guard (or :func:`release_signals`) takes over, remember SIGINT/SIGTERM instead of
+    dying of them, so that a run interrupted during start-up still says so in its record."""
+    for sig in SIGNALS:
+        signal.signal(sig, lambda signum, _frame: _held.append(signum))
+
+
+def held_signal() -> int | None:
+    """The first signal that arrived while held, if any."""
+    return _held[0] if _held else None
+
+
+def release_signals() -> None:
+    """Default handlers back; a signal that arrived while held now acts as it would have."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if _held:
+        os.kill(os.getpid(), _held[0])
 
 
 class Guard:
@@ -41,6 +67,8 @@ class Guard:
             signal.signal(sig, lambda *_: None)  # handled by the guard thread, via the pipe
         threading.Thread(target=self._signals, daemon=True, name="tspbench-signals").start()
         threading.Thread(target=self._watch, daemon=True, name="tspbench-watchdog").start()
+        if _held:  # arrived during start-up: act on it now, as if it had come through the pipe
+            os.write(pipe_w, bytes([_held[0]]))
 
     def beat(self) -> None:
         """The main thread made progress."""

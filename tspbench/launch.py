@@ -129,28 +129,18 @@ def init(env: RankEnv, timeout_s: float) -> tuple[torch.device, str]:
     return device, backend
 
 
-def spawn_local(argv: list[str], nproc: int, grace_s: float = 10.0) -> list[int]:
+def spawn_local(argv: list[str], nproc: int, grace_s: float = 10.0) -> tuple[list[int], int | None]:
     """Run ``python -m tspbench <argv>`` as ``nproc`` local ranks (torchrun's variables set).
 
     When one rank fails, the others get ``grace_s`` to finish, then are killed: none is left
-    behind. Returns every rank's exit code (negative: killed by that signal).
+    behind. A SIGINT/SIGTERM to the launcher (held since start-up, see :mod:`tspbench.guard`)
+    is passed on to every rank. Returns the exit code of every rank started (negative: killed by
+    that signal) and the signal the launcher received, if any (no rank is started after it).
     """
-    port = free_port()
-    procs = []
-    for r in range(nproc):
-        env = dict(
-            os.environ,
-            RANK=str(r),
-            WORLD_SIZE=str(nproc),
-            LOCAL_RANK=str(r),
-            LOCAL_WORLD_SIZE=str(nproc),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            TSPBENCH_LAUNCHER="local",
-        )
-        for k in ("SLURM_PROCID", "SLURM_NTASKS", *MPI_VARS):
-            env.pop(k, None)
-        procs.append(subprocess.Popen([sys.executable, "-m", "tspbench", *argv], env=env))
+    from tspbench.guard import SIGNALS, held_signal
+
+    got: list[int] = []
+    procs: list[subprocess.Popen] = []
 
     def kill_all(sig: int = signal.SIGKILL) -> None:
         for p in procs:
@@ -158,12 +148,34 @@ def spawn_local(argv: list[str], nproc: int, grace_s: float = 10.0) -> list[int]
                 p.send_signal(sig)
 
     def forward(signum, _frame):  # Ctrl-C / scancel reach every rank
+        got.append(signum)
         kill_all(signum)
 
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    old = {s: signal.signal(s, forward) for s in SIGNALS}
+    if held_signal() is not None:
+        got.append(held_signal())
+    port = free_port()
     try:
+        for r in range(nproc):
+            if got:
+                break
+            env = dict(
+                os.environ,
+                RANK=str(r),
+                WORLD_SIZE=str(nproc),
+                LOCAL_RANK=str(r),
+                LOCAL_WORLD_SIZE=str(nproc),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                TSPBENCH_LAUNCHER="local",
+            )
+            for k in ("SLURM_PROCID", "SLURM_NTASKS", *MPI_VARS):
+                env.pop(k, None)
+            procs.append(subprocess.Popen([sys.executable, "-m", "tspbench", *argv], env=env))
+        if got:  # signalled while starting the ranks: pass it on to those already started
+            kill_all(got[0])
         failed_at = None
-        while any(p.poll() is None for p in procs):
+        while [p for p in procs if p.poll() is None]:  # poll every rank, not up to a live one
             if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
                 failed_at = time.monotonic()
             if failed_at is not None and time.monotonic() - failed_at > grace_s:
@@ -175,4 +187,4 @@ def spawn_local(argv: list[str], nproc: int, grace_s: float = 10.0) -> list[int]
             p.wait()
         for s, h in old.items():
             signal.signal(s, h)
-    return [p.returncode for p in procs]
+    return [p.returncode for p in procs], (got[0] if got else None)

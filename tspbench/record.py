@@ -77,7 +77,7 @@ def hardware(device: torch.device, world_size: int) -> dict[str, Any]:
 
 
 def utc_now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
 
 
 def write_atomic(path: str | os.PathLike, text: str) -> None:
