@@ -12,7 +12,7 @@ from snakemake.utils import min_version, validate
 
 from tspbench.core.config import ConfigError
 from tspbench.pipeline.cells import command, slurm_resources, sweep_cells
-from tspbench.regress import hardware_id
+from tspbench.pipeline.regress import hardware_id
 
 min_version("9.0")
 

@@ -18,6 +18,10 @@ class DP(Strategy):
     name = "dp"
 
     @classmethod
+    def replica_batch(cls, layout: Layout, per_rank: int = 1) -> int:
+        return per_rank * layout.degree  # each rank takes whole sequences
+
+    @classmethod
     def validate(cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, **_) -> None:
         super().validate(cfg, layout, seq_len, batch)
         if batch % layout.degree:
@@ -69,6 +73,10 @@ class Single(DP):
     """The single-device reference (D must be 1)."""
 
     name = "single"
+
+    @classmethod
+    def sweep_layouts(cls, degrees: list[int], factors: list[list[int]]) -> list[Layout]:
+        return [Layout()]
 
     @classmethod
     def validate(cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, **_) -> None:

@@ -76,6 +76,10 @@ class FSDPCP(Strategy):
     name = "fsdp_cp"
 
     @classmethod
+    def context_parallel(cls, layout: Layout) -> int:
+        return layout.degree
+
+    @classmethod
     def validate(cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, **_) -> None:
         super().validate(cfg, layout, seq_len, batch)
         zigzag.check_divisible(seq_len, layout.degree)

@@ -23,6 +23,10 @@ class SP(Strategy):
     name = "sp"
 
     @classmethod
+    def context_parallel(cls, layout: Layout) -> int:
+        return layout.degree
+
+    @classmethod
     def validate(cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, **_) -> None:
         super().validate(cfg, layout, seq_len, batch)
         zigzag.check_divisible(seq_len, layout.degree)

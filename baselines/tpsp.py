@@ -26,6 +26,30 @@ class TPSP(Strategy):
     name = "tpsp"
 
     @classmethod
+    def make_layout(cls, degree: int | None, tp: int, sp: int, dp: int) -> Layout:
+        return Layout(degree=tp * sp if degree is None else degree, tp=tp, sp=sp, dp=dp)
+
+    @classmethod
+    def sweep_layouts(cls, degrees: list[int], factors: list[list[int]]) -> list[Layout]:
+        return [Layout(degree=t * s, tp=t, sp=s) for t, s in factors if t * s in degrees]
+
+    @classmethod
+    def factors(cls, layout: Layout) -> dict[str, int | None]:
+        return {"tp": layout.tp, "sp": layout.sp}
+
+    @classmethod
+    def tag(cls, layout: Layout) -> str:
+        return f"{cls.name}-{layout.tp}x{layout.sp}"
+
+    @classmethod
+    def label(cls, layout: Layout) -> str:
+        return f"{cls.name} ({layout.tp}x{layout.sp})"
+
+    @classmethod
+    def context_parallel(cls, layout: Layout) -> int:
+        return layout.sp
+
+    @classmethod
     def mesh_dims(cls, layout: Layout) -> dict[str, int]:
         return {"dp": layout.dp, "sp": layout.sp, "tp": layout.tp}
 

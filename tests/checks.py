@@ -18,7 +18,7 @@ from tspbench.core.mesh import build_mesh
 from tspbench.core.optim import AdamW
 from tspbench.core.reference import ReferenceModel, make_batch
 from tspbench.core.strategy import Layout
-from tspbench.registry import get_strategy
+from tspbench.runtime.registry import get_strategy
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -153,8 +153,8 @@ def run_cases(cases: list[dict]) -> dict:
 def measure_case(case: dict) -> dict:
     """One step as ``tspbench run``'s probe measures it: tracked peak (parameters, fp32 masters,
     inputs and everything the step allocates, AdamW's state included), FLOPs, bytes per kind."""
-    from tspbench.flops import counter
-    from tspbench.measure import gc_held, one_step
+    from tspbench.runtime.flops import counter
+    from tspbench.runtime.measure import gc_held, one_step
 
     strat, cfg = make_strategy(case)
     tokens, labels = make_batch(cfg, case["B"], case["S"], seed=0)

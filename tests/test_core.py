@@ -12,7 +12,7 @@ from tspbench.core.comm import bus_bytes
 from tspbench.core.config import PRESETS, ConfigError, get_config, parse_overrides
 from tspbench.core.memory import MemoryTracker, TrackedOOM
 from tspbench.core.strategy import Layout
-from tspbench.registry import get_strategy, strategies
+from tspbench.runtime.registry import get_strategy, strategies
 
 
 def test_presets_and_overrides():

@@ -11,7 +11,7 @@ import pytest
 
 from distributed import run_world
 from tspbench.core.strategy import Layout
-from tspbench.layout import rank_layout
+from tspbench.runtime.layout import rank_layout
 
 GQA = {"kv_heads": 4}
 # world 4 = dp 2 x model group 2; tiny dp buckets exercise several overlapped bucket all-reduces

@@ -17,11 +17,10 @@ import pytest
 from runner import ROOT, tspbench
 
 from distributed import run_world
-from tspbench import analytic
 from tspbench.core.config import get_config
-from tspbench.core.strategy import Layout
-from tspbench.estimate import estimate_rank
-from tspbench.measure import RunSpec
+from tspbench.projection import analytic
+from tspbench.projection.estimate import estimate_rank
+from tspbench.runtime.spec import RunSpec
 
 GQA = {"kv_heads": 2}
 REF = ROOT / "results" / "reference" / "calibration"
@@ -60,10 +59,10 @@ CASES = _cases()
 
 def _spec(case: dict) -> RunSpec:
     cfg = get_config("tiny", **case.get("model", {}))
-    lay = Layout(degree=case["D"], tp=case.get("tp", 1), sp=case.get("sp", 1))
-    return RunSpec(
-        case["strategy"], cfg, lay, case["S"], case["B"], case["mode"], "fp32", 0, 1, 0,
-        recompute=case["recompute"],
+    return RunSpec.make(
+        case["strategy"], cfg, degree=case["D"], tp=case.get("tp", 1), sp=case.get("sp", 1),
+        seq_len=case["S"], batch=case["B"], mode=case["mode"], recompute=case["recompute"],
+        warmup=0, steps=1,
     )  # fmt: skip
 
 
@@ -85,7 +84,7 @@ def test_analytic_bytes_and_flops_equal_measured(measured, report):
     """Bytes per kind and FLOPs exactly as the counters measured them, every case."""
     bad = []
     for c in CASES:
-        case = analytic.Case.of(_spec(c))
+        case = _spec(c)
         m = measured[c["id"]]
         want = {k: v for k, v in analytic.comm_by_kind(case).items() if v}
         got = {k: v for k, v in m["bytes"].items() if v}
@@ -113,7 +112,7 @@ def test_peak_memory_fake_exact_analytic_within_10_percent(measured, fake, repor
     bad = []
     for c in CASES:
         real = measured[c["id"]]["peak"]
-        a = analytic.memory(analytic.Case.of(_spec(c)))["peak_first"] / real - 1
+        a = analytic.memory(_spec(c))["peak_first"] / real - 1
         f = fake[c["id"]]["peak_first_bytes"] / real - 1
         worst["analytic"] = max(worst["analytic"], abs(a))
         worst["fake"] = max(worst["fake"], abs(f))
@@ -130,33 +129,33 @@ def test_peak_memory_fake_exact_analytic_within_10_percent(measured, fake, repor
 def test_rank_zero_holds_the_largest_buffers():
     """The estimator's default (rank 0) is the worst rank: zigzag gives it the longest keys."""
     for s in ("tsp", "sp", "fsdp_cp", "tpsp", "tp"):
-        lay = Layout(degree=4, tp=2, sp=2) if s == "tpsp" else Layout(degree=4)
-        spec = RunSpec(s, get_config("tiny"), lay, 1024, 1, "train", "fp32", 0, 1, 0)
+        tp, sp = (2, 2) if s == "tpsp" else (1, 1)
+        spec = RunSpec.make(s, get_config("tiny"), degree=4, tp=tp, sp=sp, seq_len=1024)
         peaks = [estimate_rank(spec, r, "fused")["peak_bytes"] for r in range(4)]
         assert peaks[0] == max(peaks), (s, peaks)
 
 
 def test_op_count_extrapolates_exactly():
-    from tspbench.estimate import count_rank_ops
-    from tspbench.project import count_ops
+    from tspbench.projection.costmodel import count_ops
+    from tspbench.projection.estimate import count_rank_ops
 
     cfg = dataclasses.replace(get_config("tiny"), layers=3)
-    c = analytic.Case("tsp", cfg, 256, 1, 2, recompute="full")
+    c = RunSpec.make("tsp", cfg, degree=2, seq_len=256, recompute="full")
     assert count_ops(c) == count_rank_ops(c)
 
 
 def test_projection_parts_follow_the_preset():
-    from tspbench.project import load_preset, project
+    from tspbench.projection.costmodel import load_preset, project
 
     cfg = get_config("7b")
     mi, h100 = load_preset("mi300x"), load_preset("h100")
-    tsp = analytic.Case("tsp", cfg, 65536, 1, 8, dtype="bf16", recompute="full")
+    tsp = RunSpec.make("tsp", cfg, degree=8, seq_len=65536, dtype="bf16", recompute="full")
     a, b = project(tsp, mi, ops=0), project(tsp, h100, ops=0)
     assert a["compute_s"] < b["compute_s"]  # MI300X has more FLOP/s than H100
     assert 0 < a["mfu"] < 1 and a["tokens_per_s"] > 0
     # a ring step uses one Infinity Fabric link, a broadcast all seven: on NVSwitch both see
     # the same bandwidth, so TSP's send/recv costs relatively more on MI300X
-    scaled = project(dataclasses.replace(tsp, dp=16), mi, ops=0)
+    scaled = project(tsp.replace(layout=dataclasses.replace(tsp.layout, dp=16)), mi, ops=0)
     assert scaled["step_time_s"] > a["step_time_s"]  # the data-parallel all-reduce crosses NICs
 
 
@@ -190,14 +189,14 @@ def test_commands_run(tmp_path):
 
 
 def test_calibrate_writes_a_usable_preset(tmp_path):
-    from tspbench.project import load_preset, project
+    from tspbench.projection.costmodel import load_preset, project
 
     out = tmp_path / "cpu.json"
     p = tspbench("calibrate", "--ranks", "1,2", "--out", out)
     assert p.returncode == 0, p.stderr
     preset = load_preset(str(out))
     assert min(preset["ranks"]["2"]["gemm_flops_by_n"].values()) > 1e8
-    c = analytic.Case("tsp", get_config("tiny"), 512, 1, 2)
+    c = RunSpec.make("tsp", get_config("tiny"), degree=2, seq_len=512)
     assert project(c, preset)["step_time_s"] > 0
 
 
@@ -219,7 +218,7 @@ def test_7b_estimate_fits_budget(tmp_path):
 
 def test_project_check_reads_repeated_runs(tmp_path):
     """Repeated runs of a sweep: the median is the measurement, the range is reported."""
-    from tspbench.project import check_footer, check_summary, load_preset
+    from tspbench.projection.costmodel import check_footer, check_summary, load_preset
 
     ref = pd.read_csv(REF / "default-summary-1.csv")
     cells = ref[ref["status"] == "ok"].head(3)

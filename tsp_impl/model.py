@@ -27,6 +27,10 @@ class TSP(Strategy):
     name = "tsp"
 
     @classmethod
+    def context_parallel(cls, layout: Layout) -> int:
+        return layout.degree
+
+    @classmethod
     def validate(
         cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, kv_bucket: int = 0
     ) -> None:

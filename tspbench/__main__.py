@@ -1,7 +1,8 @@
-"""``python -m tspbench`` and the ``tspbench`` script. Signals are held from the first line, so a
-SIGTERM that arrives while torch is still importing is not lost (see :mod:`tspbench.guard`)."""
+"""``python -m tspbench`` and the ``tspbench`` script. Signals are held from the first line, so
+a SIGTERM that arrives while torch is still importing is not lost (:mod:`tspbench.runtime.guard`).
+"""
 
-from tspbench.guard import hold_signals
+from tspbench.runtime.guard import hold_signals
 
 hold_signals()
 

@@ -213,6 +213,44 @@ class Strategy(ABC):
     def forward_only(self, batch: Batch) -> torch.Tensor:
         return self.loss(batch)[1]
 
+    # -- self-description: what the harness asks instead of switching on strategy names -------
+    @classmethod
+    def make_layout(cls, degree: int | None, tp: int, sp: int, dp: int) -> Layout:
+        """The layout of ``--degree/--tp/--sp/--dp`` (degree defaults to 1)."""
+        if tp != 1 or sp != 1:
+            raise ConfigError(f"--tp/--sp: only strategy tpsp takes them (got {cls.name})")
+        return Layout(degree=1 if degree is None else degree, dp=dp)
+
+    @classmethod
+    def sweep_layouts(cls, degrees: list[int], factors: list[list[int]]) -> list[Layout]:
+        """The model groups a sweep gives this strategy (``factors``: T x Sigma pairs)."""
+        return [Layout(degree=d) for d in degrees]
+
+    @classmethod
+    def factors(cls, layout: Layout) -> dict[str, int | None]:
+        """The record's ``tp``/``sp``: None where the group is not factored."""
+        return {"tp": None, "sp": None}
+
+    @classmethod
+    def tag(cls, layout: Layout) -> str:
+        """The strategy and its factorisation, as cell ids spell it (``tpsp-2x2``)."""
+        return cls.name
+
+    @classmethod
+    def label(cls, layout: Layout) -> str:
+        """The strategy and its factorisation, as tables and legends spell it."""
+        return cls.name
+
+    @classmethod
+    def context_parallel(cls, layout: Layout) -> int:
+        """Ranks that split one sequence into zigzag chunks (1: every rank sees whole ones)."""
+        return 1
+
+    @classmethod
+    def replica_batch(cls, layout: Layout, per_rank: int = 1) -> int:
+        """The smallest micro-batch giving every rank ``per_rank`` sequences' worth of work."""
+        return per_rank
+
 
 # Megatron's split of every reference parameter: column-parallel weights by rows (dim 0),
 # row-parallel weights (wo, w2) by columns, embedding and LM head by vocabulary rows, norms whole.

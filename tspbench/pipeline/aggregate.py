@@ -15,7 +15,7 @@ import pandas as pd
 
 from tspbench.core.comm import KINDS
 from tspbench.pipeline.cells import Cell
-from tspbench.record import write_atomic
+from tspbench.runtime.record import write_atomic
 
 SCALARS = [
     "strategy",
@@ -55,24 +55,17 @@ SCALARS = [
 ]
 
 
-def label(strategy: str, tp: float | None, sp: float | None) -> str:
-    return f"tpsp ({int(tp)}x{int(sp)})" if strategy == "tpsp" else strategy
+CELL_KEYS = ("strategy", "seq_len", "degree", "tp", "sp", "dp", "batch", "mode", "world_size")
 
 
 def row(cell: Cell, path: Path) -> dict:
+    spec = cell.spec
     base = {
         "cell": cell.id,
         "sweep": cell.sweep,
         "gpus": cell.gpus,
-        "strategy": cell.strategy,
-        "seq_len": cell.seq_len,
-        "degree": cell.degree,
-        "dp": cell.dp,
-        "batch": cell.batch,
-        "mode": cell.mode,
-        "world_size": cell.gpus,
-        "tp": cell.tp if cell.strategy == "tpsp" else None,
-        "sp": cell.sp if cell.strategy == "tpsp" else None,
+        **{k: v for k, v in spec.header("", cell.gpus).items() if k in CELL_KEYS},
+        "label": spec.label,
     }
     if not path.exists():
         return {**base, "status": "missing", "error_message": f"no record at {path}"}
@@ -100,9 +93,7 @@ def row(cell: Cell, path: Path) -> dict:
 
 def aggregate(cells: list[Cell], runs_dir: Path) -> pd.DataFrame:
     rows = [row(c, runs_dir / f"{c.id}.json") for c in cells]
-    df = pd.DataFrame(rows)
-    df["label"] = [label(s, t, p) for s, t, p in zip(df["strategy"], df["tp"], df["sp"])]
-    return df
+    return pd.DataFrame(rows)
 
 
 def write_table(df: pd.DataFrame, csv: Path, parquet: Path | None = None) -> None:
@@ -111,3 +102,19 @@ def write_table(df: pd.DataFrame, csv: Path, parquet: Path | None = None) -> Non
         tmp = parquet.with_name(f".{parquet.name}.tmp")
         df.to_parquet(tmp, index=False)
         tmp.replace(parquet)
+
+
+def write_summary(
+    config: dict, runs: Path, csv: Path, parquet: Path | None, filtered_csv: Path
+) -> tuple[pd.DataFrame, list[dict]]:
+    """Aggregate a sweep's records into ``csv`` (and ``parquet``), its filtered combinations
+    into ``filtered_csv``; returns both."""
+    from tspbench.pipeline.cells import sweep_cells
+
+    cells, filtered = sweep_cells(config)
+    df = aggregate(cells, runs)
+    write_table(df, csv, parquet)
+    write_table(
+        pd.DataFrame(filtered, columns=["cell", "reason"] if not filtered else None), filtered_csv
+    )
+    return df, filtered

@@ -10,57 +10,37 @@ from __future__ import annotations
 import itertools
 import math
 import shlex
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import yaml
 
 from tspbench.core.config import ConfigError, get_config
-from tspbench.core.strategy import Layout
-from tspbench.registry import get_strategy
+from tspbench.runtime.registry import get_strategy
+from tspbench.runtime.spec import RunSpec, parse_size
 
 
 @dataclass(frozen=True)
 class Cell:
-    strategy: str
-    degree: int
-    tp: int
-    sp: int
-    gpus: int
-    seq_len: int
-    batch: int
-    mode: str
+    """One run of a sweep: its spec and the sweep that listed it first."""
+
+    spec: RunSpec
     sweep: str
 
     @property
-    def dp(self) -> int:
-        return self.gpus // self.degree
+    def id(self) -> str:
+        return self.spec.id
 
     @property
-    def id(self) -> str:
-        tag = f"{self.strategy}-{self.tp}x{self.sp}" if self.strategy == "tpsp" else self.strategy
-        return f"{tag}.D{self.degree}.g{self.gpus}.S{self.seq_len}.B{self.batch}.{self.mode}"
-
-    def layout(self) -> Layout:
-        return Layout(degree=self.degree, tp=self.tp, sp=self.sp, dp=self.dp)
-
-
-def _layouts(
-    strategy: str, degrees: list[int], tpsp: list[list[int]]
-) -> list[tuple[int, int, int]]:
-    """(degree, tp, sp) of a strategy in a sweep; tpsp takes its listed T x Sigma factorisations."""
-    if strategy == "tpsp":
-        return [(t * s, t, s) for t, s in tpsp if t * s in degrees]
-    if strategy == "single":
-        return [(1, 1, 1)]
-    return [(d, 1, 1) for d in degrees]
+    def gpus(self) -> int:
+        return self.spec.layout.world_size
 
 
 def check_sweep(i: int, sweep: dict) -> None:
     """Sweep-level rules (ConfigError naming the field): every sequence length splits into 2D
     zigzag chunks and every GPU count holds whole model groups, for every degree of the sweep."""
     degrees = set(sweep["degrees"]) | {t * s for t, s in sweep.get("tpsp", [])}
-    if "tpsp" in sweep["strategies"] and not sweep.get("tpsp"):
+    if "tpsp" in sweep["strategies"] and not sweep.get("tpsp"):  # the config's own key
         raise ConfigError(f"sweeps[{i}].tpsp: list the T x Sigma factorisations, e.g. [[2, 2]]")
     for t, s in sweep.get("tpsp", []):
         if t * s not in sweep["degrees"]:
@@ -116,6 +96,15 @@ def sweep_cells(config: dict) -> tuple[list[Cell], list[dict]]:
     its reason, never dropped silently.
     """
     cfg = get_config(config["model"], **config.get("model_overrides", {}))
+    common = {
+        "dtype": config["dtype"],
+        "warmup": config["warmup"],
+        "steps": config["steps"],
+        "seed": config.get("seed", 0),
+        "recompute": config.get("recompute", "none"),
+        "max_memory": parse_size(str(config["max_memory"])) if config.get("max_memory") else None,
+        "quiet": True,
+    }
     cells: dict[str, Cell] = {}
     filtered: list[dict] = []
     for i, sweep in enumerate(config["sweeps"]):
@@ -124,14 +113,31 @@ def sweep_cells(config: dict) -> tuple[list[Cell], list[dict]]:
             sweep["strategies"], sweep["gpus"], sweep["seq_lens"], sweep["batches"], sweep["modes"]
         )
         for strategy, gpus, S, B, mode in combos:
-            for degree, tp, sp in _layouts(strategy, sweep["degrees"], sweep.get("tpsp", [])):
-                cell = Cell(strategy, degree, tp, sp, gpus, S, B, mode, sweep["name"])
+            impl = get_strategy(strategy)
+            for lay in impl.sweep_layouts(sweep["degrees"], sweep.get("tpsp", [])):
+                lay = replace(lay, dp=gpus // lay.degree)
+                fields = {"seq_len": S, "batch": B, "mode": mode, **common}
                 try:
-                    get_strategy(strategy).validate(cfg, cell.layout(), S, B)
+                    spec = RunSpec(strategy=strategy, cfg=cfg, layout=lay, **fields)
                 except ConfigError as e:
-                    filtered.append({**asdict(cell), "cell": cell.id, "reason": str(e)})
+                    cell_id = f"{impl.tag(lay)}.D{lay.degree}.g{gpus}.S{S}.B{B}.{mode}"
+                    filtered.append(
+                        {
+                            "strategy": strategy,
+                            "degree": lay.degree,
+                            "tp": lay.tp,
+                            "sp": lay.sp,
+                            "gpus": gpus,
+                            "seq_len": S,
+                            "batch": B,
+                            "mode": mode,
+                            "sweep": sweep["name"],
+                            "cell": cell_id,
+                            "reason": str(e),
+                        }
+                    )
                     continue
-                cells.setdefault(cell.id, cell)
+                cells.setdefault(spec.id, Cell(spec, sweep["name"]))
     return list(cells.values()), filtered
 
 
@@ -154,39 +160,7 @@ def command(cell: Cell, config: dict, python: str) -> str:
 
 def run_args(cell: Cell, config: dict) -> list[str]:
     """The ``tspbench run`` arguments of a cell (launcher and output are the rule's business)."""
-    args = [
-        "--strategy",
-        cell.strategy,
-        "--model",
-        config["model"],
-        "--seq-len",
-        str(cell.seq_len),
-        "--degree",
-        str(cell.degree),
-        "--dp",
-        str(cell.dp),
-        "--batch",
-        str(cell.batch),
-        "--mode",
-        cell.mode,
-        "--dtype",
-        config["dtype"],
-        "--warmup",
-        str(config["warmup"]),
-        "--steps",
-        str(config["steps"]),
-        "--seed",
-        str(config.get("seed", 0)),
-        "--recompute",
-        config.get("recompute", "none"),
-        "--quiet",
-    ]
-    if cell.strategy == "tpsp":
-        args += ["--tp", str(cell.tp), "--sp", str(cell.sp)]
-    for k, v in config.get("model_overrides", {}).items():
-        args += ["--set", f"{k}={v}"]
-    if config.get("max_memory"):
-        args += ["--max-memory", str(config["max_memory"])]
+    args = cell.spec.to_argv()
     if config.get("timeout"):
         args += ["--timeout", str(config["timeout"])]
     return args
@@ -203,5 +177,5 @@ def slurm_resources(cell: Cell, config: dict) -> dict:
         "tasks_per_node": per_node,
         "gres": f"gpu:{per_node}" if config.get("gpu", False) else "",
         "mpi": "srun" if per_node > 1 else "",
-        "runtime": int(base * max(1, cell.seq_len / config.get("runtime_base_seq", 16384))),
+        "runtime": int(base * max(1, cell.spec.seq_len / config.get("runtime_base_seq", 16384))),
     }

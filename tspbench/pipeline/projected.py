@@ -12,81 +12,78 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 from matplotlib.ticker import NullFormatter
 
-from tspbench.analytic import Case, memory
 from tspbench.core.config import get_config
+from tspbench.core.strategy import Layout
 from tspbench.pipeline.figures import palette, save
-from tspbench.project import load_preset, project
-from tspbench.record import write_atomic
+from tspbench.projection.analytic import memory
+from tspbench.projection.costmodel import load_preset, project
+from tspbench.runtime.record import write_atomic
+from tspbench.runtime.registry import get_strategy
+from tspbench.runtime.spec import RunSpec
 
 GiB = 2**30
 
 
 @dataclass(frozen=True)
 class Cell:
-    strategy: str
-    seq_len: int
-    recompute: str
-    degree: int
-    tp: int = 1
-    sp: int = 1
+    """One fake-tensor memory estimate: a training step of ``spec`` on rank 0."""
+
+    spec: RunSpec
 
     @property
     def label(self) -> str:
-        return f"tpsp {self.tp}x{self.sp}" if self.strategy == "tpsp" else self.strategy
+        return self.spec.label
 
     @property
     def id(self) -> str:
-        tag = f"tpsp{self.tp}x{self.sp}" if self.strategy == "tpsp" else self.strategy
-        return f"{tag}.S{self.seq_len}.{self.recompute}"
+        return f"{self.spec.impl.tag(self.spec.layout)}.S{self.spec.seq_len}.{self.spec.recompute}"
 
-    def args(self, cfg: dict) -> list[str]:
-        out = ["--strategy", self.strategy, "--model", cfg["model"], "--dtype", cfg["dtype"]]
-        out += ["--seq-len", str(self.seq_len), "--degree", str(self.degree)]
-        out += ["--recompute", self.recompute, "--mode", "train"]
-        out += ["--batch", str(self.degree if self.strategy == "dp" else 1)]
-        if self.strategy == "tpsp":
-            out += ["--tp", str(self.tp), "--sp", str(self.sp)]
-        return out
+    def args(self) -> list[str]:
+        """``tspbench estimate`` arguments of this cell."""
+        return self.spec.to_argv()
 
 
-def memory_cells(cfg: dict) -> list[Cell]:
-    m, D = cfg["memory"], cfg["degree"]
-    cells = []
-    for s in m["strategies"]:
-        splits = [tuple(x) for x in cfg["tpsp"]] if s == "tpsp" else [(1, 1)]
-        for tp, sp in splits:
-            for S in m["seq_lens"]:
-                for rc in m["recompute"]:
-                    cells.append(Cell(s, S, rc, D, tp, sp))
-    return cells
+def layouts(cfg: dict, strategies: list[str]) -> list[tuple[str, Layout]]:
+    """(strategy, model group) pairs at the config's degree (TP+SP: its factorisations)."""
+    return [
+        (s, lay)
+        for s in strategies
+        for lay in get_strategy(s).sweep_layouts([cfg["degree"]], cfg["tpsp"])
+    ]
 
 
-def _case(cfg: dict, strategy: str, S: int, *, tp=1, sp=1, dp=1, batch=1, mode="train", rc="none"):
-    D = cfg["degree"]
-    return Case(
-        strategy,
-        get_config(cfg["model"]),
-        S,
-        batch * (D if strategy == "dp" else 1),
-        D,
-        tp,
-        sp,
-        dp,
-        mode,
-        cfg["dtype"],
-        rc,
+def _spec(
+    cfg: dict, strategy: str, layout: Layout, S: int, *, dp=1, batch=1, mode="train", rc="none"
+) -> RunSpec:
+    """A replica of ``batch`` sequences per rank's worth of work (DP: one per rank)."""
+    lay = replace(layout, dp=dp)
+    return RunSpec(
+        strategy=strategy,
+        cfg=get_config(cfg["model"]),
+        layout=lay,
+        seq_len=S,
+        batch=get_strategy(strategy).replica_batch(lay, batch),
+        mode=mode,
+        dtype=cfg["dtype"],
+        recompute=rc,
     )
 
 
-def _cell_case(cfg: dict, cell: Cell) -> Case:
-    return _case(cfg, cell.strategy, cell.seq_len, tp=cell.tp, sp=cell.sp, rc=cell.recompute)
+def memory_cells(cfg: dict) -> list[Cell]:
+    m = cfg["memory"]
+    return [
+        Cell(_spec(cfg, s, lay, S, rc=rc))
+        for s, lay in layouts(cfg, m["strategies"])
+        for S in m["seq_lens"]
+        for rc in m["recompute"]
+    ]
 
 
 def memory_table(cfg: dict, estimates: Path) -> pd.DataFrame:
@@ -97,10 +94,10 @@ def memory_table(cfg: dict, estimates: Path) -> pd.DataFrame:
         rows.append(
             {
                 "strategy": cell.label,
-                "recompute": cell.recompute,
-                "seq_len": cell.seq_len,
+                "recompute": cell.spec.recompute,
+                "seq_len": cell.spec.seq_len,
                 "peak_gib": rec["peak_mem_bytes"] / GiB,
-                "analytic_gib": memory(_cell_case(cfg, cell))["peak"] / GiB,
+                "analytic_gib": memory(cell.spec)["peak"] / GiB,
                 "fits": rec["peak_mem_bytes"] <= limit,
                 "estimate_s": rec["estimate_s"],
             }
@@ -110,25 +107,19 @@ def memory_table(cfg: dict, estimates: Path) -> pd.DataFrame:
 
 def throughput_tables(cfg: dict) -> dict[str, pd.DataFrame]:
     t = cfg["throughput"]
-    labels = [(s, 1, 1) for s in t["strategies"] if s != "tpsp"]
-    labels += [("tpsp", a, b) for a, b in cfg["tpsp"]] if "tpsp" in t["strategies"] else []
-
-    def name(s, a, b):
-        return f"tpsp {a}x{b}" if s == "tpsp" else s
-
     by_seq, scaling, batches = [], [], []
     for hw in cfg["hardware"]:
         preset = load_preset(hw)
         cap = preset["memory_bytes"]
-        for s, a, b in labels:
+        for s, lay in layouts(cfg, t["strategies"]):
             for mode in ("train", "infer"):
                 for S in t["seq_lens"]:
-                    c = _case(cfg, s, S, tp=a, sp=b, mode=mode, rc=t["recompute"])
+                    c = _spec(cfg, s, lay, S, mode=mode, rc=t["recompute"])
                     p, m = project(c, preset), memory(c)
                     by_seq.append(
                         {
                             "hardware": hw,
-                            "strategy": name(s, a, b),
+                            "strategy": c.label,
                             "mode": mode,
                             "seq_len": S,
                             "tokens_per_s_per_gpu": p["tokens_per_s"] / c.degree,
@@ -140,12 +131,12 @@ def throughput_tables(cfg: dict) -> dict[str, pd.DataFrame]:
                     )
             for gpus in t["gpus"]:
                 for S in t["scaling_seq_lens"]:
-                    c = _case(cfg, s, S, tp=a, sp=b, dp=gpus // cfg["degree"], mode="infer")
+                    c = _spec(cfg, s, lay, S, dp=gpus // cfg["degree"], mode="infer")
                     p = project(c, preset)
                     scaling.append(
                         {
                             "hardware": hw,
-                            "strategy": name(s, a, b),
+                            "strategy": c.label,
                             "gpus": gpus,
                             "seq_len": S,
                             "tokens_per_s": p["tokens_per_s"],
@@ -153,22 +144,20 @@ def throughput_tables(cfg: dict) -> dict[str, pd.DataFrame]:
                         }
                     )
             for B in t["batches"]:
-                c = _case(
+                c = _spec(
                     cfg,
                     s,
+                    lay,
                     t["batch_seq_len"],
-                    tp=a,
-                    sp=b,
                     dp=t["batch_gpus"] // 8,
                     batch=B,
-                    mode="train",
                     rc=t["recompute"],
                 )
                 p, m = project(c, preset), memory(c)
                 batches.append(
                     {
                         "hardware": hw,
-                        "strategy": name(s, a, b),
+                        "strategy": c.label,
                         "batch": B,
                         "tokens_per_s": p["tokens_per_s"],
                         "peak_gib_analytic": m["peak"] / GiB,
@@ -226,7 +215,7 @@ def write_report(cfg: dict, estimates: Path, out: Path, plots: Path, command: st
         f"**Projected**, not measured: {cfg['model']} model, {cfg['dtype']}, D = {cfg['degree']}. "
         f"Memory: fake-tensor estimates of the real code (rank 0, fused flash-attention memory), "
         f"device memory {cfg['device_memory_gib']} GiB ({hw0} preset). Throughput: cost model on "
-        f"the named hardware preset (tspbench/data/hardware.json). Made by: `{command}`."
+        f"the named hardware preset (tspbench/projection/hardware.json). Made by: `{command}`."
     )
     mem = memory_table(cfg, estimates)
     wide = mem.assign(

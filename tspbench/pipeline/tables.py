@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from tspbench.record import write_atomic
+from tspbench.runtime.record import write_atomic
 
 MARK = {"oom": "OOM", "error": "failed", "missing": "failed", "corrupt": "failed"}
 

@@ -1,5 +1,7 @@
 # Paper scale without the hardware: `snakemake project` (workflows/config/projected.yaml).
 # One fake-tensor estimate per memory cell, then projected tables and figures.
+import shlex
+
 from tspbench.pipeline.projected import load as load_projected, memory_cells
 
 PROJ = load_projected(workflow.source_path("../config/projected.yaml"))
@@ -22,10 +24,10 @@ rule estimate:
         "../../env/environment.yml"
     params:
         python=PYTHON,
-        args=lambda wc: " ".join(PROJ_CELLS[wc.pcell].args(PROJ)),
+        args=lambda wc: shlex.join(PROJ_CELLS[wc.pcell].args()),
         mem=PROJ["device_memory_gib"],
     shell:
-        "{params.python} -m tspbench estimate {params.args} --device-memory {params.mem}"
+        "{params.python:q} -m tspbench estimate {params.args} --device-memory {params.mem:q}"
         " --out {output} > {log} 2>&1"
 
 

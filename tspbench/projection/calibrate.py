@@ -49,7 +49,7 @@ def _timed(fn, device: torch.device, reps: int, inner: int = 1) -> float:
 
 def _compute(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
     from tspbench.core.attention import causal_fwd
-    from tspbench.estimate import OpCounter
+    from tspbench.projection.estimate import OpCounter
 
     # GEMM rate by size (square n x n x n) and attention rate by head dim: small shapes run far
     # below the peak, so the projection picks the rate of the model's own shapes
@@ -186,7 +186,7 @@ def _worker(rank: int, world: int, port: int, device_type: str, dtype_name: str,
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:  # the threads a launched rank gets (tspbench.launch.init): the cores shared out
+    else:  # the threads a launched rank gets (tspbench.runtime.launch.init): the cores shared out
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     try:
@@ -204,7 +204,7 @@ def _worker(rank: int, world: int, port: int, device_type: str, dtype_name: str,
 
 def measure(ranks: int, device_type: str, dtype: str) -> dict[str, Any]:
     """Rates per rank with ``ranks`` processes measuring at once (medians over the ranks)."""
-    from tspbench.launch import free_port
+    from tspbench.runtime.launch import free_port
 
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
@@ -237,7 +237,7 @@ def measure(ranks: int, device_type: str, dtype: str) -> dict[str, Any]:
 
 def calibrate(ranks: list[int], device_type: str, dtype: str) -> dict[str, Any]:
     """A preset: rates per rank count, with the machine and software that produced them."""
-    from tspbench.record import git_commit, hardware, utc_now, versions
+    from tspbench.runtime.record import git_commit, hardware, utc_now, versions
 
     table = {str(p): measure(p, device_type, dtype) for p in ranks}
     return {

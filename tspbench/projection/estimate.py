@@ -29,16 +29,15 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tspbench.analytic import Case
 from tspbench.core import attention
 from tspbench.core.memory import MemoryTracker
 from tspbench.core.mesh import build_mesh
 from tspbench.core.optim import AdamW
 from tspbench.core.reference import make_batch
-from tspbench.core.strategy import Layout
-from tspbench.flops import counter
-from tspbench.measure import RunSpec, build_strategy, gc_held, one_step
-from tspbench.registry import get_strategy
+from tspbench.runtime.flops import counter
+from tspbench.runtime.measure import build_strategy, gc_held, one_step
+from tspbench.runtime.registry import get_strategy
+from tspbench.runtime.spec import RunSpec
 
 
 class OpCounter(TorchDispatchMode):
@@ -59,18 +58,9 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def spec_of(c: Case) -> RunSpec:
-    """The run spec of an analytic case (what the estimator executes)."""
-    layout = Layout(degree=c.degree, tp=c.tp, sp=c.sp, dp=c.dp)
-    return RunSpec(
-        c.strategy, c.cfg, layout, c.seq_len, c.batch, c.mode, c.dtype, 0, 1, 0,
-        recompute=c.recompute, kv_bucket=c.kv_bucket,
-    )  # fmt: skip
-
-
-def count_rank_ops(c: Case) -> int:
-    """Operations rank 0 dispatches in a (steady-state) step of case ``c``."""
-    return estimate_rank(spec_of(c), 0, "fused", count_ops=True)["ops"]
+def count_rank_ops(spec: RunSpec) -> int:
+    """Operations rank 0 dispatches in a (steady-state) step of ``spec``."""
+    return estimate_rank(spec, 0, "fused", count_ops=True)["ops"]
 
 
 def estimate_rank(

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from tspbench.core.mesh import rank_grid
 from tspbench.core.strategy import Layout
-from tspbench.registry import get_strategy
+from tspbench.runtime.registry import get_strategy
 
 
 @dataclass
@@ -39,6 +39,27 @@ def rank_layout(strategy: str, layout: Layout) -> RankLayout:
     dims = get_strategy(strategy).mesh_dims(layout)
     grid = rank_grid(dims).reshape(layout.dp, -1)  # dp is the outermost axis
     return RankLayout(dims, grid.tolist(), grid.T.tolist())
+
+
+def world_layout(
+    strategy: str, world: int, degree: int | None, tp: int = 1, sp: int = 1
+) -> RankLayout:
+    """The groups of ``world`` ranks running ``strategy`` with model groups of ``degree``
+    (ConfigError if the world does not hold whole groups or the group is not T x Sigma)."""
+    from dataclasses import replace
+
+    from tspbench.core.config import ConfigError
+
+    impl = get_strategy(strategy)
+    layout = impl.make_layout(degree, tp, sp, 1)
+    if world % layout.degree:
+        raise ConfigError(
+            f"--world={world}: must be a multiple of the model group ({layout.degree})"
+        )
+    factors = impl.factors(layout)
+    if None not in factors.values() and factors["tp"] * factors["sp"] != layout.degree:
+        raise ConfigError(f"tp={tp} x sp={sp}: must equal degree={layout.degree}")
+    return rank_layout(strategy, replace(layout, dp=world // layout.degree))
 
 
 def _span(ranks: list[int]) -> str:

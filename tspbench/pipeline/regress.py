@@ -213,3 +213,27 @@ def median_table(tables: list[pd.DataFrame], exact: list[str]) -> pd.DataFrame:
             # the cell's noise across the repeats: largest relative distance from the median
             first[f"{m}_spread"] = values.div(first[m], axis=0).sub(1).abs().max(axis=1)
     return first
+
+
+def update_baseline(baseline: Path, tables: list[pd.DataFrame], tol: dict, sources: list) -> int:
+    """Make the per-cell median of ``tables`` the baseline, with its provenance beside it;
+    returns the number of cells."""
+    from tspbench.runtime.record import git_commit, utc_now, versions, write_atomic, write_json
+
+    current = median_table(tables, tol["exact"])
+    write_atomic(baseline, current.reset_index().to_csv(index=False))
+    write_json(
+        baseline.with_suffix(".json"),
+        {
+            "hardware_id": hardware_id(),
+            "device_name": current["device_name"].iloc[0],
+            "cpu_count": os.cpu_count(),
+            "versions": versions(None),
+            "git_commit": git_commit(),
+            "created_utc": utc_now(),
+            "source": [str(c) for c in sources],
+            "repeats": len(tables),
+            "cells": len(current),
+        },
+    )
+    return len(current)

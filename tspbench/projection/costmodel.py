@@ -5,16 +5,16 @@ Step time of one rank (the slowest rank is the same: zigzag balances the work):
     T = compute + dispatch + critical comm + max(0, overlappable comm - overlap * compute)
 
 - compute: GEMM FLOPs / GEMM rate + attention FLOPs / attention rate + elementwise bytes /
-  memory bandwidth (FLOPs from :mod:`tspbench.analytic`, elementwise traffic ~ writing and
-  reading every saved activation once per pass);
+  memory bandwidth (FLOPs from :mod:`tspbench.projection.analytic`, elementwise traffic ~
+  writing and reading every saved activation once per pass);
 - dispatch: operations per step x the per-operation overhead (kernel launch on a GPU, the
   Python dispatcher on a CPU); operations are counted on the real code under fake tensors, which
   is cheap because the count does not depend on the tensor sizes;
-- communication: every collective of :func:`tspbench.analytic.schedule` costs a latency plus
-  its bus bytes over the bandwidth of its link class: the model group inside a node uses the
-  intra-node fabric (on a fully connected mesh a collective drives all links, a point-to-point
-  ring step only one; on a switch every pair sees the full bandwidth), data parallelism and
-  model groups larger than a node use the NIC;
+- communication: every collective of :func:`tspbench.projection.analytic.schedule` costs a
+  latency plus its bus bytes over the bandwidth of its link class: the model group inside a
+  node uses the intra-node fabric (on a fully connected mesh a collective drives all links, a
+  point-to-point ring step only one; on a switch every pair sees the full bandwidth), data
+  parallelism and model groups larger than a node use the NIC;
 - overlap: what the implementation overlaps (TSP's weight broadcasts, ring hops and weight
   gradient reduces; the data-parallel bucketed all-reduce) hides behind compute up to the
   preset's overlap efficiency; everything else is on the critical path.
@@ -32,16 +32,16 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from tspbench import analytic
-from tspbench.analytic import Case
 from tspbench.core.comm import bus_bytes
 from tspbench.core.config import ConfigError
+from tspbench.projection import analytic
+from tspbench.runtime.spec import RunSpec
 
 OVERLAPPED = {"tsp": {"broadcast", "send_recv", "reduce"}}  # by the implementation's prefetch
 
 
 def presets() -> dict[str, dict]:
-    data = json.loads(resources.files("tspbench").joinpath("data/hardware.json").read_text())
+    data = json.loads(resources.files("tspbench").joinpath("projection/hardware.json").read_text())
     return {k: v for k, v in data.items() if not k.startswith("_")}
 
 
@@ -89,7 +89,7 @@ def rates(preset: dict, ranks_per_node: int) -> dict[str, float]:
     }
 
 
-def metric_reductions(c: Case) -> list[tuple[str, int]]:
+def metric_reductions(c: RunSpec) -> list[tuple[str, int]]:
     """The reported loss's and gradient norm's small all-reduces: (axis, group size) each."""
     D = c.degree
     loss = {"tsp": D, "sp": D, "fsdp_cp": D, "dp": D, "tpsp": c.sp}.get(c.strategy, 1)
@@ -113,7 +113,7 @@ def _rate(r: dict, name: str, size: float, key: str | None = None) -> float:
     return pts[-1][1]
 
 
-def count_ops(c: Case) -> int:
+def count_ops(c: RunSpec) -> int:
     """Operations the real code dispatches per step: counted on a shrunk copy under fake tensors.
 
     The count depends on the degrees, heads and buckets, not on tensor sizes, so hidden, MLP,
@@ -123,20 +123,22 @@ def count_ops(c: Case) -> int:
     cfg = c.cfg
     m = 2 * c.degree * max(c.tp, 1)
     shape = replace(cfg, hidden=cfg.heads * 2, ffn=m, vocab=m, layers=1, name="shape")
-    batch = c.degree if c.strategy == "dp" else 1
-    key = replace(c, cfg=shape, seq_len=4 * max(c.cp, 1), batch=batch, dp=1)
-    n1, n2 = _count(key), _count(replace(key, cfg=replace(shape, layers=2)))
+    batch = c.impl.replica_batch(c.layout)
+    key = c.replace(
+        cfg=shape, seq_len=4 * max(c.cp, 1), batch=batch, layout=replace(c.layout, dp=1)
+    )
+    n1, n2 = _count(key), _count(key.replace(cfg=replace(shape, layers=2)))
     return n1 + (cfg.layers - 1) * (n2 - n1)
 
 
 @functools.lru_cache(maxsize=1024)
-def _count(c: Case) -> int:
-    from tspbench.estimate import count_rank_ops
+def _count(c: RunSpec) -> int:
+    from tspbench.projection.estimate import count_rank_ops
 
     return count_rank_ops(c)
 
 
-def project(c: Case, preset: dict, ops: int | None = None) -> dict[str, Any]:
+def project(c: RunSpec, preset: dict, ops: int | None = None) -> dict[str, Any]:
     """Projected step time and its parts for one rank of case ``c`` on ``preset``."""
     per_node = preset.get("gpus_per_node", 8)
     world = c.degree * c.dp
@@ -185,7 +187,7 @@ def project(c: Case, preset: dict, ops: int | None = None) -> dict[str, Any]:
     }
 
 
-def case_of_row(row: dict) -> Case:
+def case_of_row(row: dict) -> RunSpec:
     """The analytic case of one row of an aggregate summary (measured records)."""
     from tspbench.core.config import get_config
 
@@ -197,10 +199,11 @@ def case_of_row(row: dict) -> Case:
         v = row.get(k)
         return 1 if v is None or v != v else int(v)  # NaN: not a tpsp row
 
-    return Case(
-        row["strategy"], cfg, int(row["seq_len"]), int(row["batch"]), int(row["degree"]),
-        opt("tp"), opt("sp"), int(row["dp"]), row["mode"], row["dtype"],
-        row.get("recompute", "none"), int(row.get("kv_bucket", 0) or 0),
+    return RunSpec.make(
+        row["strategy"], cfg, degree=int(row["degree"]), tp=opt("tp"), sp=opt("sp"),
+        dp=int(row["dp"]), seq_len=int(row["seq_len"]), batch=int(row["batch"]),
+        mode=row["mode"], dtype=row["dtype"], recompute=row.get("recompute", "none"),
+        kv_bucket=int(row.get("kv_bucket", 0) or 0),
     )  # fmt: skip
 
 

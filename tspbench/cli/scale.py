@@ -9,34 +9,31 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tspbench.cli.args import add_run_args
 from tspbench.core.config import ConfigError
+from tspbench.runtime.spec import RunSpec
 
 GiB = 2**30
 
 
-def _case(a: argparse.Namespace):
-    from tspbench.analytic import Case
-    from tspbench.cli import build_spec
-
-    a.quiet = True
-    spec = build_spec(a)
-    return spec, Case.of(spec)
+def _spec(args: argparse.Namespace) -> RunSpec:
+    return RunSpec.from_args(args).replace(quiet=True)
 
 
-def _emit(a: argparse.Namespace, obj: dict[str, Any], text: str) -> None:
-    from tspbench.record import write_json
+def _emit(args: argparse.Namespace, obj: dict[str, Any], text: str) -> None:
+    from tspbench.runtime.record import write_json
 
-    print(json.dumps(obj, indent=1, default=str) if a.json else text)
-    if getattr(a, "out", None):
-        if not a.out.endswith(".json"):
-            raise ConfigError(f"--out={a.out!r}: must name a .json file")
-        write_json(a.out, obj)
+    print(json.dumps(obj, indent=1, default=str) if args.json else text)
+    if getattr(args, "out", None):
+        if not args.out.endswith(".json"):
+            raise ConfigError(f"--out={args.out!r}: must name a .json file")
+        write_json(args.out, obj)
 
 
 def _provenance() -> dict[str, Any]:
     import torch
 
-    from tspbench.record import git_commit, utc_now, versions
+    from tspbench.runtime.record import git_commit, utc_now, versions
 
     return {
         "git_commit": git_commit(),
@@ -46,15 +43,15 @@ def _provenance() -> dict[str, Any]:
     }
 
 
-def cmd_model(a: argparse.Namespace) -> int:
-    from tspbench import analytic
+def cmd_model(args: argparse.Namespace) -> int:
+    from tspbench.projection import analytic
 
-    spec, c = _case(a)
+    c = _spec(args)
     mem = analytic.memory(c)
     comm = analytic.comm_bytes(c)
     fl = analytic.flop_parts(c)
     obj = {
-        "case": {k: v for k, v in vars(c).items() if k != "cfg"} | {"model": c.cfg.name},
+        "case": c.header("none", c.layout.world_size),
         "memory_bytes": mem,
         "comm_bytes": {f"{p}/{k}": b for (p, k), b in sorted(comm.items())},
         "comm_bytes_total": sum(comm.values()),
@@ -69,7 +66,7 @@ def cmd_model(a: argparse.Namespace) -> int:
     for (p, k), b in sorted(comm.items()):
         lines.append(f"  {p + '/' + k:28s} {b / 2**20:12.3f}")
     lines.append(f"FLOPs per rank: GEMM {fl['gemm']:.4g}, attention {fl['attention']:.4g}")
-    _emit(a, obj, "\n".join(lines))
+    _emit(args, obj, "\n".join(lines))
     return 0
 
 
@@ -85,15 +82,15 @@ def _ranks(text: str, degree: int) -> list[int] | None:
     return ranks
 
 
-def cmd_estimate(a: argparse.Namespace) -> int:
-    from tspbench import analytic
-    from tspbench.estimate import estimate
+def cmd_estimate(args: argparse.Namespace) -> int:
+    from tspbench.projection import analytic
+    from tspbench.projection.estimate import estimate
 
-    spec, c = _case(a)
-    ranks = _ranks(a.ranks, spec.layout.degree)
-    est = estimate(spec, ranks, a.kernel)
+    spec = c = _spec(args)
+    ranks = _ranks(args.ranks, spec.layout.degree)
+    est = estimate(spec, ranks, args.kernel)
     ana = analytic.memory(c)
-    limit = a.device_memory * GiB
+    limit = args.device_memory * GiB
     obj = {
         "strategy": spec.strategy,
         "model": spec.cfg.name,
@@ -119,19 +116,19 @@ def cmd_estimate(a: argparse.Namespace) -> int:
         f"{est['peak_mem_first_step_bytes'] / GiB:.2f}; analytic {ana['peak'] / GiB:.2f}) "
         f"ranks {est['estimated_ranks']}: "
         + ", ".join(f"{p / GiB:.2f}" for p in est["peak_mem_bytes_per_rank"])
-        + f"\n  {'fits' if obj['fits'] else 'does NOT fit'} in {a.device_memory:g} GiB; "
+        + f"\n  {'fits' if obj['fits'] else 'does NOT fit'} in {args.device_memory:g} GiB; "
         f"{est['comm_bytes_total'] / GiB:.3f} GiB communicated per step and rank; "
         f"estimated in {est['estimate_s']:.1f} s"
     )
-    _emit(a, obj, text)
+    _emit(args, obj, text)
     return 0
 
 
-def cmd_project(a: argparse.Namespace) -> int:
-    from tspbench.project import load_preset, project
+def cmd_project(args: argparse.Namespace) -> int:
+    from tspbench.projection.costmodel import load_preset, project
 
-    spec, c = _case(a)
-    preset = load_preset(a.hardware)
+    spec = c = _spec(args)
+    preset = load_preset(args.hardware)
     res = project(c, preset)
     obj = {"hardware": preset["name"], "projected": True, **res}
     text = (
@@ -142,47 +139,47 @@ def cmd_project(a: argparse.Namespace) -> int:
             for k, v in res.items()
         )  # fmt: skip
     )
-    _emit(a, obj, text)
+    _emit(args, obj, text)
     return 0
 
 
-def cmd_project_check(a: argparse.Namespace) -> int:
-    from tspbench.project import check_footer, check_summary, load_preset
-    from tspbench.record import write_atomic
+def cmd_project_check(args: argparse.Namespace) -> int:
+    from tspbench.projection.costmodel import check_footer, check_summary, load_preset
+    from tspbench.runtime.record import write_atomic
 
-    for path in a.summary:
+    for path in args.summary:
         if not Path(path).is_file():
             raise ConfigError(f"--summary={path}: no such file; give an aggregate summary.csv")
-    preset = load_preset(a.hardware)
-    table = check_summary(a.summary, preset)
+    preset = load_preset(args.hardware)
+    table = check_summary(args.summary, preset)
     text = table.to_markdown(index=False, floatfmt=".3f") + "\n\n" + check_footer(table)
     print(text)
-    if a.out:
-        write_atomic(a.out, text)
-    if a.csv:
-        write_atomic(a.csv, table.to_csv(index=False))
+    if args.out:
+        write_atomic(args.out, text)
+    if args.csv:
+        write_atomic(args.csv, table.to_csv(index=False))
     return 0
 
 
-def cmd_calibrate(a: argparse.Namespace) -> int:
-    from tspbench.calibrate import calibrate
-    from tspbench.record import write_json
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from tspbench.projection.calibrate import calibrate
+    from tspbench.runtime.record import write_json
 
     try:
-        ranks = sorted({int(x) for x in a.ranks.split(",")})
+        ranks = sorted({int(x) for x in args.ranks.split(",")})
     except ValueError:
         ranks = [0]
     if not ranks or min(ranks) < 1 or max(ranks) > 64:
-        raise ConfigError(f"--ranks={a.ranks!r}: must be comma-separated integers in 1..64")
-    if a.device == "cuda":
+        raise ConfigError(f"--ranks={args.ranks!r}: must be comma-separated integers in 1..64")
+    if args.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             raise ConfigError("--device=cuda: no CUDA/ROCm device here (use --device cpu)")
-    if not a.out.endswith(".json"):
-        raise ConfigError(f"--out={a.out!r}: must name a .json file")
-    preset = calibrate(ranks, a.device, a.dtype)
-    write_json(a.out, preset)
+    if not args.out.endswith(".json"):
+        raise ConfigError(f"--out={args.out!r}: must name a .json file")
+    preset = calibrate(ranks, args.device, args.dtype)
+    write_json(args.out, preset)
     for p, r in preset["ranks"].items():
         print(
             f"{p} rank(s): GEMM {max(r['gemm_flops_by_n'].values()) / 1e9:.1f} GFLOP/s (best "
@@ -191,24 +188,23 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
             "all-reduce "
             f"{r['all_reduce']['lat'] * 1e3:.2f} ms + {r['all_reduce']['bw'] / 1e9:.2f} GB/s"
         )
-    print(f"wrote {a.out}", file=sys.stderr)
+    print(f"wrote {args.out}", file=sys.stderr)
     return 0
 
 
-def cmd_projected_report(a: argparse.Namespace) -> int:
+def cmd_projected_report(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from tspbench.pipeline.projected import load, write_report
 
-    cfg = load(a.config)
-    command = f"snakemake project --cores 2 (config {a.config})"
-    write_report(cfg, Path(a.estimates), Path(a.out), Path(a.plots), command)
-    print(f"wrote {a.out} and {a.plots}")
+    cfg = load(args.config)
+    command = f"snakemake project --cores 2 (config {args.config})"
+    write_report(cfg, Path(args.estimates), Path(args.out), Path(args.plots), command)
+    print(f"wrote {args.out} and {args.plots}")
     return 0
 
 
-def add_parsers(sub, add_run_args) -> None:
-    """Register the subcommands (``add_run_args``: the run arguments of ``tspbench run``)."""
+def add_parsers(sub) -> None:
     m = sub.add_parser("model", help="analytic memory, bytes and FLOPs per rank (closed forms)")
     add_run_args(m)
     m.add_argument("--json", action="store_true")

@@ -15,44 +15,21 @@ import statistics
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from tspbench.core.config import ModelConfig
 from tspbench.core.memory import MemoryTracker
 from tspbench.core.mesh import build_mesh
 from tspbench.core.optim import AdamW
 from tspbench.core.reference import make_batch
-from tspbench.core.strategy import Layout
-from tspbench.faults import inject
-from tspbench.flops import counter
-from tspbench.registry import get_strategy
+from tspbench.runtime.faults import inject
+from tspbench.runtime.flops import counter
+from tspbench.runtime.registry import get_strategy
+from tspbench.runtime.spec import RunSpec
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    """Everything that defines one run (validated by the CLI before any process starts)."""
-
-    strategy: str
-    cfg: ModelConfig
-    layout: Layout
-    seq_len: int
-    batch: int  # micro-batch of one model replica; the global batch is batch x dp
-    mode: str  # train | infer
-    dtype: str
-    warmup: int
-    steps: int
-    seed: int
-    max_memory: int | None = None
-    quiet: bool = False
-    recompute: str = "none"
-    overlap: bool = True
-    kv_bucket: int = 0
 
 
 def _sync(device: torch.device) -> None:

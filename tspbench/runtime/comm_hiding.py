@@ -20,8 +20,9 @@ import torch.distributed as dist
 from tspbench.core.mesh import build_mesh
 from tspbench.core.optim import AdamW
 from tspbench.core.reference import make_batch
-from tspbench.measure import RunSpec, _sync, build_strategy
-from tspbench.registry import get_strategy
+from tspbench.runtime.measure import _sync, build_strategy
+from tspbench.runtime.registry import get_strategy
+from tspbench.runtime.spec import RunSpec
 
 
 def _timed(fn, steps: int, device: torch.device) -> float:
@@ -94,4 +95,13 @@ def bench_rank(spec: RunSpec, device: torch.device) -> dict:
         t["compute_s"] + t["comm_s"] - t["step_no_overlap_s"]
     ) / shorter
     t["collectives_per_step"] = len(trace)
+    return t
+
+
+def bench_work(spec: RunSpec, device: torch.device, header: dict, beat) -> dict:
+    """``tspbench overlap`` on one rank of the job: the timings, printed by rank 0."""
+    t = bench_rank(spec, device)
+    if not spec.quiet and dist.get_rank() == 0:
+        shown = (f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in t.items())
+        print("[tspbench] " + ", ".join(shown), flush=True)
     return t

@@ -133,11 +133,11 @@ def spawn_local(argv: list[str], nproc: int, grace_s: float = 10.0) -> tuple[lis
     """Run ``python -m tspbench <argv>`` as ``nproc`` local ranks (torchrun's variables set).
 
     When one rank fails, the others get ``grace_s`` to finish, then are killed: none is left
-    behind. A SIGINT/SIGTERM to the launcher (held since start-up, see :mod:`tspbench.guard`)
+    behind. A SIGINT/SIGTERM to the launcher (held since start-up: :mod:`tspbench.runtime.guard`)
     is passed on to every rank. Returns the exit code of every rank started (negative: killed by
     that signal) and the signal the launcher received, if any (no rank is started after it).
     """
-    from tspbench.guard import SIGNALS, held_signal
+    from tspbench.runtime.guard import SIGNALS, held_signal
 
     got: list[int] = []
     procs: list[subprocess.Popen] = []

@@ -15,66 +15,13 @@ V vocabulary, L layers, e bytes per element; t = tokens on this rank.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
 
 from tspbench.core.comm import KINDS, bus_bytes
 from tspbench.core.config import ModelConfig
+from tspbench.runtime.spec import RunSpec
 
-BYTES = {"fp32": 4, "bf16": 2}
 KINDS_COLLECTIVE = tuple(k for k in KINDS if k != "send_recv")  # group-wide, not point-to-point
 FP32 = 4
-
-
-@dataclass(frozen=True)
-class Case:
-    """One rank's run, as the analytic model needs it (mirrors :class:`RunSpec`)."""
-
-    strategy: str
-    cfg: ModelConfig
-    seq_len: int
-    batch: int = 1
-    degree: int = 1
-    tp: int = 1
-    sp: int = 1
-    dp: int = 1
-    mode: str = "train"
-    dtype: str = "fp32"
-    recompute: str = "none"
-    kv_bucket: int = 0
-
-    @classmethod
-    def of(cls, spec) -> Case:
-        lay = spec.layout
-        return cls(
-            spec.strategy, spec.cfg, spec.seq_len, spec.batch, lay.degree, lay.tp, lay.sp,
-            lay.dp, spec.mode, spec.dtype, spec.recompute, spec.kv_bucket,
-        )  # fmt: skip
-
-    @property
-    def e(self) -> int:
-        return BYTES[self.dtype]
-
-    @property
-    def train(self) -> bool:
-        return self.mode == "train"
-
-    @property
-    def rc(self) -> bool:
-        return self.train and self.recompute == "full"
-
-    @property
-    def cp(self) -> int:
-        """Ranks that split a sequence (zigzag): the context-parallel degree."""
-        return {"tsp": self.degree, "sp": self.degree, "fsdp_cp": self.degree, "tpsp": self.sp}.get(
-            self.strategy, 1
-        )
-
-    @property
-    def tokens(self) -> int:
-        """t: tokens this rank computes on."""
-        if self.strategy == "dp":
-            return self.batch * self.seq_len // self.degree
-        return self.batch * self.seq_len // self.cp
 
 
 # -- parameters -------------------------------------------------------------------------------
@@ -83,7 +30,7 @@ def layer_numel(cfg: ModelConfig) -> int:
     return 2 * h + 2 * h * h + 2 * h * kv + 3 * h * f
 
 
-def param_numel(c: Case) -> int:
+def param_numel(c: RunSpec) -> int:
     """Parameter elements held by one rank (what the optimizer steps)."""
     cfg, L, h, V = c.cfg, c.cfg.layers, c.cfg.hidden, c.cfg.vocab
     norms = (2 * L + 1) * h
@@ -100,7 +47,7 @@ def param_numel(c: Case) -> int:
     raise ValueError(f"unknown strategy {c.strategy!r}")
 
 
-def largest_param(c: Case) -> int:
+def largest_param(c: RunSpec) -> int:
     """Elements of the largest parameter tensor one rank holds (AdamW's temporaries)."""
     cfg, D = c.cfg, c.degree
     h, kv, f, V = cfg.hidden, cfg.kv_dim, cfg.ffn, cfg.vocab
@@ -116,7 +63,7 @@ def largest_param(c: Case) -> int:
 Event = tuple[str, str, str, int, float]  # (phase, axis, kind, group size, full tensor bytes)
 
 
-def schedule(c: Case) -> list[Event]:
+def schedule(c: RunSpec) -> list[Event]:
     """Every collective one rank issues in a step, with its phase, mesh axis and group size."""
     cfg, B, S, e = c.cfg, c.batch, c.seq_len, c.e
     h, kv, f, V, L = cfg.hidden, cfg.kv_dim, cfg.ffn, cfg.vocab, cfg.layers
@@ -206,7 +153,7 @@ def schedule(c: Case) -> list[Event]:
     return ev
 
 
-def comm_bytes(c: Case) -> dict[tuple[str, str], float]:
+def comm_bytes(c: RunSpec) -> dict[tuple[str, str], float]:
     """Bytes one rank moves per step, by (phase, collective kind), the counter's convention."""
     out: dict[tuple[str, str], float] = defaultdict(float)
     for phase, _, kind, size, nbytes in schedule(c):
@@ -215,7 +162,7 @@ def comm_bytes(c: Case) -> dict[tuple[str, str], float]:
     return dict(out)
 
 
-def comm_by_kind(c: Case) -> dict[str, float]:
+def comm_by_kind(c: RunSpec) -> dict[str, float]:
     out: dict[str, float] = defaultdict(float)
     for (_, kind), b in comm_bytes(c).items():
         out[kind] += b
@@ -223,7 +170,7 @@ def comm_by_kind(c: Case) -> dict[str, float]:
 
 
 # -- FLOPs ------------------------------------------------------------------------------------
-def attention_blocks(c: Case) -> int:
+def attention_blocks(c: RunSpec) -> int:
     """Sum of s_q * s_k over the kernel calls of one sequence and head on this rank.
 
     One rank holds zigzag chunks r and 2P-1-r of size s = S/2P; chunk j is one call over its
@@ -237,7 +184,7 @@ def attention_blocks(c: Case) -> int:
     return s * s * (2 * P + 1)
 
 
-def flop_parts(c: Case, executed: bool = False) -> dict[str, int]:
+def flop_parts(c: RunSpec, executed: bool = False) -> dict[str, int]:
     """FLOPs one rank runs per step, GEMMs and attention apart, as FlopCounterMode counts them;
     ``executed``: attention as a causal kernel runs it (a diagonal block costs half)."""
     cfg, B = c.cfg, c.batch
@@ -263,12 +210,12 @@ def flop_parts(c: Case, executed: bool = False) -> dict[str, int]:
     return {"gemm": g, "attention": a}
 
 
-def flops(c: Case) -> int:
+def flops(c: RunSpec) -> int:
     """FLOPs one rank executes per step, as FlopCounterMode counts them."""
     return sum(flop_parts(c).values())
 
 
-def gemm_size(c: Case) -> float:
+def gemm_size(c: RunSpec) -> float:
     """Equivalent square size of the step's typical GEMM (tokens x hidden x per-rank width),
     the cube root of its m*n*k: what a GEMM rate table is looked up with."""
     T = {"tp": c.degree, "tpsp": c.tp, "tsp": c.degree}.get(c.strategy, 1)
@@ -276,7 +223,7 @@ def gemm_size(c: Case) -> float:
     return (c.tokens * c.cfg.hidden * width) ** (1 / 3)
 
 
-def elementwise_bytes(c: Case) -> float:
+def elementwise_bytes(c: RunSpec) -> float:
     """Rough memory traffic of the non-GEMM work: every saved activation written and read once
     per pass (forward, backward, recompute), and AdamW's passes over weights, grads, moments."""
     act = c.cfg.layers * saved_per_layer(c) + saved_loss(c)
@@ -287,14 +234,14 @@ def elementwise_bytes(c: Case) -> float:
 
 
 # -- memory -----------------------------------------------------------------------------------
-def _local_dims(c: Case) -> tuple[int, int, int, int]:
+def _local_dims(c: RunSpec) -> tuple[int, int, int, int]:
     """(query heads, kv width, MLP width, vocabulary rows) of the weights one rank applies."""
     cfg = c.cfg
     T = {"tp": c.degree, "tpsp": c.tp}.get(c.strategy, 1)
     return cfg.heads // T, cfg.kv_dim // T, cfg.ffn // T, cfg.vocab // T
 
 
-def saved_per_layer(c: Case) -> int:
+def saved_per_layer(c: RunSpec) -> int:
     """Bytes one layer keeps for backward (no recomputation), from what each op saves."""
     cfg, e, t, B, S = c.cfg, c.e, c.tokens, c.batch, c.seq_len
     h, d = cfg.hidden, cfg.head_dim
@@ -314,7 +261,7 @@ def saved_per_layer(c: Case) -> int:
     return rms + normed + attn + 4 * t * fl * e  # MLP: h1, silu(h1), h3, their product
 
 
-def saved_loss(c: Case) -> int:
+def saved_loss(c: RunSpec) -> int:
     """Bytes the final norm and the loss keep for backward."""
     cfg, t = c.cfg, c.tokens
     h = cfg.hidden
@@ -327,7 +274,7 @@ def saved_loss(c: Case) -> int:
     return out + 4 * t * vl  # log-softmax output
 
 
-def memory(c: Case) -> dict[str, float | str]:
+def memory(c: RunSpec) -> dict[str, float | str]:
     """Bytes per rank by part, and the peak of the first step and of the steady state.
 
     The peak is the largest of the moments where a step's memory crests, each a sum of parts:

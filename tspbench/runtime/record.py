@@ -98,3 +98,35 @@ def write_atomic(path: str | os.PathLike, text: str) -> None:
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:
     write_atomic(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def check_out(path: str) -> None:
+    """Refuse an output path that cannot hold a record, before anything runs."""
+    from tspbench.core.config import ConfigError
+
+    if not path.endswith(".json"):
+        raise ConfigError(f"--out={path!r}: must name a .json file")
+    parent = Path(path).resolve().parent
+    if parent.exists() and not os.access(parent, os.W_OK):
+        raise ConfigError(f"--out={path!r}: directory {parent} is not writable")
+
+
+SCHEMA = Path(__file__).resolve().parents[1] / "schemas/record.schema.json"
+
+
+def check_record(path: str) -> dict[str, Any]:
+    """The record at ``path`` if it is valid against its schema (ConfigError naming where not)."""
+    import jsonschema
+
+    from tspbench.core.config import ConfigError
+
+    try:
+        rec = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"record {path!r}: not readable JSON ({e})") from None
+    try:
+        jsonschema.validate(rec, json.loads(SCHEMA.read_text()))
+    except jsonschema.ValidationError as e:
+        where = ".".join(map(str, e.absolute_path)) or "(top level)"
+        raise ConfigError(f"record {path!r}: {where}: {e.message}") from None
+    return rec

@@ -5,8 +5,9 @@ out-of-memory error on some rank) or ``error`` with its message. The failing ran
 to the job's key-value store and leaves; its peers' collectives then fail (at once when the peer
 is gone, else after ``--timeout``), and rank 0 reads the causes to name the root one. An OOM is
 a result, not a crash: every rank that knows of one exits 0. A signal (SIGINT, SIGTERM) or a hang
-(no progress for ``--timeout`` s) is caught by :class:`tspbench.guard.Guard`, which writes an
-``error`` record saying so and exits. Exactly one record is written, atomically, by rank 0.
+(no progress for ``--timeout`` s) is caught by :class:`tspbench.runtime.guard.Guard`, which
+writes an ``error`` record saying so and exits. Exactly one record is written, atomically, by
+rank 0.
 """
 
 from __future__ import annotations
@@ -20,14 +21,14 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from tspbench.cli import record_header
 from tspbench.core.config import ConfigError
-from tspbench.flops import device_peak
-from tspbench.guard import Guard
-from tspbench.launch import RankEnv, detect, free_port, init
-from tspbench.layout import rank_layout
-from tspbench.measure import RunSpec, measure_rank, summarize
-from tspbench.record import git_commit, hardware, utc_now, versions, write_json
+from tspbench.runtime.flops import device_peak
+from tspbench.runtime.guard import Guard
+from tspbench.runtime.launch import RankEnv, detect, free_port, init
+from tspbench.runtime.layout import rank_layout
+from tspbench.runtime.measure import measure_rank, summarize
+from tspbench.runtime.record import git_commit, hardware, utc_now, versions, write_json
+from tspbench.runtime.spec import RunSpec
 
 FAIL_KEY = "tspbench/fail/{}"
 
@@ -141,7 +142,7 @@ def run_env(
         raise ConfigError(
             f"world size {env.world_size} (from {env.source}): must equal degree x dp = {world}"
         )
-    header = record_header(spec, env.source, world)
+    header = spec.header(env.source, world)
     lock, written = threading.Lock(), []
 
     def write(record: dict) -> None:

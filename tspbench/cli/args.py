@@ -1,0 +1,140 @@
+"""Argument types and the argument groups several commands share. Bad input exits 2 with one
+line naming the field and the rule."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tspbench.runtime.spec import parse_size
+
+EXIT_USAGE = 2
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2
+        print(f"tspbench: error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def size_bytes(text: str) -> int:
+    """'512M', '2G', '1.5GiB', '1000000' -> bytes."""
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def int_in(lo: int, hi: int = 2**24):
+    """An integer argument in [lo, hi] (the upper bound catches typos such as 10**12)."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be an integer") from None
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be between {lo} and {hi}")
+        return v
+
+    return parse
+
+
+def seconds(text: str) -> float:
+    """A positive number of seconds, at most a week."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a number") from None
+    if not 0 < v <= 7 * 86400:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: must be a positive number of seconds (<= 1 week)"
+        )
+    return v
+
+
+def add_run_args(p: argparse.ArgumentParser, strategy: str | None = None) -> None:
+    """The arguments that define a run (``strategy``: a default, else --strategy is required)."""
+    from tspbench.runtime.registry import strategies
+
+    p.add_argument(
+        "--strategy", required=strategy is None, default=strategy, choices=sorted(strategies())
+    )
+    p.add_argument("--model", default="tiny", help="preset: tiny, small, 7b")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a model field, e.g. --set kv_heads=4 (repeatable)",
+    )
+    p.add_argument("--seq-len", type=int_in(1), required=True)
+    p.add_argument(
+        "--degree",
+        type=int_in(1, 65536),
+        default=None,
+        help="D, ranks in one model group (tpsp: defaults to tp x sp)",
+    )
+    p.add_argument("--tp", type=int_in(1, 65536), default=1, help="T (tpsp)")
+    p.add_argument("--sp", type=int_in(1, 65536), default=1, help="Sigma (tpsp)")
+    p.add_argument("--dp", type=int_in(1, 65536), default=1, help="model replicas")
+    p.add_argument("--mode", choices=("train", "infer"), default="train")
+    p.add_argument("--batch", type=int_in(1, 4096), default=1, help="micro-batch per replica")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--warmup", type=int_in(0, 1000), default=1)
+    p.add_argument("--steps", type=int_in(1, 1000), default=3)
+    p.add_argument("--seed", type=int_in(0, 2**31 - 1), default=0)
+    p.add_argument(
+        "--recompute",
+        choices=("none", "full"),
+        default="none",
+        help="activation checkpointing per layer (every strategy)",
+    )
+    p.add_argument(
+        "--overlap",
+        choices=("on", "off"),
+        default="on",
+        help="tsp: prefetch the next weight shard while computing (off: measure it)",
+    )
+    p.add_argument(
+        "--kv-bucket",
+        type=int_in(0, 65536),
+        default=0,
+        help="tsp: KV heads per attention bucket (0: whole head group)",
+    )
+    p.add_argument(
+        "--max-memory",
+        type=size_bytes,
+        default=None,
+        help="per-rank budget for tracked live bytes; exceeding it is an OOM",
+    )
+    p.add_argument("--quiet", action="store_true")
+
+
+def add_launch_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, help="record path (.json), written atomically")
+    p.add_argument(
+        "--launch",
+        choices=("env", "local"),
+        default="env",
+        help="env: ranks from torchrun/Slurm/MPI; local: spawn --nproc ranks here",
+    )
+    p.add_argument("--nproc", type=int_in(1, 65536), default=None)
+    p.add_argument(
+        "--timeout",
+        type=seconds,
+        default=300.0,
+        help="seconds a collective may wait before the run is declared hung",
+    )
+    p.add_argument(
+        "--time-limit",
+        type=seconds,
+        default=None,
+        help="seconds the whole run may take; then it stops and records why",
+    )
+
+
+def launch_argv(args: argparse.Namespace) -> list[str]:
+    """The launch options a spawned rank gets again (the spec and the output apart)."""
+    argv = ["--timeout", str(args.timeout)]
+    return argv + (["--time-limit", str(args.time_limit)] if args.time_limit else [])

@@ -1,0 +1,145 @@
+"""The pipeline's commands: ``aggregate``, ``tables``, ``figures``, ``check-config``,
+``check-record`` and ``regress``. Argument handling only; the work is in tspbench.pipeline."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from tspbench.core.config import ConfigError
+
+
+def cmd_aggregate(args: argparse.Namespace) -> int:
+    from tspbench.pipeline.aggregate import write_summary
+
+    df, filtered = write_summary(
+        json.loads(args.config_json),
+        Path(args.runs),
+        Path(args.csv),
+        Path(args.parquet) if args.parquet else None,
+        Path(args.filtered),
+    )
+    counts = ", ".join(f"{n} {s}" for s, n in df["status"].value_counts().items())
+    print(f"{len(df)} cells ({counts}); {len(filtered)} combinations filtered")
+    for _, r in df[df["status"] != "ok"].iterrows():
+        print(f"  {r['cell']}: {r['status']}: {r.get('error_message')}")
+    return 0
+
+
+def _summary(path: str):
+    import pandas as pd
+
+    try:
+        return pd.read_csv(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--summary={path!r}: cannot read the aggregate table ({e})") from None
+
+
+def cmd_tables(args: argparse.Namespace) -> int:
+    from tspbench.pipeline.tables import write_tables
+
+    for p in write_tables(_summary(args.summary), Path(args.out), args.note):
+        print(p)
+    return 0
+
+
+def cmd_figures(args: argparse.Namespace) -> int:
+    from tspbench.pipeline.figures import write_figures
+
+    for p in write_figures(_summary(args.summary), Path(args.out), args.note):
+        print(p)
+    return 0
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    from tspbench.pipeline.cells import load_config, sweep_cells
+
+    cells, filtered = sweep_cells(load_config(args.config))
+    print(f"{args.config}: valid; {len(cells)} cells, {len(filtered)} combinations filtered")
+    for f in filtered:
+        print(f"  filtered {f['cell']}: {f['reason']}")
+    return 0
+
+
+def cmd_check_record(args: argparse.Namespace) -> int:
+    from tspbench.runtime.record import check_record
+
+    rec = check_record(args.record)
+    print(f"{args.record}: valid record, status {rec['status']}")
+    return 0
+
+
+def cmd_regress(args: argparse.Namespace) -> int:
+    from tspbench.pipeline import regress
+    from tspbench.runtime.record import write_atomic
+
+    baseline = Path(args.baseline or f"results/baselines/{regress.hardware_id()}.csv")
+    tables = [regress.read_table(c, "current") for c in args.current]
+    tol = regress.load_tolerances(args.tolerances)
+    if args.update:
+        n = regress.update_baseline(baseline, tables, tol, args.current)
+        print(f"baseline updated: {baseline} ({n} cells)")
+        return 0
+    if not baseline.exists():
+        raise ConfigError(
+            f"--baseline={str(baseline)!r}: no baseline for this hardware; create one with "
+            f"tspbench regress --update --current {args.current}"
+        )
+    if len(tables) != 1:
+        raise ConfigError("--current: compare one table at a time (several only with --update)")
+    base = regress.read_table(baseline, "baseline")
+    findings = regress.compare(base, tables[0], tol)
+    text = regress.report(findings, len(base))
+    print(text)
+    if args.out:
+        write_atomic(args.out, text)
+    bad = [f for f in findings if f.verdict in ("regression", "missing", "failed")]
+    return 1 if bad else 0
+
+
+def add_parsers(sub) -> None:
+    cc = sub.add_parser("check-config", help="validate a sweep config (schema and sweep rules)")
+    cc.add_argument("config", help="YAML file, e.g. workflows/config/paper.yaml")
+    cc.set_defaults(func=cmd_check_config)
+    cr = sub.add_parser("check-record", help="validate a run record against its schema")
+    cr.add_argument("record")
+    cr.set_defaults(func=cmd_check_record)
+    rg = sub.add_parser(
+        "regress", help="compare an aggregate table with a baseline; exit 1 on regression"
+    )
+    rg.add_argument(
+        "--current",
+        required=True,
+        nargs="+",
+        help="aggregate CSV of this run (with --update: one or more repeats)",
+    )
+    rg.add_argument(
+        "--baseline",
+        default=None,
+        help="baseline CSV (default: results/baselines/<hardware id>.csv)",
+    )
+    rg.add_argument("--tolerances", default="workflows/regress.yaml")
+    rg.add_argument("--out", default=None, help="also write the Markdown report here")
+    rg.add_argument(
+        "--update",
+        action="store_true",
+        help="make --current the new baseline (per-cell median of several repeats)",
+    )
+    rg.set_defaults(func=cmd_regress)
+    ag = sub.add_parser("aggregate", help="run records of a sweep -> one table (CSV, Parquet)")
+    ag.add_argument("--config-json", required=True, help="the sweep config, as JSON")
+    ag.add_argument("--runs", required=True, help="folder of <cell>.json records")
+    ag.add_argument("--csv", required=True)
+    ag.add_argument("--parquet", default=None)
+    ag.add_argument("--filtered", required=True, help="CSV of filtered combinations and reasons")
+    ag.set_defaults(func=cmd_aggregate)
+    for name, func, what in (
+        ("tables", cmd_tables, "Markdown and LaTeX tables"),
+        ("figures", cmd_figures, "PNG and PDF figures"),
+    ):
+        t = sub.add_parser(name, help=f"aggregate table -> {what}")
+        t.add_argument("--summary", required=True, help="the aggregate CSV")
+        t.add_argument("--out", required=True)
+        t.add_argument("--note", default="", help="appended to every caption/title")
+        t.set_defaults(func=func)

@@ -1,0 +1,74 @@
+"""``tspbench run``, ``overlap`` and ``layout``: argument handling only."""
+
+from __future__ import annotations
+
+import argparse
+
+from tspbench.cli.args import add_launch_args, add_run_args, int_in, launch_argv
+from tspbench.core.config import ConfigError
+from tspbench.runtime.record import check_out
+from tspbench.runtime.spec import RunSpec
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    spec = RunSpec.from_args(args)
+    check_out(args.out)
+    if args.launch == "local":
+        from tspbench.runtime.local import run_local
+
+        nproc = args.nproc or spec.layout.world_size
+        return run_local("run", spec, args.out, nproc, launch_argv(args))
+    from tspbench.runtime.run import run_env
+
+    return run_env(spec, args.out, args.timeout, time_limit_s=args.time_limit)
+
+
+def cmd_overlap(args: argparse.Namespace) -> int:
+    spec = RunSpec.from_args(args)
+    check_out(args.out)
+    if spec.strategy != "tsp":  # the benchmark drives TSP's prefetch switch
+        raise ConfigError(f"--strategy={spec.strategy}: the overlap benchmark measures tsp")
+    if args.launch == "local":
+        from tspbench.runtime.local import run_local
+
+        nproc = args.nproc or spec.layout.world_size
+        return run_local("overlap", spec, args.out, nproc, launch_argv(args))
+    from tspbench.runtime.comm_hiding import bench_work
+    from tspbench.runtime.run import run_env
+
+    return run_env(spec, args.out, args.timeout, bench_work)
+
+
+def cmd_layout(args: argparse.Namespace) -> int:
+    import json
+
+    from tspbench.runtime.layout import describe, world_layout
+
+    lay = world_layout(args.strategy, args.world, args.degree, args.tp, args.sp)
+    if args.json:
+        print(json.dumps({**lay.as_dict(), "crossing": lay.crossing(args.gpus_per_node)}))
+    else:
+        print(describe(lay, args.gpus_per_node))
+    return 0
+
+
+def add_parsers(sub) -> None:
+    from tspbench.runtime.registry import strategies
+
+    r = sub.add_parser("run", help="one measured run, written as a JSON record")
+    add_run_args(r)
+    add_launch_args(r)
+    r.set_defaults(func=cmd_run, guarded=True)
+    o = sub.add_parser("overlap", help="how much of TSP's communication hides behind compute")
+    add_run_args(o, strategy="tsp")
+    add_launch_args(o)
+    o.set_defaults(func=cmd_overlap, guarded=True)
+    lay = sub.add_parser("layout", help="list model and data-parallel groups, flag node crossings")
+    lay.add_argument("--world", type=int_in(1, 65536), required=True)
+    lay.add_argument("--gpus-per-node", type=int_in(1, 65536), required=True)
+    lay.add_argument("--strategy", required=True, choices=sorted(strategies()))
+    lay.add_argument("--degree", type=int_in(1, 65536), default=None)
+    lay.add_argument("--tp", type=int_in(1, 65536), default=1)
+    lay.add_argument("--sp", type=int_in(1, 65536), default=1)
+    lay.add_argument("--json", action="store_true", help="print the groups as JSON")
+    lay.set_defaults(func=cmd_layout)

@@ -1,0 +1,1 @@
+"""Paper scale without the hardware: analytic model, fake-tensor estimator, cost model."""

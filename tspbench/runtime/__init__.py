@@ -1,0 +1,1 @@
+"""Runtime: launch, guard, measure and record one run on every rank."""
