@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tspbench.core.config import ConfigError, ModelConfig
-from tspbench.core.mesh import Mesh
+from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.reference import ReferenceModel
 from tspbench.core.strategy import Batch, Layout, Strategy
 
@@ -32,7 +32,7 @@ class DP(Strategy):
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, **kw) -> None:
         super().__init__(cfg, mesh, **kw)
-        self.comm = mesh["model"]
+        self.comm = mesh[Axis.MODEL]
         self.model = ReferenceModel(cfg, seed=self.seed, dtype=self.dtype, device=self.device)
 
     def shard_batch(self, tokens: torch.Tensor, labels: torch.Tensor) -> Batch:
@@ -44,7 +44,7 @@ class DP(Strategy):
         return Batch(rows(tokens), rows(labels), tokens.numel())
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = (self.model(batch.tokens, self.layer) @ self.model.p("head").T).float()
+        logits = (self.model(batch.tokens, self.checkpointed) @ self.model.p("head").T).float()
         ce = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), reduction="sum")
         local = ce / batch.n_tokens
         return local, self.total_loss(local)

@@ -28,7 +28,7 @@ from tspbench.core.comm import Comm
 from tspbench.core.config import ModelConfig
 from tspbench.core.context_parallel import context_parallel_hooks, zigzag_rope
 from tspbench.core.layers import rms_norm, transformer_layer
-from tspbench.core.mesh import Mesh
+from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.reference import LAYER_PARAMS, param_shapes
 from tspbench.core.strategy import Batch, Layout, Strategy
 
@@ -86,7 +86,7 @@ class FSDPCP(Strategy):
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, **kw) -> None:
         super().__init__(cfg, mesh, **kw)
-        self.comm = mesh["model"]
+        self.comm = mesh[Axis.MODEL]
         D, r = self.comm.size, self.comm.rank
         shapes = param_shapes(cfg)
         groups = [["embed"]]
@@ -142,7 +142,7 @@ class FSDPCP(Strategy):
         cos, sin = zigzag_rope(S, self.comm, cfg, x.dtype, self.device)
         hooks = context_parallel_hooks(S, self.comm, self.device)
         for i in range(cfg.layers):
-            x = self.layer(
+            x = self.checkpointed(
                 self.run_unit,
                 1 + i,
                 lambda w, x: transformer_layer(x, w, cfg.norm_eps, cfg.head_dim, cos, sin, hooks),

@@ -14,7 +14,7 @@ from tspbench.core import zigzag
 from tspbench.core.config import ModelConfig
 from tspbench.core.context_parallel import context_parallel_hooks, zigzag_rope
 from tspbench.core.layers import rms_norm, transformer_layer
-from tspbench.core.mesh import Mesh
+from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.reference import LAYER_PARAMS, param_shapes
 from tspbench.core.strategy import Batch, Layout, Strategy
 
@@ -33,7 +33,7 @@ class SP(Strategy):
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, **kw) -> None:
         super().__init__(cfg, mesh, **kw)
-        self.comm = mesh["model"]
+        self.comm = mesh[Axis.MODEL]
         self.params = {n: self.to_param(self.init_full(n)) for n in param_shapes(cfg)}
 
     def shard_batch(self, tokens: torch.Tensor, labels: torch.Tensor) -> Batch:
@@ -47,7 +47,9 @@ class SP(Strategy):
         hooks = context_parallel_hooks(S, self.comm, self.device)
         for i in range(cfg.layers):
             lp = {k: p[f"layers.{i}.{k}"] for k in LAYER_PARAMS}
-            x = self.layer(transformer_layer, x, lp, cfg.norm_eps, cfg.head_dim, cos, sin, hooks)
+            x = self.checkpointed(
+                transformer_layer, x, lp, cfg.norm_eps, cfg.head_dim, cos, sin, hooks
+            )
         return rms_norm(x, p["norm"], cfg.norm_eps)
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,7 +14,7 @@ from tspbench.core.attention import attention
 from tspbench.core.collectives import copy_to, reduce_from
 from tspbench.core.config import ModelConfig
 from tspbench.core.layers import LayerHooks, rms_norm, rope_tables, transformer_layer
-from tspbench.core.mesh import Mesh
+from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.reference import LAYER_PARAMS, param_shapes
 from tspbench.core.strategy import Batch, Layout, Strategy, gather_named, shard_dim
 from tspbench.core.vocab_parallel import cross_entropy_sum, embedding
@@ -31,7 +31,7 @@ class TP(Strategy):
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, **kw) -> None:
         super().__init__(cfg, mesh, **kw)
-        self.comm = mesh["model"]
+        self.comm = mesh[Axis.MODEL]
         T, r = self.comm.size, self.comm.rank
         self.params: dict[str, torch.nn.Parameter] = {}
         for name in param_shapes(cfg):
@@ -59,7 +59,7 @@ class TP(Strategy):
         )
         for i in range(cfg.layers):
             lp = {k: p[f"layers.{i}.{k}"] for k in LAYER_PARAMS}
-            x = self.layer(
+            x = self.checkpointed(
                 transformer_layer, x, lp, cfg.norm_eps, cfg.head_dim, cos, sin, self.hooks
             )
         return rms_norm(x, p["norm"], cfg.norm_eps)

@@ -16,7 +16,7 @@ from tspbench.core.collectives import copy_to, reduce_from
 from tspbench.core.config import ConfigError, ModelConfig
 from tspbench.core.context_parallel import context_parallel_hooks, zigzag_rope
 from tspbench.core.layers import rms_norm, transformer_layer
-from tspbench.core.mesh import Mesh
+from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.reference import LAYER_PARAMS, param_shapes
 from tspbench.core.strategy import Batch, Layout, Strategy, gather_named, shard_dim
 from tspbench.core.vocab_parallel import cross_entropy_sum, embedding
@@ -51,7 +51,7 @@ class TPSP(Strategy):
 
     @classmethod
     def mesh_dims(cls, layout: Layout) -> dict[str, int]:
-        return {"dp": layout.dp, "sp": layout.sp, "tp": layout.tp}
+        return {Axis.DP: layout.dp, Axis.SP: layout.sp, Axis.TP: layout.tp}
 
     @classmethod
     def validate(cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, **_) -> None:
@@ -67,7 +67,7 @@ class TPSP(Strategy):
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, **kw) -> None:
         super().__init__(cfg, mesh, **kw)
-        self.tp, self.sp = mesh["tp"], mesh["sp"]
+        self.tp, self.sp = mesh[Axis.TP], mesh[Axis.SP]
         T, r = self.tp.size, self.tp.rank
         self.params: dict[str, torch.nn.Parameter] = {}
         for name in param_shapes(cfg):
@@ -91,13 +91,15 @@ class TPSP(Strategy):
         )
         for i in range(cfg.layers):
             lp = {k: p[f"layers.{i}.{k}"] for k in LAYER_PARAMS}
-            x = self.layer(transformer_layer, x, lp, cfg.norm_eps, cfg.head_dim, cos, sin, hooks)
+            x = self.checkpointed(
+                transformer_layer, x, lp, cfg.norm_eps, cfg.head_dim, cos, sin, hooks
+            )
         return rms_norm(x, p["norm"], cfg.norm_eps)
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         h = self.hidden_local(batch)
         local = cross_entropy_sum(h, self.params["head"], batch.labels, self.tp) / batch.n_tokens
-        return local, self.total_loss(local, token_axes=("sp",))
+        return local, self.total_loss(local, token_axes=(Axis.SP,))
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return list(self.params.values())

@@ -1,4 +1,4 @@
-"""TSP: folded tensor and sequence parallelism on one device axis of size D (method doc)."""
+"""TSP: folded tensor and sequence parallelism on one device axis of size D (``docs/method.md``)."""
 
 from tsp_impl.model import TSP
 

@@ -1,4 +1,4 @@
-"""TSP attention: the broadcast schedule (method doc section 3).
+"""TSP attention: the broadcast schedule (``docs/method.md`` §3).
 
 Rank p holds its zigzag tokens X_p [B, S/D, h] and owns head group p's weights, packed into one
 tensor W_p = [Wq_p; Wk_p; Wv_p; Wo_p^T] (rows of width h) so one broadcast moves them all.
@@ -27,43 +27,43 @@ from __future__ import annotations
 
 import torch
 
-from tsp_impl.context import TSPContext
 from tsp_impl.overlap import owner_shards
+from tsp_impl.plan import TSPPlan
 from tspbench.core.attention import zigzag_bwd, zigzag_fwd
 from tspbench.core.layers import apply_rope
 
 
-def split_shard(w: torch.Tensor, ctx: TSPContext):
+def split_shard(w: torch.Tensor, plan: TSPPlan):
     """(Wq_r, Wk_r, Wv_r, Wo_r^T) views of a packed head-group shard."""
-    d = ctx.cfg.head_dim
-    return w.split([ctx.hq * d, ctx.hkv * d, ctx.hkv * d, ctx.hq * d], dim=0)
+    d = plan.cfg.head_dim
+    return w.split([plan.hq * d, plan.hkv * d, plan.hkv * d, plan.hq * d], dim=0)
 
 
-def project(x: torch.Tensor, w: torch.Tensor, ctx: TSPContext):
+def project(x: torch.Tensor, w: torch.Tensor, plan: TSPPlan):
     """Local tokens' Q, K, V for one head group, as [B, heads, S/D, d], RoPE applied."""
-    wq, wk, wv, _ = split_shard(w, ctx)
+    wq, wk, wv, _ = split_shard(w, plan)
     B, S_loc, _ = x.shape
-    d = ctx.cfg.head_dim
+    d = plan.cfg.head_dim
 
     def heads(t: torch.Tensor, n: int) -> torch.Tensor:
         return t.view(B, S_loc, n, d).transpose(1, 2)
 
-    q = apply_rope(heads(x @ wq.T, ctx.hq), ctx.cos, ctx.sin)
-    k = apply_rope(heads(x @ wk.T, ctx.hkv), ctx.cos, ctx.sin)
-    return q, k, heads(x @ wv.T, ctx.hkv)
+    q = apply_rope(heads(x @ wq.T, plan.hq), plan.cos, plan.sin)
+    k = apply_rope(heads(x @ wk.T, plan.hkv), plan.cos, plan.sin)
+    return q, k, heads(x @ wv.T, plan.hkv)
 
 
-def gather_kv(k: torch.Tensor, v: torch.Tensor, ctx: TSPContext):
+def gather_kv(k: torch.Tensor, v: torch.Tensor, plan: TSPPlan):
     """All-gather local K/V along the sequence and put them in global order."""
-    kv = ctx.comm.all_gather(torch.stack([k, v]), dim=3)
-    kv = kv.index_select(3, ctx.to_global)
+    kv = plan.comm.all_gather(torch.stack([k, v]), dim=3)
+    kv = kv.index_select(3, plan.to_global)
     return kv[0], kv[1]
 
 
-def scatter_kv_grad(dk: torch.Tensor, dv: torch.Tensor, ctx: TSPContext):
+def scatter_kv_grad(dk: torch.Tensor, dv: torch.Tensor, plan: TSPPlan):
     """Reduce-scatter full-sequence dK/dV back to the ranks that own those tokens."""
-    dkv = torch.stack([dk, dv]).index_select(3, ctx.to_gathered)
-    dkv = ctx.comm.reduce_scatter(dkv, dim=3)
+    dkv = torch.stack([dk, dv]).index_select(3, plan.to_gathered)
+    dkv = plan.comm.reduce_scatter(dkv, dim=3)
     return dkv[0], dkv[1]
 
 
@@ -74,52 +74,52 @@ def merge_heads(t: torch.Tensor) -> torch.Tensor:
 
 class BroadcastAttention(torch.autograd.Function):
     @staticmethod
-    def forward(fctx, x: torch.Tensor, w_own: torch.Tensor, ctx: TSPContext, grad: bool):  # type: ignore[override]
-        save = grad and any(fctx.needs_input_grad)  # (needs_input_grad ignores no_grad)
+    def forward(ctx, x: torch.Tensor, w_own: torch.Tensor, plan: TSPPlan, grad: bool):  # type: ignore[override]
+        save = grad and any(ctx.needs_input_grad)  # (needs_input_grad ignores no_grad)
         y = torch.zeros_like(x)
         saved: list[torch.Tensor] = []
-        for _, w in owner_shards(w_own, ctx.comm, ctx.overlap):
-            q, k, v = project(x, w, ctx)
+        for _, w in owner_shards(w_own, plan.comm, plan.overlap):
+            q, k, v = project(x, w, plan)
             parts, lses = [], []
-            for qs, ks in ctx.buckets():
-                K, V = gather_kv(k[:, ks], v[:, ks], ctx)
-                a, lse = zigzag_fwd(q[:, qs], K, V, ctx.rank, ctx.D)
+            for qs, ks in plan.buckets():
+                K, V = gather_kv(k[:, ks], v[:, ks], plan)
+                a, lse = zigzag_fwd(q[:, qs], K, V, plan.rank, plan.D)
                 parts.append(a)
                 lses += lse
             a = torch.cat(parts, dim=1)
-            y += merge_heads(a) @ split_shard(w, ctx)[3]
+            y += merge_heads(a) @ split_shard(w, plan)[3]
             if save:
                 saved += [q, k, v, a, *lses]
-        fctx.ctx = ctx
-        fctx.n_lse = len(lses)
+        ctx.plan = plan
+        ctx.n_lse = len(lses)
         if save:
-            fctx.save_for_backward(x, w_own, *saved)
+            ctx.save_for_backward(x, w_own, *saved)
         return y
 
     @staticmethod
-    def backward(fctx, dy: torch.Tensor):  # type: ignore[override]
-        ctx: TSPContext = fctx.ctx
-        x, w_own, *saved = fctx.saved_tensors
-        per, n_chunks = 4 + fctx.n_lse, fctx.n_lse // len(ctx.buckets())
+    def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
+        plan: TSPPlan = ctx.plan
+        x, w_own, *saved = ctx.saved_tensors
+        per, n_chunks = 4 + ctx.n_lse, ctx.n_lse // len(plan.buckets())
         dx = torch.zeros_like(x)
         dw_own, reducing = None, None
         dy2, x2 = dy.flatten(0, 1), x.flatten(0, 1)
-        for r, w in owner_shards(w_own, ctx.comm, ctx.overlap):
+        for r, w in owner_shards(w_own, plan.comm, plan.overlap):
             q, k, v, a, *lses = saved[r * per : (r + 1) * per]
-            wq, wk, wv, wo_t = split_shard(w, ctx)
+            wq, wk, wv, wo_t = split_shard(w, plan)
             a_flat = merge_heads(a)
-            da = (dy @ wo_t.T).view(a_flat.shape).unflatten(2, (ctx.hq, -1)).transpose(1, 2)
+            da = (dy @ wo_t.T).view(a_flat.shape).unflatten(2, (plan.hq, -1)).transpose(1, 2)
             dwo_t = a_flat.flatten(0, 1).T @ dy2
             dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-            for i, (qs, ks) in enumerate(ctx.buckets()):
-                K, V = gather_kv(k[:, ks], v[:, ks], ctx)
+            for i, (qs, ks) in enumerate(plan.buckets()):
+                K, V = gather_kv(k[:, ks], v[:, ks], plan)
                 lse = lses[i * n_chunks : (i + 1) * n_chunks]
                 dq[:, qs], dK, dV = zigzag_bwd(
-                    da[:, qs].contiguous(), q[:, qs], K, V, a[:, qs], lse, ctx.rank, ctx.D
+                    da[:, qs].contiguous(), q[:, qs], K, V, a[:, qs], lse, plan.rank, plan.D
                 )
-                dk[:, ks], dv[:, ks] = scatter_kv_grad(dK, dV, ctx)
-            dq = merge_heads(apply_rope(dq, ctx.cos, -ctx.sin))
-            dk = merge_heads(apply_rope(dk, ctx.cos, -ctx.sin))
+                dk[:, ks], dv[:, ks] = scatter_kv_grad(dK, dV, plan)
+            dq = merge_heads(apply_rope(dq, plan.cos, -plan.sin))
+            dk = merge_heads(apply_rope(dk, plan.cos, -plan.sin))
             dv = merge_heads(dv)
             dx += dq @ wq + dk @ wk + dv @ wv
             dw = torch.cat(
@@ -127,8 +127,8 @@ class BroadcastAttention(torch.autograd.Function):
             )
             if reducing is not None:  # at most one gradient reduce in flight
                 reducing.wait()
-            reducing = ctx.comm.reduce(dw, dst=r, async_op=True)
-            if r == ctx.rank:
+            reducing = plan.comm.reduce(dw, dst=r, async_op=True)
+            if r == plan.rank:
                 dw_own = dw
         reducing.wait()
         return dx, dw_own, None, None

@@ -1,4 +1,4 @@
-"""TSP gated MLP: the ring schedule (method doc section 4).
+"""TSP gated MLP: the ring schedule (``docs/method.md`` §4).
 
 Rank p owns slice p of the intermediate dimension, packed as W_p = [W1_p; W3_p; W2_p^T]
 ([3f/D, h]). Forward: for D steps each rank applies the slice it holds to its own tokens,
@@ -41,8 +41,8 @@ def ring(w_own: torch.Tensor, comm: Comm, overlap: bool):
 
 class RingMLP(torch.autograd.Function):
     @staticmethod
-    def forward(fctx, x: torch.Tensor, w_own: torch.Tensor, comm: Comm, overlap: bool, grad: bool):  # type: ignore[override]
-        save = grad and any(fctx.needs_input_grad)  # (needs_input_grad ignores no_grad)
+    def forward(ctx, x: torch.Tensor, w_own: torch.Tensor, comm: Comm, overlap: bool, grad: bool):  # type: ignore[override]
+        save = grad and any(ctx.needs_input_grad)  # (needs_input_grad ignores no_grad)
         y = torch.zeros_like(x)
         saved = []
         for _, w in ring(w_own, comm, overlap):
@@ -51,19 +51,19 @@ class RingMLP(torch.autograd.Function):
             y += (F.silu(h1) * h3) @ w2t
             if save:
                 saved += [h1, h3]
-        fctx.comm, fctx.overlap = comm, overlap
+        ctx.comm, ctx.overlap = comm, overlap
         if save:
-            fctx.save_for_backward(x, w_own, *saved)
+            ctx.save_for_backward(x, w_own, *saved)
         return y
 
     @staticmethod
-    def backward(fctx, dy: torch.Tensor):  # type: ignore[override]
-        comm: Comm = fctx.comm
-        x, w_own, *saved = fctx.saved_tensors
+    def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
+        comm: Comm = ctx.comm
+        x, w_own, *saved = ctx.saved_tensors
         dx = torch.zeros_like(x)
         x2, dy2 = x.flatten(0, 1), dy.flatten(0, 1)
         arriving = None  # the accumulator for the slice held now, in flight from rank p-1
-        for t, w in ring(w_own, comm, fctx.overlap):
+        for t, w in ring(w_own, comm, ctx.overlap):
             w1, w3, w2t = split_slice(w)
             h1, h3 = saved[2 * t], saved[2 * t + 1]
             s = F.silu(h1)
@@ -76,6 +76,6 @@ class RingMLP(torch.autograd.Function):
             if arriving is not None:
                 acc += arriving.wait()
             arriving = comm.ring_exchange(acc, torch.empty_like(acc), async_op=True)
-            if not fctx.overlap:
+            if not ctx.overlap:
                 arriving = Pending.ready(arriving.wait())
         return dx, arriving.wait(), None, None, None

@@ -13,13 +13,13 @@ from __future__ import annotations
 import torch
 
 from tsp_impl.attention import BroadcastAttention
-from tsp_impl.context import TSPContext
 from tsp_impl.mlp import RingMLP
+from tsp_impl.plan import TSPPlan
 from tsp_impl.vocab import VocabEmbedding, VocabParallelLoss
 from tspbench.core import zigzag
 from tspbench.core.config import ConfigError, ModelConfig
 from tspbench.core.layers import rms_norm
-from tspbench.core.mesh import Mesh
+from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.strategy import Batch, Layout, Strategy
 
 
@@ -49,7 +49,7 @@ class TSP(Strategy):
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, **kw) -> None:
         super().__init__(cfg, mesh, **kw)
-        self.comm = mesh["model"]
+        self.comm = mesh[Axis.MODEL]
         D, r = self.comm.size, self.comm.rank
         self.embed = self.to_param(self.init_full("embed").chunk(D)[r])
         self.head = self.to_param(self.init_full("head").chunk(D)[r])
@@ -75,34 +75,34 @@ class TSP(Strategy):
                     "mlp": self.to_param(mlp),
                 }
             )
-        self._ctx: dict[int, TSPContext] = {}
+        self._plans: dict[int, TSPPlan] = {}
 
-    def context(self, seq_len: int) -> TSPContext:
-        if seq_len not in self._ctx:
-            self._ctx[seq_len] = TSPContext.build(
+    def plan(self, seq_len: int) -> TSPPlan:
+        if seq_len not in self._plans:
+            self._plans[seq_len] = TSPPlan.build(
                 self.comm, self.cfg, seq_len, self.dtype, self.device, self.overlap, self.kv_bucket
             )
-        return self._ctx[seq_len]
+        return self._plans[seq_len]
 
     # -- running --------------------------------------------------------------------------------
     def shard_batch(self, tokens: torch.Tensor, labels: torch.Tensor) -> Batch:
         return self.zigzag_batch(tokens, labels, self.comm)
 
     def hidden_local(self, batch: Batch) -> torch.Tensor:
-        ctx = self.context(batch.tokens.shape[1] * self.comm.size)
+        plan = self.plan(batch.tokens.shape[1] * self.comm.size)
         eps = self.cfg.norm_eps
         x = VocabEmbedding.apply(batch.tokens, self.embed, self.comm, self.overlap)
 
         def block(x: torch.Tensor, lp: dict) -> torch.Tensor:
             grad = torch.is_grad_enabled()  # inference keeps nothing for a backward
             x = x + BroadcastAttention.apply(
-                rms_norm(x, lp["attn_norm"], eps), lp["attn"], ctx, grad
+                rms_norm(x, lp["attn_norm"], eps), lp["attn"], plan, grad
             )
             mlp_in = rms_norm(x, lp["mlp_norm"], eps)
             return x + RingMLP.apply(mlp_in, lp["mlp"], self.comm, self.overlap, grad)
 
         for lp in self.layers:
-            x = self.layer(block, x, lp)
+            x = self.checkpointed(block, x, lp)
         return rms_norm(x, self.norm, eps)
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""TSP embedding and LM head/loss over vocabulary shards (method doc section 2, derived).
+"""TSP embedding and LM head/loss over vocabulary shards (``docs/method.md`` §5).
 
 Rank r owns rows [r*V/D, (r+1)*V/D) of the embedding and of the LM head. Both are driven by the
 same broadcast schedule as attention, so no activation ever moves:
@@ -21,22 +21,22 @@ from tspbench.core.comm import Comm
 
 class VocabEmbedding(torch.autograd.Function):
     @staticmethod
-    def forward(fctx, tokens: torch.Tensor, e_own: torch.Tensor, comm: Comm, overlap: bool):  # type: ignore[override]
+    def forward(ctx, tokens: torch.Tensor, e_own: torch.Tensor, comm: Comm, overlap: bool):  # type: ignore[override]
         n = e_own.shape[0]
         x = e_own.new_zeros((*tokens.shape, e_own.shape[1]))
         for r, e in owner_shards(e_own, comm, overlap):
             # masked lookup, no data-dependent shapes (so it also runs on fake tensors)
             hit = (tokens >= r * n) & (tokens < (r + 1) * n)
             x = torch.where(hit[..., None], F.embedding((tokens - r * n).clamp(0, n - 1), e), x)
-        fctx.save_for_backward(tokens)
-        fctx.comm, fctx.shape = comm, e_own.shape
+        ctx.save_for_backward(tokens)
+        ctx.comm, ctx.shape = comm, e_own.shape
         return x
 
     @staticmethod
-    def backward(fctx, dx: torch.Tensor):  # type: ignore[override]
-        (tokens,) = fctx.saved_tensors
-        comm: Comm = fctx.comm
-        n, h = fctx.shape
+    def backward(ctx, dx: torch.Tensor):  # type: ignore[override]
+        (tokens,) = ctx.saved_tensors
+        comm: Comm = ctx.comm
+        n, h = ctx.shape
         full = dx.new_zeros((n * comm.size, h))
         full.index_add_(0, tokens.flatten(), dx.flatten(0, 1))
         return None, comm.reduce_scatter(full, dim=0), None, None
@@ -46,7 +46,7 @@ class VocabParallelLoss(torch.autograd.Function):
     """Sum over local tokens of cross-entropy, divided by the global token count."""
 
     @staticmethod
-    def forward(fctx, x, w_own, labels, n_tokens: int, comm: Comm, overlap: bool):  # type: ignore[override]
+    def forward(ctx, x, w_own, labels, n_tokens: int, comm: Comm, overlap: bool):  # type: ignore[override]
         n = w_own.shape[0]
         m = torch.full(labels.shape, -torch.inf, device=x.device)
         s = torch.zeros(labels.shape, device=x.device)
@@ -60,19 +60,19 @@ class VocabParallelLoss(torch.autograd.Function):
             idx = (labels - r * n).clamp(0, n - 1)
             target += torch.where(hit, logits.gather(-1, idx[..., None])[..., 0], 0.0)
         lse = m + s.log()
-        fctx.save_for_backward(x, w_own, labels, lse)
-        fctx.comm, fctx.n_tokens, fctx.overlap = comm, n_tokens, overlap
+        ctx.save_for_backward(x, w_own, labels, lse)
+        ctx.comm, ctx.n_tokens, ctx.overlap = comm, n_tokens, overlap
         return (lse - target).sum() / n_tokens
 
     @staticmethod
-    def backward(fctx, g):  # type: ignore[override]
-        x, w_own, labels, lse = fctx.saved_tensors
-        comm: Comm = fctx.comm
+    def backward(ctx, g):  # type: ignore[override]
+        x, w_own, labels, lse = ctx.saved_tensors
+        comm: Comm = ctx.comm
         n = w_own.shape[0]
         dx = torch.zeros_like(x)
         dw_own, reducing = None, None
-        scale = g / fctx.n_tokens
-        for r, w in owner_shards(w_own, comm, fctx.overlap):
+        scale = g / ctx.n_tokens
+        for r, w in owner_shards(w_own, comm, ctx.overlap):
             p = ((x @ w.T).float() - lse[..., None]).exp()
             hit = (labels >= r * n) & (labels < (r + 1) * n)
             idx = (labels - r * n).clamp(0, n - 1)

@@ -1,6 +1,6 @@
 """Counted collectives: every strategy communicates through :class:`Comm`.
 
-Bytes are counted per rank with the nccl-tests bus-traffic convention (method doc section 5),
+Bytes are counted per rank with the nccl-tests bus-traffic convention (``docs/method.md`` §6),
 written once in :func:`bus_bytes` so that the analytic model uses the very same rule:
 all-gather / reduce-scatter (D-1)/D of the full tensor, all-reduce 2(D-1)/D, broadcast / reduce
 (D-1)/D, send/recv the tensor on the receiver.

@@ -6,6 +6,7 @@ axes hold contiguous ranks: put the model-parallel axes last to keep a model gro
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
 
@@ -13,6 +14,19 @@ import torch
 import torch.distributed as dist
 
 from tspbench.core.comm import Comm, CommCounter
+
+
+class Axis(enum.StrEnum):
+    """Names of the mesh axes. Each member is its string (``Axis.DP == "dp"``, same hash), so
+    comparisons, dict keys and JSON written with plain strings keep working; ``repr`` is the
+    string's too, so a printed mesh reads exactly as with plain strings."""
+
+    MODEL = "model"  # the D-rank model group (TSP, DP, TP, SP, FSDP+CP)
+    DP = "dp"  # data-parallel replicas of the model group
+    TP = "tp"  # TP+SP: the T-rank tensor-parallel group (innermost)
+    SP = "sp"  # TP+SP: the Sigma-rank context-parallel group
+
+    __repr__ = str.__repr__
 
 
 @dataclass

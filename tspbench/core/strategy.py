@@ -19,7 +19,7 @@ from tspbench.core import zigzag
 from tspbench.core.comm import Comm
 from tspbench.core.config import ConfigError, ModelConfig
 from tspbench.core.grad_sync import BucketedAllReduce
-from tspbench.core.mesh import Mesh
+from tspbench.core.mesh import Axis, Mesh
 
 RECOMPUTE = ("none", "full")
 
@@ -70,7 +70,7 @@ class Strategy(ABC):
         self.dp_bucket_mb = dp_bucket_mb
         self._dp_sync: BucketedAllReduce | None = None
 
-    def layer(self, fn, *args):
+    def checkpointed(self, fn, *args):
         """Run one transformer layer, under activation checkpointing when recompute is 'full'.
 
         Recomputation re-runs the layer's forward, collectives included, in backward: every rank
@@ -84,7 +84,7 @@ class Strategy(ABC):
     @classmethod
     def mesh_dims(cls, layout: Layout) -> dict[str, int]:
         """Mesh axes (outermost first): data parallel outside, the D-rank model group inside."""
-        return {"dp": layout.dp, "model": layout.degree}
+        return {Axis.DP: layout.dp, Axis.MODEL: layout.degree}
 
     @classmethod
     def validate(
@@ -140,7 +140,7 @@ class Strategy(ABC):
 
     def dp_sync(self) -> BucketedAllReduce | None:
         """The data-parallel gradient reducer, created (hooks registered) on first use."""
-        dp = self.mesh.comms.get("dp")
+        dp = self.mesh.comms.get(Axis.DP)
         if self._dp_sync is None and dp is not None and dp.size > 1:
             self._dp_sync = BucketedAllReduce(self.parameters(), dp, int(self.dp_bucket_mb * 2**20))
         return self._dp_sync
@@ -165,18 +165,18 @@ class Strategy(ABC):
 
     def dp_slice(self, t: torch.Tensor) -> torch.Tensor:
         """This replica's micro-batch rows of a global batch (``batch`` rows per replica)."""
-        dp = self.mesh.comms.get("dp")
+        dp = self.mesh.comms.get(Axis.DP)
         if dp is None or dp.size == 1:
             return t
         b = t.shape[0] // dp.size
         return t[dp.rank * b : (dp.rank + 1) * b]
 
     def total_loss(
-        self, local: torch.Tensor, token_axes: tuple[str, ...] = ("model",)
+        self, local: torch.Tensor, token_axes: tuple[str, ...] = (Axis.MODEL,)
     ) -> torch.Tensor:
         """Global mean loss: sum the local contributions over the axes that split tokens and dp."""
         total = local.detach().clone()
-        for axis in (*token_axes, "dp"):
+        for axis in (*token_axes, Axis.DP):
             if axis in self.mesh.comms:
                 self.mesh[axis].all_reduce_metric(total)
         return total

@@ -13,7 +13,7 @@ from tspbench.core.layers import rope_tables
 
 
 @dataclass
-class TSPContext:
+class TSPPlan:
     comm: Comm  # the folded axis: D ranks
     cfg: ModelConfig
     seq_len: int
@@ -34,7 +34,7 @@ class TSPContext:
         device: torch.device,
         overlap: bool = True,
         kv_bucket: int = 0,
-    ) -> TSPContext:
+    ) -> TSPPlan:
         D, r = comm.size, comm.rank
         cos, sin = rope_tables(zigzag.positions(seq_len, D, r), cfg.head_dim, cfg.rope_theta, dtype)
         return cls(
