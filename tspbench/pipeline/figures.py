@@ -103,7 +103,7 @@ def line(df, x, y, ylabel, title, xlabel, colors, logy=False, note="") -> plt.Fi
 
 
 def crossover_bs(hidden: int, kv_dim: int, ffn: int) -> float:
-    """B*S where TSP's forward traffic equals TP's (method doc section 5):
+    """B*S where TSP's forward traffic equals TP's (docs/method.md section 6):
     (D-1)/D [2h^2 + 2h h_kv + 3hf + 2BS h_kv] = 4 (D-1)/D BSh; = 8h for MHA with f = 4h."""
     return (2 * hidden**2 + 2 * hidden * kv_dim + 3 * hidden * ffn) / (4 * hidden - 2 * kv_dim)
 

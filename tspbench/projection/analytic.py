@@ -1,14 +1,14 @@
 """Closed-form cost of one step per rank: bytes by collective and phase, FLOPs, memory by part.
 
-Each strategy's schedule is written out as the list of collectives it issues (method doc
-section 5, extended to backward, recomputation, embeddings and the loss), and bytes are counted
+Each strategy's schedule is written out as the list of collectives it issues (docs/method.md
+section 6, extended to backward, recomputation, embeddings and the loss), and bytes are counted
 with the same :func:`bus_bytes` rule as the measured counter, so the two must agree exactly;
 tests assert it. FLOPs are what torch's FlopCounterMode counts: matmuls (2mnk) and the attention
 kernel's formula (4 b h s_q s_k d forward, 2.5 times that backward), with the kernel's blocks as
 the implementation calls them. Memory is model state plus saved activations plus the largest
 transient, per part; see :func:`memory`.
 
-Notation (method doc section 1): B micro-batch, S sequence, h hidden, kv = n_kv*d, f MLP size,
+Notation (docs/method.md section 1): B micro-batch, S sequence, h hidden, kv = n_kv*d, f MLP size,
 V vocabulary, L layers, e bytes per element; t = tokens on this rank.
 """
 

@@ -45,7 +45,7 @@ def counter() -> FlopCounterMode:
     return FlopCounterMode(display=False)
 
 
-# Dense bf16 peak FLOP/s by device-name substring (public datasheets; method doc section 7).
+# Dense bf16 peak FLOP/s by device-name substring (datasheets, as in projection/hardware.json).
 PEAK_FLOPS = {"MI300X": 1307e12, "H100": 989e12, "H200": 989e12}
 
 
