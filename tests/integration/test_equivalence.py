@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from distributed import run_world
+from tests.helpers.distributed import run_world
 
 MODELS = {"mha": {}, "gqa": {"kv_heads": 4}}
 LAYOUTS = {
@@ -126,7 +126,7 @@ CASES = _cases()
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    return run_world(4, "checks:run_cases", CASES)[0]
+    return run_world(4, "tests.helpers.checks:run_cases", CASES)[0]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])

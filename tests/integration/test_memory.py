@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from distributed import run_world
+from tests.helpers.distributed import run_world
 
 SIX = ["dp", "tp", "sp", "tpsp", "fsdp_cp", "tsp"]
 LENGTHS = (256, 2048)
@@ -44,7 +44,7 @@ def _cases() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def peaks() -> dict[str, int]:
-    ranks = run_world(4, "checks:run_cases", _cases())
+    ranks = run_world(4, "tests.helpers.checks:run_cases", _cases())
     ids = ranks[0].keys()
     return {k: max(r[k]["peak"] for r in ranks) for k in ids}  # max over ranks
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
-from runner import ROOT, snakemake, tspbench
+
+from tests.helpers.runner import ROOT, snakemake, tspbench
 
 RUN = ["run", "--strategy", "tsp", "--seq-len", "32"]
 OK_CONFIG = yaml.safe_load((ROOT / "workflows/config/default.yaml").read_text())
@@ -32,144 +33,6 @@ def sweep_with(**kw) -> str:
 
 
 # (kind, args or file text, environment, expected message)
-BAD = [
-    ("run", ["--seq-len", "0"], {}, "--seq-len: '0': must be between 1 and"),
-    ("run", ["--seq-len", "-5"], {}, "--seq-len: '-5': must be between"),
-    ("run", ["--seq-len", "1.5"], {}, "--seq-len: '1.5': must be an integer"),
-    ("run", ["--seq-len", "99999999999"], {}, "must be between 1 and 16777216"),
-    ("run", ["--degree", "0"], {}, "--degree: '0': must be between 1"),
-    ("run", ["--degree", "3", "--seq-len", "48"], {}, "model.heads=8: must be divisible by D"),
-    ("run", ["--seq-len", "36", "--degree", "4"], {}, "seq_len=36: must be divisible by 2*D=8"),
-    ("run", ["--strategy", "zero"], {}, "argument --strategy: invalid choice: 'zero'"),
-    ("run", ["--model", "13b"], {}, "model='13b': unknown preset"),
-    ("run", ["--model", "tiny; rm -rf /"], {}, "model='tiny; rm -rf /': unknown preset"),
-    ("run", ["--set", "bogus=1"], {}, "--set 'bogus': unknown model field"),
-    ("run", ["--set", "heads=x"], {}, "--set heads='x': must be a int"),
-    ("run", ["--set", "heads"], {}, "--set 'heads': expected field=value"),
-    ("run", ["--set", "kv_heads=3"], {}, "model.kv_heads=3: must divide model.heads=8"),
-    ("run", ["--tp", "2"], {}, "--tp/--sp: only strategy tpsp takes them"),
-    (
-        "run",
-        ["--strategy", "tpsp", "--tp", "2", "--sp", "2", "--degree", "2"],
-        {},
-        "tp=2 x sp=2 = 4: must equal degree=2",
-    ),
-    (
-        "run",
-        ["--strategy", "dp", "--degree", "4", "--batch", "3"],
-        {},
-        "batch=3: must be divisible by degree=4",
-    ),
-    (
-        "run",
-        ["--degree", "2", "--launch", "local", "--nproc", "3"],
-        {},
-        "--nproc=3: must equal degree x dp = 2",
-    ),
-    ("run", ["--degree", "2"], {}, "no launcher environment"),
-    (
-        "run",
-        ["--degree", "2"],
-        {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"},
-        "world size 3 (from torchrun): must equal degree x dp = 2",
-    ),
-    (
-        "run",
-        ["--degree", "2"],
-        {"RANK": "0", "WORLD_SIZE": "2"},
-        "RANK/WORLD_SIZE are set but MASTER_ADDR/MASTER_PORT are not",
-    ),
-    (
-        "run",
-        ["--degree", "2"],
-        {"SLURM_PROCID": "x", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n1"},
-        "environment SLURM_PROCID='x': must be an integer",
-    ),
-    ("run", ["--max-memory", "lots"], {}, "--max-memory: 'lots': expected a size"),
-    ("run", ["--max-memory", "0"], {}, "--max-memory: '0': must be positive"),
-    ("run", ["--timeout", "-1"], {}, "--timeout: '-1': must be a positive number"),
-    ("run", ["--timeout", "nan"], {}, "--timeout: 'nan': must be a positive number"),
-    ("run", ["--kv-bucket", "3"], {}, "kv_bucket=3: must divide the KV heads per head group"),
-    ("run", ["--mode", "serve"], {}, "argument --mode: invalid choice: 'serve'"),
-    ("run", ["--dtype", "fp8"], {}, "argument --dtype: invalid choice: 'fp8'"),
-    ("run", ["--steps", "0"], {}, "--steps: '0': must be between 1 and 1000"),
-    ("run", ["--warmup", "-1"], {}, "--warmup: '-1': must be between 0 and 1000"),
-    ("out", "runs/record.txt", {}, "must name a .json file"),
-    ("config", "sweeps: [unclosed\n", {}, "not valid YAML"),
-    ("config", "", {}, "must be a mapping of settings, got NoneType"),
-    ("config", sweep_with(strategies=["tsp", "zero"]), {}, "sweeps.0.strategies.1: 'zero'"),
-    ("config", sweep_with(seq_lens=[1001]), {}, "sweeps[0].seq_lens: 1001 must be divisible"),
-    ("config", sweep_with(gpus=[6]), {}, "sweeps[0].gpus: 6 must be a multiple of"),
-    ("config", sweep_with(gpus=[0]), {}, "sweeps.0.gpus.0: 0 is less than the minimum of 1"),
-    ("config", sweep_with(batches=[2.5]), {}, "sweeps.0.batches.0: 2.5 is not of type"),
-    ("config", cfg_with(steps=0), {}, "steps: 0 is less than the minimum of 1"),
-    ("config", cfg_with(name="x; rm -rf /"), {}, "name: 'x; rm -rf /' does not match"),
-    ("config", cfg_with(model_overrides={"ffn": "4; rm"}), {}, "model_overrides.ffn: '4; rm'"),
-    ("config", cfg_with(surprise=1), {}, "Additional properties are not allowed ('surprise'"),
-    ("config", cfg_with(launcher="ssh"), {}, "launcher: 'ssh' is not one of"),
-    ("config", cfg_with(max_memory="$(reboot)"), {}, "max_memory: '$(reboot)' does not match"),
-    ("record", '{"status": "ok", ', {}, "not readable JSON"),
-    ("record", json.dumps({"status": "fine"}), {}, "is a required property"),
-    ("summary", "missing.csv", {}, "--summary='"),
-]
-
-
-@pytest.mark.parametrize(
-    "kind, value, env, needle", BAD, ids=[f"{i}-{b[0]}" for i, b in enumerate(BAD)]
-)
-def test_bad_input_exits_2_naming_the_problem(
-    tmp_path, capsys, monkeypatch, kind, value, env, needle
-):
-    from tspbench.cli import main
-
-    for var in (
-        "RANK",
-        "WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "SLURM_PROCID",
-        "SLURM_NTASKS",
-        "SLURM_JOB_NODELIST",
-        "OMPI_COMM_WORLD_SIZE",
-        "PMI_SIZE",
-    ):
-        monkeypatch.delenv(var, raising=False)
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    out = tmp_path / "out.json"
-    if kind == "run":
-        args = [*RUN, *value] if value[0] != "--strategy" else ["run", "--seq-len", "32", *value]
-        if "--seq-len" in value:  # the case's own length replaces the default
-            i = args.index("--seq-len")
-            del args[i : i + 2]
-        argv = [*args, "--out", str(out)]
-    elif kind == "out":
-        out = tmp_path / value
-        argv = [*RUN, "--out", str(out)]
-    elif kind == "config":
-        path = tmp_path / "cfg.yaml"
-        path.write_text(value)
-        argv = ["check-config", str(path)]
-    elif kind == "record":
-        path = tmp_path / "rec.json"
-        path.write_text(value)
-        argv = ["check-record", str(path)]
-    else:
-        out = tmp_path / "tables"
-        argv = ["tables", "--summary", str(tmp_path / value), "--out", str(out)]
-    try:
-        code = main(argv)
-    except SystemExit as e:  # argparse's own refusals
-        code = e.code
-    err = capsys.readouterr().err
-    lines = [x for x in err.splitlines() if x.strip()]
-    assert code == 2, err
-    assert len(lines) == 1 and needle in lines[0], err
-    assert not out.exists()
-
-
-def test_at_least_thirty_bad_inputs():
-    assert len(BAD) >= 30
 
 
 def catches(pid: int, sig: int) -> bool:

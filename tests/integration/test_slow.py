@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from distributed import run_world
+from tests.helpers.distributed import run_world
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +23,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    return run_world(8, "checks:run_cases", CASES)[0]
+    return run_world(8, "tests.helpers.checks:run_cases", CASES)[0]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])

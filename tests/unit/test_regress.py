@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from runner import ROOT
 
+from tests.helpers.runner import ROOT
 from tspbench.cli import main
 
 TOL = str(ROOT / "workflows/regress.yaml")

@@ -3,7 +3,6 @@ that resumes only its missing cells, and tables/figures that mark failed cells."
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 from pathlib import Path
@@ -11,8 +10,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
-from runner import ROOT
-from runner import snakemake as smk
+
+from tests.helpers.configs import MINI
+from tests.helpers.runner import ROOT
+from tests.helpers.runner import snakemake as smk
 
 
 def test_paper_dry_run_on_the_slurm_profile_has_the_right_resources():
@@ -71,28 +72,6 @@ def test_bad_config_stops_the_dry_run_naming_the_field(tmp_path, change, needle)
     assert needle in p.stdout + p.stderr, (p.stdout + p.stderr)[-2000:]
 
 
-MINI = {
-    "name": "mini",
-    "model": "tiny",
-    "dtype": "fp32",
-    "warmup": 0,
-    "steps": 1,
-    "gpus_per_node": 2,
-    "launcher": "local",
-    "sweeps": [
-        {
-            "name": "seq",
-            "strategies": ["tsp", "tp"],
-            "degrees": [2],
-            "gpus": [2],
-            "seq_lens": [32, 64],
-            "batches": [1],
-            "modes": ["train"],
-        }
-    ],
-}
-
-
 @pytest.fixture(scope="module")
 def mini(tmp_path_factory) -> Path:
     """A mini sweep (4 cells) run for real in a scratch copy of the workflow."""
@@ -148,59 +127,3 @@ def test_rerun_redoes_only_missing_cells(mini):
     assert p.returncode == 0
     jobs = re.findall(r"rule run:\n.*?wildcards: cell=(\S+)", p.stdout + p.stderr, re.S)
     assert jobs == ["tp.D2.g2.S64.B1.train"]
-
-
-def test_tables_and_figures_mark_oom_and_failed_cells(tmp_path):
-    from tspbench.pipeline.figures import write_figures
-    from tspbench.pipeline.tables import write_tables
-
-    rows = []
-    for s in ("tsp", "tp"):
-        for S in (256, 512, 1024):
-            status = "ok"
-            if (s, S) == ("tp", 1024):
-                status = "oom"
-            if (s, S) == ("tsp", 512):
-                status = "error"
-            rows.append(
-                {
-                    "cell": f"{s}.{S}",
-                    "sweep": "seq",
-                    "label": s,
-                    "strategy": s,
-                    "seq_len": S,
-                    "gpus": 4,
-                    "degree": 4,
-                    "batch": 1,
-                    "mode": "train",
-                    "dtype": "fp32",
-                    "status": status,
-                    "error_message": None if status == "ok" else "boom",
-                    "peak_mem_bytes": S * 1000 if status == "ok" else None,
-                    "tokens_per_s": 1e3 if status == "ok" else None,
-                    "param_numel": 10,
-                    "optimizer_numel": 20,
-                }
-            )
-    df = pd.DataFrame(rows)
-    write_tables(df, tmp_path / "t")
-    table = (tmp_path / "t/md/memory_vs_seq.md").read_text()
-    assert "OOM" in table and "failed" in table
-    assert "tsp.512" in (tmp_path / "t/failures.md").read_text()
-    written = write_figures(df, tmp_path / "f")
-    assert {p.name for p in written} >= {"memory_vs_seq.png", "throughput_vs_seq.pdf"}
-
-
-def test_aggregate_reports_missing_and_corrupt_records(tmp_path):
-    from tspbench.pipeline.aggregate import aggregate
-    from tspbench.pipeline.cells import sweep_cells
-
-    cells, _ = sweep_cells(MINI)
-    runs = tmp_path / "runs"
-    runs.mkdir()
-    (runs / f"{cells[0].id}.json").write_text("{not json")
-    (runs / f"{cells[1].id}.json").write_text(json.dumps({"status": "oom", "error_message": "x"}))
-    df = aggregate(cells, runs).set_index("cell")
-    assert df.loc[cells[0].id, "status"] == "corrupt"
-    assert df.loc[cells[1].id, "status"] == "oom"
-    assert df.loc[cells[2].id, "status"] == "missing"

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from distributed import run_world
+from tests.helpers.distributed import run_world
 from tspbench.core.strategy import Layout
 from tspbench.runtime.layout import rank_layout
 
@@ -57,7 +57,7 @@ SLOW = [
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    return run_world(4, "checks:run_cases", CASES)[0]
+    return run_world(4, "tests.helpers.checks:run_cases", CASES)[0]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
@@ -69,7 +69,7 @@ def test_dp_composition_equals_reference(results, case):
 
 @pytest.mark.slow
 def test_tpsp_2x2_with_dp2_on_8_ranks():
-    res = run_world(8, "checks:run_cases", SLOW)[0]["tpsp-2x2-dp2"]
+    res = run_world(8, "tests.helpers.checks:run_cases", SLOW)[0]["tpsp-2x2-dp2"]
     assert res["ok"], res
 
 

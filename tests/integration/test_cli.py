@@ -8,7 +8,8 @@ import sys
 
 import jsonschema
 import pytest
-from runner import ROOT, tool, tspbench
+
+from tests.helpers.runner import ROOT, tool, tspbench
 
 BASE = ["--model", "tiny", "--seq-len", "32", "--warmup", "0", "--steps", "1", "--quiet"]
 SCHEMA = json.loads((ROOT / "tspbench/schemas/record.schema.json").read_text())

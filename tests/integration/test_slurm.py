@@ -21,7 +21,8 @@ import time
 import pandas as pd
 import pytest
 import yaml
-from runner import ROOT
+
+from tests.helpers.runner import ROOT
 
 pytestmark = pytest.mark.slurm
 

@@ -1,0 +1,1 @@
+"""Plumbing the unit and integration tests share."""

@@ -1,0 +1,64 @@
+"""One run description: a RunSpec survives the command line both ways, names itself the same
+everywhere, and refuses what its strategy refuses before anything starts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tspbench.cli import make_parser
+from tspbench.core.config import ConfigError, get_config
+from tspbench.runtime.spec import RunSpec
+
+ARGVS = [
+    ["--strategy", "tsp", "--seq-len", "64", "--degree", "4"],
+    ["--strategy", "tpsp", "--tp", "2", "--sp", "2", "--seq-len", "128", "--mode", "infer"],
+    ["--strategy", "dp", "--degree", "2", "--batch", "4", "--dp", "3", "--seq-len", "32"],
+    ["--strategy", "tsp", "--model", "small", "--set", "kv_heads=4", "--seq-len", "64"],
+    ["--strategy", "fsdp_cp", "--seq-len", "64", "--degree", "2", "--max-memory", "3M"],
+    ["--strategy", "tsp", "--seq-len", "64", "--overlap", "off", "--kv-bucket", "1", "--quiet"],
+    ["--strategy", "sp", "--seq-len", "64", "--recompute", "full", "--dtype", "bf16"],
+]
+
+
+def spec_of(argv: list[str]) -> RunSpec:
+    return RunSpec.from_args(make_parser().parse_args(["run", *argv, "--out", "x.json"]))
+
+
+@pytest.mark.parametrize("argv", ARGVS, ids=lambda a: " ".join(a[1:4]))
+def test_to_argv_rebuilds_the_same_spec(argv):
+    spec = spec_of(argv)
+    assert spec_of(spec.to_argv()) == spec
+
+
+def test_names_are_asked_of_the_strategy():
+    tpsp = spec_of(["--strategy", "tpsp", "--tp", "2", "--sp", "1", "--seq-len", "64"])
+    assert tpsp.id == "tpsp-2x1.D2.g2.S64.B1.train" and tpsp.label == "tpsp (2x1)"
+    assert tpsp.header("local", 2)["tp"] == 2 and tpsp.cp == 1
+    tsp = spec_of(["--strategy", "tsp", "--degree", "4", "--dp", "2", "--seq-len", "64"])
+    assert tsp.id == "tsp.D4.g8.S64.B1.train" and tsp.label == "tsp"
+    assert tsp.header("local", 8)["tp"] is None and tsp.tokens == 64 // 4
+    dp = spec_of(["--strategy", "dp", "--degree", "2", "--batch", "4", "--seq-len", "64"])
+    assert dp.tokens == 4 * 64 // 2  # whole sequences per rank
+
+
+def test_frozen_and_keyword_only():
+    spec = spec_of(ARGVS[0])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.seq_len = 8  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        RunSpec("tsp", get_config("tiny"))  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--strategy", "tp", "--tp", "2", "--seq-len", "64"], "--tp/--sp: only strategy tpsp"),
+        (["--strategy", "tsp", "--degree", "4", "--seq-len", "36"], "must be divisible by 2*D"),
+        (["--strategy", "single", "--degree", "2", "--seq-len", "64"], "degree=2"),
+    ],
+)
+def test_a_bad_spec_is_refused_on_construction(argv, needle):
+    with pytest.raises(ConfigError, match=needle.replace("*", r"\*").replace("/", "/")):
+        spec_of(argv)

@@ -1,0 +1,66 @@
+"""Tables and figures from synthetic aggregate tables: failed and OOM cells are shown; missing
+and corrupt records get rows."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+
+from tests.helpers.configs import MINI
+
+
+def test_tables_and_figures_mark_oom_and_failed_cells(tmp_path):
+    from tspbench.pipeline.figures import write_figures
+    from tspbench.pipeline.tables import write_tables
+
+    rows = []
+    for s in ("tsp", "tp"):
+        for S in (256, 512, 1024):
+            status = "ok"
+            if (s, S) == ("tp", 1024):
+                status = "oom"
+            if (s, S) == ("tsp", 512):
+                status = "error"
+            rows.append(
+                {
+                    "cell": f"{s}.{S}",
+                    "sweep": "seq",
+                    "label": s,
+                    "strategy": s,
+                    "seq_len": S,
+                    "gpus": 4,
+                    "degree": 4,
+                    "batch": 1,
+                    "mode": "train",
+                    "dtype": "fp32",
+                    "status": status,
+                    "error_message": None if status == "ok" else "boom",
+                    "peak_mem_bytes": S * 1000 if status == "ok" else None,
+                    "tokens_per_s": 1e3 if status == "ok" else None,
+                    "param_numel": 10,
+                    "optimizer_numel": 20,
+                }
+            )
+    df = pd.DataFrame(rows)
+    write_tables(df, tmp_path / "t")
+    table = (tmp_path / "t/md/memory_vs_seq.md").read_text()
+    assert "OOM" in table and "failed" in table
+    assert "tsp.512" in (tmp_path / "t/failures.md").read_text()
+    written = write_figures(df, tmp_path / "f")
+    assert {p.name for p in written} >= {"memory_vs_seq.png", "throughput_vs_seq.pdf"}
+
+
+def test_aggregate_reports_missing_and_corrupt_records(tmp_path):
+    from tspbench.pipeline.aggregate import aggregate
+    from tspbench.pipeline.cells import sweep_cells
+
+    cells, _ = sweep_cells(MINI)
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    (runs / f"{cells[0].id}.json").write_text("{not json")
+    (runs / f"{cells[1].id}.json").write_text(json.dumps({"status": "oom", "error_message": "x"}))
+    df = aggregate(cells, runs).set_index("cell")
+    assert df.loc[cells[0].id, "status"] == "corrupt"
+    assert df.loc[cells[1].id, "status"] == "oom"
+    assert df.loc[cells[2].id, "status"] == "missing"
