@@ -20,8 +20,9 @@ import seaborn as sns  # noqa: E402
 from matplotlib import ticker  # noqa: E402
 
 from tspbench.pipeline.tables import MARK, mem_unit  # noqa: E402
+from tspbench.runtime.registry import strategies  # noqa: E402
 
-ORDER = ["tsp", "tp", "tpsp", "sp", "fsdp_cp", "dp", "single"]
+ORDER = list(strategies())  # the registry's order: TSP first
 PARTS = ["weights", "grads", "optimizer state", "activations + buffers"]
 
 

@@ -7,6 +7,7 @@ from tspbench.core.strategy import Strategy
 
 
 def strategies() -> dict[str, type[Strategy]]:
+    """Every strategy by name, in the order tables and figures show them (TSP first)."""
     from baselines.dp import DP, Single
     from baselines.fsdp_cp import FSDPCP
     from baselines.sp import SP
@@ -14,7 +15,7 @@ def strategies() -> dict[str, type[Strategy]]:
     from baselines.tpsp import TPSP
     from tsp_impl import TSP
 
-    return {s.name: s for s in (Single, TSP, DP, TP, SP, TPSP, FSDPCP)}
+    return {s.name: s for s in (TSP, TP, TPSP, SP, FSDPCP, DP, Single)}
 
 
 def get_strategy(name: str) -> type[Strategy]:
