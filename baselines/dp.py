@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tspbench.core import costs
 from tspbench.core.config import ConfigError, ModelConfig
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.reference import ReferenceModel
@@ -20,6 +21,19 @@ class DP(Strategy):
     @classmethod
     def replica_batch(cls, layout: Layout, per_rank: int = 1) -> int:
         return per_rank * layout.degree  # each rank takes whole sequences
+
+    grad_staging_copies = 1  # finish_grads packs every gradient into one all-reduce
+
+    @classmethod
+    def schedule(cls, spec: costs.Spec) -> costs.Schedule:
+        """One all-reduce of every gradient after backward."""
+        ev, n = costs.Schedule(), cls.param_numel(spec.cfg, spec.layout)
+        costs.grads_all_reduce(ev, spec, Axis.MODEL, spec.degree, n)
+        return ev
+
+    @classmethod
+    def metric_reductions(cls, layout: Layout, train: bool) -> tuple[int, int]:
+        return layout.degree, 1  # the loss is summed over the ranks' sequences
 
     @classmethod
     def validate(cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, **_) -> None:
@@ -73,6 +87,11 @@ class Single(DP):
     """The single-device reference (D must be 1)."""
 
     name = "single"
+    grad_staging_copies = 0  # one rank: nothing to reduce
+
+    @classmethod
+    def schedule(cls, spec: costs.Spec) -> costs.Schedule:
+        return costs.Schedule()
 
     @classmethod
     def sweep_layouts(cls, degrees: list[int], factors: list[list[int]]) -> list[Layout]:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.graph import saved_tensors_hooks
 
-from tspbench.core import zigzag
+from tspbench.core import costs, zigzag
 from tspbench.core.comm import Comm
 from tspbench.core.config import ModelConfig
 from tspbench.core.context_parallel import context_parallel_hooks, zigzag_rope
@@ -78,6 +78,52 @@ class FSDPCP(Strategy):
     @classmethod
     def context_parallel(cls, layout: Layout) -> int:
         return layout.degree
+
+    # -- closed-form costs ------------------------------------------------------------------------
+    @staticmethod
+    def unit_numels(cfg: ModelConfig) -> tuple[int, int, int]:
+        """Elements of the all-gather units: the embedding; one layer; final norm + LM head."""
+        V, h = cfg.vocab, cfg.hidden
+        return V * h, costs.layer_numel(cfg), h + V * h
+
+    @classmethod
+    def param_numel(cls, cfg: ModelConfig, layout: Layout) -> int:
+        u0, ul, un = (-(-u // layout.degree) for u in cls.unit_numels(cfg))  # padded shards
+        return u0 + cfg.layers * ul + un
+
+    @classmethod
+    def largest_param(cls, cfg: ModelConfig, layout: Layout) -> int:
+        return -(-max(cfg.vocab * cfg.hidden + cfg.hidden, costs.layer_numel(cfg)) // layout.degree)
+
+    @classmethod
+    def schedule(cls, spec: costs.Spec) -> costs.Schedule:
+        """Context parallelism's K/V gathers; every unit gathered before it runs (forward, and
+        again in backward), its gradient reduce-scattered."""
+        D, e, L = spec.degree, spec.e, spec.cfg.layers
+        ev = costs.context_parallel(spec, Axis.MODEL, D)
+        u0, ul, un = (-(-u // D) * D * e for u in cls.unit_numels(spec.cfg))  # padded units
+        ev.add("forward", Axis.MODEL, "all_gather", D, u0)
+        ev.add("forward", Axis.MODEL, "all_gather", D, ul, L)
+        ev.add("forward", Axis.MODEL, "all_gather", D, un)
+        if spec.train:  # layers: regathered (or recomputed) in backward; embedding never
+            ev.add("backward", Axis.MODEL, "all_gather", D, ul, L)
+            if not spec.rc:  # under recompute the head unit keeps its gathered weights
+                ev.add("backward", Axis.MODEL, "all_gather", D, un)
+            ev.add("backward", Axis.MODEL, "reduce_scatter", D, u0)
+            ev.add("backward", Axis.MODEL, "reduce_scatter", D, ul, L)
+            ev.add("backward", Axis.MODEL, "reduce_scatter", D, un)
+        return ev
+
+    @classmethod
+    def inference_working_set(cls, spec: costs.Spec) -> tuple[int, int]:
+        """The plain model's, and the gathered unit in use."""
+        layer, loss = super().inference_working_set(spec)
+        cfg, e = spec.cfg, spec.e
+        return layer + costs.layer_numel(cfg) * e, loss + (cfg.vocab * cfg.hidden + cfg.hidden) * e
+
+    @classmethod
+    def metric_reductions(cls, layout: Layout, train: bool) -> tuple[int, int]:
+        return layout.degree, layout.degree if train else 1
 
     @classmethod
     def validate(cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, **_) -> None:

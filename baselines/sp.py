@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tspbench.core import zigzag
+from tspbench.core import costs, zigzag
 from tspbench.core.config import ModelConfig
 from tspbench.core.context_parallel import context_parallel_hooks, zigzag_rope
 from tspbench.core.layers import rms_norm, transformer_layer
@@ -25,6 +25,20 @@ class SP(Strategy):
     @classmethod
     def context_parallel(cls, layout: Layout) -> int:
         return layout.degree
+
+    grad_staging_copies = 1  # finish_grads packs every gradient into one all-reduce
+
+    @classmethod
+    def schedule(cls, spec: costs.Spec) -> costs.Schedule:
+        """Context parallelism's K/V gathers; one all-reduce of every gradient after backward."""
+        ev = costs.context_parallel(spec, Axis.MODEL, spec.degree)
+        n = cls.param_numel(spec.cfg, spec.layout)
+        costs.grads_all_reduce(ev, spec, Axis.MODEL, spec.degree, n)
+        return ev
+
+    @classmethod
+    def metric_reductions(cls, layout: Layout, train: bool) -> tuple[int, int]:
+        return layout.degree, 1  # the loss is summed over the sequence's chunks
 
     @classmethod
     def validate(cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, **_) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from tspbench.core import costs
 from tspbench.core.attention import attention
 from tspbench.core.collectives import copy_to, reduce_from
 from tspbench.core.config import ModelConfig
@@ -22,6 +23,19 @@ from tspbench.core.vocab_parallel import cross_entropy_sum, embedding
 
 class TP(Strategy):
     name = "tp"
+    vocab_parallel_loss = True
+
+    @classmethod
+    def tensor_degree(cls, layout: Layout) -> int:
+        return layout.degree
+
+    @classmethod
+    def schedule(cls, spec: costs.Spec) -> costs.Schedule:
+        return costs.megatron(spec, spec.degree, Axis.MODEL)
+
+    @classmethod
+    def metric_reductions(cls, layout: Layout, train: bool) -> tuple[int, int]:
+        return 1, layout.degree if train else 1  # every rank holds the whole loss
 
     @classmethod
     def validate(cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, **_) -> None:

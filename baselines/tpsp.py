@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from tspbench.core import zigzag
+from tspbench.core import costs, zigzag
 from tspbench.core.collectives import copy_to, reduce_from
 from tspbench.core.config import ConfigError, ModelConfig
 from tspbench.core.context_parallel import context_parallel_hooks, zigzag_rope
@@ -48,6 +48,25 @@ class TPSP(Strategy):
     @classmethod
     def context_parallel(cls, layout: Layout) -> int:
         return layout.sp
+
+    # -- closed-form costs ------------------------------------------------------------------------
+    vocab_parallel_loss = True
+    grad_staging_copies = 1  # finish_grads packs every gradient into one all-reduce over Sigma
+
+    @classmethod
+    def tensor_degree(cls, layout: Layout) -> int:
+        return layout.tp
+
+    @classmethod
+    def schedule(cls, spec: costs.Spec) -> costs.Schedule:
+        """Megatron over T, K/V gathers over Sigma; the gradients all-reduced over Sigma."""
+        ev = costs.megatron(spec, spec.tp, Axis.TP, Axis.SP, spec.sp)
+        costs.grads_all_reduce(ev, spec, Axis.SP, spec.sp, cls.param_numel(spec.cfg, spec.layout))
+        return ev
+
+    @classmethod
+    def metric_reductions(cls, layout: Layout, train: bool) -> tuple[int, int]:
+        return layout.sp, layout.tp if train else 1
 
     @classmethod
     def mesh_dims(cls, layout: Layout) -> dict[str, int]:

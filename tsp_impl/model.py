@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import torch
 
+from tsp_impl import costs
 from tsp_impl.attention import BroadcastAttention
 from tsp_impl.mlp import RingMLP
 from tsp_impl.plan import TSPPlan
 from tsp_impl.vocab import VocabEmbedding, VocabParallelLoss
 from tspbench.core import zigzag
 from tspbench.core.config import ConfigError, ModelConfig
+from tspbench.core.costs import Schedule, Spec
 from tspbench.core.layers import rms_norm
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.strategy import Batch, Layout, Strategy
@@ -29,6 +31,47 @@ class TSP(Strategy):
     @classmethod
     def context_parallel(cls, layout: Layout) -> int:
         return layout.degree
+
+    # -- closed-form costs (tsp_impl/costs.py) ---------------------------------------------------
+    loss_head_passes = 4  # the loss recomputes its logits shard by shard in backward
+    recompute_skips_w2 = False  # the custom layers save at their very end
+    overlapped = frozenset({"broadcast", "send_recv", "reduce"})  # by the shards' prefetch
+
+    @classmethod
+    def weight_split(cls, layout: Layout) -> int:
+        return layout.degree  # every weight is 1/D per rank; each GEMM runs on whole weights
+
+    @classmethod
+    def param_numel(cls, cfg: ModelConfig, layout: Layout) -> int:
+        return costs.param_numel(cfg, layout.degree)
+
+    @classmethod
+    def largest_param(cls, cfg: ModelConfig, layout: Layout) -> int:
+        return costs.largest_param(cfg, layout.degree)
+
+    @classmethod
+    def schedule(cls, spec: Spec) -> Schedule:
+        return costs.schedule(spec)
+
+    @classmethod
+    def saved_per_layer(cls, spec: Spec) -> int:
+        return costs.saved_per_layer(spec)
+
+    @classmethod
+    def saved_loss(cls, spec: Spec) -> int:
+        return costs.saved_loss(spec)
+
+    @classmethod
+    def inference_working_set(cls, spec: Spec) -> tuple[int, int]:
+        return costs.inference_working_set(spec)
+
+    @classmethod
+    def backward_transients(cls, spec: Spec) -> tuple[int, int, int]:
+        return costs.backward_transients(spec)
+
+    @classmethod
+    def metric_reductions(cls, layout: Layout, train: bool) -> tuple[int, int]:
+        return layout.degree, layout.degree if train else 1  # tokens and weights split D ways
 
     @classmethod
     def validate(

@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch
 import torch.utils.checkpoint
 
-from tspbench.core import zigzag
+from tspbench.core import costs, zigzag
 from tspbench.core.comm import Comm
 from tspbench.core.config import ConfigError, ModelConfig
 from tspbench.core.grad_sync import BucketedAllReduce
@@ -250,6 +250,69 @@ class Strategy(ABC):
     def replica_batch(cls, layout: Layout, per_rank: int = 1) -> int:
         """The smallest micro-batch giving every rank ``per_rank`` sequences' worth of work."""
         return per_rank
+
+    # -- closed-form costs per rank, asked by the analytic and cost models ----------------------
+    # The defaults are a plain autograd model (tspbench/core/costs.py) whose GEMM weights are
+    # split tensor_degree ways; docs/method.md section 6 (communication), section 7 (memory).
+    loss_head_passes: ClassVar[int] = 3  # LM-head GEMMs per training step (forward, 2 backward)
+    recompute_skips_w2: ClassVar[bool] = True  # the recomputed forward stops after the last op
+    # that saves a tensor: in a plain autograd layer, before the final W2 GEMM
+    vocab_parallel_loss: ClassVar[bool] = False  # Megatron's vocabulary-parallel cross-entropy
+    grad_staging_copies: ClassVar[int] = 0  # packed copies of all grads reduced after backward
+    overlapped: ClassVar[frozenset[str]] = frozenset()  # collective kinds hidden behind compute
+
+    @classmethod
+    def tensor_degree(cls, layout: Layout) -> int:
+        """Ranks each GEMM's weight is split over (1: every rank applies whole weights)."""
+        return 1
+
+    @classmethod
+    def weight_split(cls, layout: Layout) -> int:
+        """Ranks each weight is stored split over: the per-rank GEMM width, the head grad's rows."""
+        return cls.tensor_degree(layout)
+
+    @classmethod
+    def param_numel(cls, cfg: ModelConfig, layout: Layout) -> int:
+        """Parameter elements held by one rank (what the optimizer steps)."""
+        return costs.split_numel(cfg, cls.tensor_degree(layout))
+
+    @classmethod
+    def largest_param(cls, cfg: ModelConfig, layout: Layout) -> int:
+        """Elements of the largest parameter tensor one rank holds (AdamW's temporaries)."""
+        return max(cfg.vocab * cfg.hidden, cfg.ffn * cfg.hidden) // cls.tensor_degree(layout)
+
+    @classmethod
+    def schedule(cls, spec: costs.Spec) -> costs.Schedule:
+        """The model group's collectives one rank issues in a step (data parallelism apart)."""
+        return costs.Schedule()
+
+    @classmethod
+    def saved_per_layer(cls, spec: costs.Spec) -> int:
+        """Bytes one layer keeps for backward (no recomputation)."""
+        return costs.saved_per_layer(spec, cls.tensor_degree(spec.layout))
+
+    @classmethod
+    def saved_loss(cls, spec: costs.Spec) -> int:
+        """Bytes the final norm and the loss keep for backward."""
+        return costs.saved_loss(spec, cls.tensor_degree(spec.layout), cls.vocab_parallel_loss)
+
+    @classmethod
+    def inference_working_set(cls, spec: costs.Spec) -> tuple[int, int]:
+        """Transient bytes of a forward-only step: (in a layer, in the loss)."""
+        T = cls.tensor_degree(spec.layout)
+        return costs.inference_working_set(spec, T, cls.vocab_parallel_loss)
+
+    @classmethod
+    def backward_transients(cls, spec: costs.Spec) -> tuple[int, int, int]:
+        """Transient bytes at the loss's backward, a layer's backward and the end of backward."""
+        staging = cls.grad_staging_copies * cls.param_numel(spec.cfg, spec.layout) * spec.e
+        return (*costs.backward_transients(spec, cls.tensor_degree(spec.layout)), staging)
+
+    @classmethod
+    def metric_reductions(cls, layout: Layout, train: bool) -> tuple[int, int]:
+        """Group sizes of the all-reduces of the reported loss (over the ranks that split tokens)
+        and of the gradient norm (training: over the ranks that split weights); 1: none."""
+        return 1, 1
 
 
 # Megatron's split of every reference parameter: column-parallel weights by rows (dim 0),

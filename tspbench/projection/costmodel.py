@@ -34,10 +34,9 @@ from typing import Any
 
 from tspbench.core.comm import bus_bytes
 from tspbench.core.config import ConfigError
+from tspbench.core.mesh import Axis
 from tspbench.projection import analytic
 from tspbench.runtime.spec import RunSpec
-
-OVERLAPPED = {"tsp": {"broadcast", "send_recv", "reduce"}}  # by the implementation's prefetch
 
 
 def presets() -> dict[str, dict]:
@@ -90,12 +89,10 @@ def rates(preset: dict, ranks_per_node: int) -> dict[str, float]:
 
 
 def metric_reductions(c: RunSpec) -> list[tuple[str, int]]:
-    """The reported loss's and gradient norm's small all-reduces: (axis, group size) each."""
-    D = c.degree
-    loss = {"tsp": D, "sp": D, "fsdp_cp": D, "dp": D, "tpsp": c.sp}.get(c.strategy, 1)
-    norm = {"tsp": D, "fsdp_cp": D, "tp": D, "tpsp": c.tp}.get(c.strategy, 1) if c.train else 1
-    out = [("model", n) for n in (loss, norm) if n > 1]
-    return out + ([("dp", c.dp)] if c.dp > 1 else [])
+    """The reported loss's and gradient norm's small all-reduces: (axis, group size) each; the
+    model group's are the strategy's (``metric_reductions``)."""
+    out = [(Axis.MODEL, n) for n in c.impl.metric_reductions(c.layout, c.train) if n > 1]
+    return out + ([(Axis.DP, c.dp)] if c.dp > 1 else [])
 
 
 def _rate(r: dict, name: str, size: float, key: str | None = None) -> float:
@@ -151,16 +148,16 @@ def project(c: RunSpec, preset: dict, ops: int | None = None) -> dict[str, Any]:
     compute += elem / r["memory_bandwidth"]
     ops = count_ops(c) if ops is None else ops
     dispatch = ops * r["op_overhead_s"]
-    overlappable = OVERLAPPED.get(c.strategy, set())
+    overlappable = c.impl.overlapped  # what the implementation hides (TSP: by its prefetch)
     crit = ovl = 0.0
     for phase, axis, kind, size, nbytes in analytic.schedule(c):
         if size <= 1:
             continue
-        inter = axis == "dp" and world > per_node or axis != "dp" and c.degree > per_node
+        inter = axis == Axis.DP and world > per_node or axis != Axis.DP and c.degree > per_node
         # a calibrated preset may hold fits per group size (groups of 2 in a 4-rank node...)
         link = r["inter"] if inter else r.get("groups", {}).get(str(size), r)[kind]
         t = link["lat"] + bus_bytes(kind, nbytes, size) / link["bw"]
-        if phase == "dp" or kind in overlappable:
+        if phase == Axis.DP or kind in overlappable:
             ovl += t
         else:
             crit += t

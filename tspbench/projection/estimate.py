@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tspbench.core import attention
 from tspbench.core.memory import MemoryTracker
-from tspbench.core.mesh import build_mesh
+from tspbench.core.mesh import Axis, build_mesh
 from tspbench.core.optim import AdamW
 from tspbench.core.reference import make_batch
 from tspbench.runtime.flops import counter
@@ -124,7 +124,7 @@ def estimate(spec: RunSpec, ranks: list[int] | None = None, kernel: str = "fused
         "flops_per_rank": [p["flops"] for p in per],
         "comm_bytes": per[0]["comm_by_kind"],
         "comm_bytes_total": sum(per[0]["comm_by_kind"].values()),
-        "comm_bytes_dp": per[0]["comm_by_axis"].get("dp", 0.0),
+        "comm_bytes_dp": per[0]["comm_by_axis"].get(Axis.DP, 0.0),
         "comm_bytes_per_rank": [sum(p["comm_by_kind"].values()) for p in per],
         "param_numel_per_rank": [p["param_numel"] for p in per],
         "optimizer_numel_per_rank": [p["optimizer_numel"] for p in per],

@@ -1,0 +1,112 @@
+"""TSP's closed forms per rank: its parameters, its schedule of collectives, its memory.
+
+What :class:`tsp_impl.model.TSP` answers when the analytic and cost models ask (the methods of
+:class:`tspbench.core.strategy.Strategy`), written next to the schedules they count: the
+broadcast attention (attention.py), the ring MLP (mlp.py) and the vocabulary-parallel embedding
+and loss (vocab.py). docs/method.md section 6 (communication) and section 7 (memory).
+
+Notation (docs/method.md section 1): B micro-batch, S sequence, h hidden, kv = n_kv*d, f MLP size,
+V vocabulary, L layers, e bytes per element, D the degree; t = tokens on this rank.
+"""
+
+from __future__ import annotations
+
+from tspbench.core import costs
+from tspbench.core.config import ModelConfig
+from tspbench.core.costs import Schedule, Spec
+from tspbench.core.mesh import Axis
+
+
+def param_numel(cfg: ModelConfig, D: int) -> int:
+    """Every weight but the norms is 1/D per rank: head group, MLP slice, vocabulary rows."""
+    return costs.split_numel(cfg, D)
+
+
+def largest_param(cfg: ModelConfig, D: int) -> int:
+    """The largest packed shard: vocabulary rows, the MLP slice or the head group."""
+    h, kv, f, V = cfg.hidden, cfg.kv_dim, cfg.ffn, cfg.vocab
+    return max(V * h, 3 * f * h, (2 * h + 2 * kv) * h) // D
+
+
+def schedule(c: Spec) -> Schedule:
+    """Every shard of every weight is broadcast by its owner (attention, embedding, LM head) or
+    passed around the ring (MLP); one head group's K/V are all-gathered along the sequence. In
+    backward the weights come again, and their gradients are reduced to their owners."""
+    cfg, B, S, e, D = c.cfg, c.batch, c.seq_len, c.e, c.degree
+    h, kv, f, V, L = cfg.hidden, cfg.kv_dim, cfg.ffn, cfg.vocab, cfg.layers
+    wa, wm, wv = (2 * h + 2 * kv) * h // D * e, 3 * f * h // D * e, V // D * h * e
+    kv_full = 2 * B * S * kv // D * e  # one head group's K and V over the whole sequence
+    ev, M = Schedule(), Axis.MODEL
+
+    def layer_fwd(phase: str) -> None:
+        ev.add(phase, M, "broadcast", D, wa, D)
+        ev.add(phase, M, "all_gather", D, kv_full, D)
+        ev.add(phase, M, "send_recv", D, wm, D - 1)
+
+    ev.add("forward", M, "broadcast", D, wv, D)  # embedding shards
+    for _ in range(L):
+        layer_fwd("forward")
+    ev.add("forward", M, "broadcast", D, wv, D)  # LM head shards
+    if c.train:
+        ev.add("backward", M, "broadcast", D, wv, D)
+        ev.add("backward", M, "reduce", D, wv, D)
+        for _ in range(L):
+            if c.rc:
+                layer_fwd("backward")
+            ev.add("backward", M, "broadcast", D, wa, D)
+            ev.add("backward", M, "all_gather", D, kv_full, D)
+            ev.add("backward", M, "reduce_scatter", D, kv_full, D)
+            ev.add("backward", M, "reduce", D, wa, D)
+            ev.add("backward", M, "send_recv", D, wm, 2 * D - 1)
+        ev.add("backward", M, "reduce_scatter", D, V * h * e)  # embedding grad
+        ev.add("backward", M, "all_reduce", D, costs.norm_numel(cfg) * e)  # norm grads
+    return ev
+
+
+def saved_per_layer(c: Spec) -> int:
+    """Bytes one layer keeps for backward: the norms' and, per head group, local Q, K_p, V_p, A,
+    lse; per MLP slice h1, h3."""
+    cfg, e, t = c.cfg, c.e, c.tokens
+    h, kv, f = cfg.hidden, cfg.kv_dim, cfg.ffn
+    return costs.norms_saved(c) + (2 * t * h + 2 * t * kv + 2 * t * f) * e + 4 * t * cfg.heads
+
+
+def saved_loss(c: Spec) -> int:
+    """The final norm's, and the online log-sum-exp: the logits are recomputed."""
+    return costs.final_norm_saved(c) + 4 * c.tokens
+
+
+def _units(c: Spec) -> tuple[int, int, int]:
+    """(one [t, h] activation, one gathered K/V pair of a head group, one shard's fp32 logits)."""
+    cfg, D = c.cfg, c.degree
+    act = c.tokens * cfg.hidden * c.e
+    return act, costs.kv_unit(c, cfg.kv_dim // D), 4 * c.tokens * (cfg.vocab // D)
+
+
+def inference_working_set(c: Spec) -> tuple[int, int]:
+    """(layer, loss): x, normed x, Y; this and the previous attention shard (and its Q, K, V, A:
+    loop locals); the K/V gather stages three copies of a head group's K/V (stacked, gathered,
+    reordered). The loss: a shard's logits, three copies, and the head shard in use and in
+    flight."""
+    cfg, e, t, D = c.cfg, c.e, c.tokens, c.degree
+    h, kv, vl = cfg.hidden, cfg.kv_dim, cfg.vocab // D
+    act, kv_unit, logits = _units(c)
+    wa = (2 * h + 2 * kv) * h // D * e
+    layer = 3 * act + 2 * wa + t * (3 * h + 4 * kv) // D * e
+    if D > 1:
+        layer += 3 * kv_unit + 2 * t * kv // D * e
+    return layer, 2 * act + 3 * logits + 2 * vl * h * e
+
+
+def backward_transients(c: Spec) -> tuple[int, int, int]:
+    """At the loss: one vocabulary shard's recomputed logits, three copies, and the head shard
+    and its gradient in flight; at a layer: four copies of one head group's K/V over the sequence
+    (the gather and its gradient staging, 3.5 pairs), or the MLP's SiLU backward (five [t, f/D]
+    buffers) with the slice and accumulator in flight; at the end: the embedding gradient's
+    [V, h] buffer, twice."""
+    cfg, e, t, D = c.cfg, c.e, c.tokens, c.degree
+    h, fl, vl = cfg.hidden, cfg.ffn // D, cfg.vocab // D
+    act, kv_unit, logits = _units(c)
+    loss_t = 3 * logits + act + 2 * vl * h * e
+    layer_t = 2 * act + max(7 * kv_unit // 2, 6 * t * fl * e + 5 * 3 * fl * h * e)
+    return loss_t, layer_t, 2 * cfg.vocab * h * e

@@ -1,0 +1,199 @@
+"""Closed-form pieces of a step's cost that several strategies share.
+
+Every strategy states the cost of its step per rank by answering the cost classmethods of
+:class:`tspbench.core.strategy.Strategy` (``param_numel``, ``schedule``, ``saved_per_layer``,
+...): the analytic model (:mod:`tspbench.projection.analytic`) and the cost model ask them and
+never switch on a strategy's name. This module holds what the answers share: the event of a
+communication schedule (docs/method.md section 6), parameter counts, and the formulas of the
+plain autograd layer and loss (:func:`tspbench.core.layers.transformer_layer`, torch's
+cross-entropy or the vocabulary-parallel one) that the baselines run, with their GEMM weights
+split T ways (Megatron tensor parallelism; T = 1: whole weights) and their sequences split
+into zigzag chunks over the context-parallel ranks (docs/method.md section 7 for the memory).
+TSP's own formulas are in ``tsp_impl/costs.py``.
+
+Notation (docs/method.md section 1): B micro-batch, S sequence, h hidden, kv = n_kv*d, f MLP size,
+V vocabulary, L layers, e bytes per element; t = tokens on this rank, T the weight split, P the
+context-parallel degree.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from tspbench.core.config import ModelConfig
+
+FP32 = 4
+Event = tuple[str, str, str, int, float]  # (phase, axis, kind, group size, full tensor bytes)
+
+
+class Spec(Protocol):
+    """What the closed forms read of one run (read only): :class:`tspbench.runtime.spec.RunSpec`,
+    duck-typed here, so that the core and the strategies need not import the runtime."""
+
+    cfg: ModelConfig
+    layout: Any  # a tspbench.core.strategy.Layout (not imported: strategy imports this module)
+    seq_len: int
+    batch: int
+    degree: int  # D
+    tp: int  # T of tpsp
+    sp: int  # Sigma of tpsp
+    dp: int  # data-parallel replicas
+    e: int  # bytes per element of the compute dtype
+    train: bool
+    rc: bool  # activation recomputation in effect
+    cp: int  # P: ranks that split a sequence
+    tokens: int  # t
+
+
+class Schedule(list[Event]):
+    """The collectives one rank issues in a step, in the order it issues them."""
+
+    def add(
+        self, phase: str, axis: str, kind: str, size: int, nbytes: float, times: int = 1
+    ) -> None:
+        self.extend([(phase, axis, kind, size, float(nbytes))] * times)
+
+
+def phases(c: Spec) -> tuple[str, ...]:
+    """The passes of a step: forward, and backward when training."""
+    return ("forward", "backward") if c.train else ("forward",)
+
+
+# -- parameters -------------------------------------------------------------------------------
+def layer_numel(cfg: ModelConfig) -> int:
+    """Elements of one transformer layer: two norms, Wq/Wo, Wk/Wv, W1/W3/W2."""
+    h, kv, f = cfg.hidden, cfg.kv_dim, cfg.ffn
+    return 2 * h + 2 * h * h + 2 * h * kv + 3 * h * f
+
+
+def norm_numel(cfg: ModelConfig) -> int:
+    """Elements of the RMSNorm weights (two per layer and the final one): never split."""
+    return (2 * cfg.layers + 1) * cfg.hidden
+
+
+def full_numel(cfg: ModelConfig) -> int:
+    """Elements of the whole model (embedding and LM head untied)."""
+    return cfg.layers * layer_numel(cfg) + 2 * cfg.vocab * cfg.hidden + cfg.hidden
+
+
+def split_numel(cfg: ModelConfig, T: int) -> int:
+    """Elements one rank holds when every weight but the norms is split T ways."""
+    return (full_numel(cfg) - norm_numel(cfg)) // T + norm_numel(cfg)
+
+
+def local_dims(cfg: ModelConfig, T: int) -> tuple[int, int, int, int]:
+    """(query heads, kv width, MLP width, vocabulary rows) of the weights one rank applies."""
+    return cfg.heads // T, cfg.kv_dim // T, cfg.ffn // T, cfg.vocab // T
+
+
+# -- communication ----------------------------------------------------------------------------
+def kv_bytes(c: Spec, T: int = 1) -> int:
+    """One layer's K and V over the whole sequence, of the kv heads a rank applies."""
+    return 2 * c.batch * c.seq_len * c.cfg.kv_dim // T * c.e
+
+
+def kv_gather(ev: Schedule, c: Spec, phase: str, axis: str, size: int, nbytes: int) -> None:
+    """Context parallelism in one phase: every layer's K/V all-gathered along the sequence (in
+    forward, and again in a recomputed forward), their gradients reduce-scattered in backward."""
+    L = c.cfg.layers
+    ev.add(phase, axis, "all_gather", size, nbytes, L if phase == "forward" or c.rc else 0)
+    if phase == "backward":
+        ev.add(phase, axis, "reduce_scatter", size, nbytes, L)
+
+
+def context_parallel(c: Spec, axis: str, size: int) -> Schedule:
+    """The K/V gathers of context parallelism over ``size`` ranks (SP, FSDP+CP), whole heads."""
+    ev = Schedule()
+    for phase in phases(c):
+        kv_gather(ev, c, phase, axis, size, kv_bytes(c))
+    return ev
+
+
+def grads_all_reduce(ev: Schedule, c: Spec, axis: str, size: int, numel: int) -> None:
+    """Training: every gradient (``numel`` elements) summed in one packed all-reduce."""
+    if c.train:
+        ev.add("backward", axis, "all_reduce", size, numel * c.e)
+
+
+def megatron(c: Spec, T: int, axis: str, cp_axis: str | None = None, cp: int = 1) -> Schedule:
+    """Megatron tensor parallelism over the T ranks of ``axis`` (TP; TP+SP, whose K/V of the
+    local heads are also gathered over the ``cp`` ranks of ``cp_axis`` in every phase)."""
+    L, act = c.cfg.layers, c.tokens * c.cfg.hidden * c.e  # one [t, h] activation
+    ev = Schedule()
+    ev.add("forward", axis, "all_reduce", T, act)  # embedding
+    for phase in phases(c):
+        # forward: two row-parallel all-reduces per layer; backward: two copy_to all-reduces,
+        # plus the recomputed forward, which stops after the last op that saves a tensor
+        # (the W2 GEMM): so its last all-reduce is not repeated
+        n = 2 * L if phase == "forward" else 2 * L + (L if c.rc else 0)
+        ev.add(phase, axis, "all_reduce", T, act, n)
+        if cp_axis is not None:
+            kv_gather(ev, c, phase, cp_axis, cp, kv_bytes(c, T))
+    ev.add("forward", axis, "all_reduce", T, c.tokens * FP32, 3)  # CE max, sum-exp, target
+    if c.train:
+        ev.add("backward", axis, "all_reduce", T, act)  # copy_to before the LM head
+    return ev
+
+
+# -- memory of the plain autograd layer and loss ----------------------------------------------
+def kv_unit(c: Spec, kvl: int) -> int:
+    """One gathered K/V pair (context parallel: the whole sequence), or the local one."""
+    return 2 * (c.batch * c.seq_len if c.cp > 1 else c.tokens) * kvl * c.e
+
+
+def norms_saved(c: Spec) -> int:
+    """Bytes a layer's two RMSNorms keep for backward and the two normed inputs the projections
+    keep: per RMSNorm its fp32 input, 1/rms and the normalised (fp32) output."""
+    t, h = c.tokens, c.cfg.hidden
+    return 2 * (8 * t * h + 4 * t) + 2 * t * h * c.e
+
+
+def final_norm_saved(c: Spec) -> int:
+    """Bytes the final RMSNorm keeps for backward, and its output."""
+    t, h = c.tokens, c.cfg.hidden
+    return 8 * t * h + 4 * t + t * h * c.e
+
+
+def saved_per_layer(c: Spec, T: int) -> int:
+    """Bytes one plain layer keeps for backward (no recomputation), from what each op saves."""
+    cfg, e, t, B, S = c.cfg, c.e, c.tokens, c.batch, c.seq_len
+    nh, kvl, fl, _ = local_dims(cfg, T)
+    kv = 2 * B * S * kvl * e if c.cp > 1 else 2 * t * kvl * e  # the gathered K/V, or local K/V
+    o_copy = c.cp > 1  # zigzag chunks are concatenated, so merging heads copies
+    attn = (2 + o_copy) * t * nh * cfg.head_dim * e + 4 * t * nh + kv
+    return norms_saved(c) + attn + 4 * t * fl * e  # MLP: h1, silu(h1), h3, their product
+
+
+def saved_loss(c: Spec, T: int, vocab_parallel: bool) -> int:
+    """Bytes the final norm and the loss keep for backward."""
+    t, vl = c.tokens, c.cfg.vocab // T
+    if vocab_parallel:
+        return final_norm_saved(c) + 4 * t * vl + 13 * t  # exp(logits - max), sum, hit, index
+    return final_norm_saved(c) + 4 * t * vl  # log-softmax output
+
+
+def inference_working_set(c: Spec, T: int, vocab_parallel: bool) -> tuple[int, int]:
+    """(layer, loss) working sets of a forward-only step: a plain layer keeps its locals (normed
+    input, Q, K/V, attention output) alive while its MLP runs; or the loss's logits (two fp32
+    [t, V/T] buffers, three for the vocabulary-parallel cross-entropy)."""
+    cfg, e, t = c.cfg, c.e, c.tokens
+    nh, kvl, fl, vl = local_dims(cfg, T)
+    o = t * nh * cfg.head_dim * e  # one attention output (or Q)
+    act, kvu, logits = t * cfg.hidden * e, kv_unit(c, kvl), 4 * t * vl
+    attn_locals = 2 * act + 2 * o + kvu + (c.cp > 1) * o
+    layer = attn_locals + 2 * act + 3 * t * fl * e  # + residual, normed, MLP crest
+    if c.cp > 1:  # the K/V gather: local K/V, stacked, gathered, reordered
+        layer = max(layer, 2 * act + o + 4 * t * kvl * e + 2 * kvu)
+    return layer, 2 * act + (3 if vocab_parallel else 2) * logits
+
+
+def backward_transients(c: Spec, T: int) -> tuple[int, int]:
+    """Transients of a plain model's backward: at the loss, three [t, V/T] fp32 logit copies, one
+    of them saved (so two here); at a layer, its attention's gathered K/V and gradient staging
+    (context parallel: one and a half gathered K/V pairs) or its MLP's SiLU backward (three
+    [t, f/T] buffers: the temporaries and the gate gradients), whichever is larger."""
+    e, t = c.e, c.tokens
+    _, kvl, fl, vl = local_dims(c.cfg, T)
+    act, kvu, logits = t * c.cfg.hidden * e, kv_unit(c, kvl), 4 * t * vl
+    mlp_t = 3 * t * fl * e
+    return 2 * logits, 2 * act + max(5 * kvu // 2 if c.cp > 1 else 0, mlp_t)
