@@ -51,3 +51,14 @@ def snakemake(
         cwd=cwd,
         env=_env(env),
     )
+
+
+def copy_workflow(dst: Path) -> Path:
+    """A scratch copy of the pipeline (Snakefile, rules, configs, profiles, env) in ``dst``, so
+    a test's sweep writes its results there and not into the repository."""
+    import shutil
+
+    for item in ("Snakefile", "workflows", "env", "profiles"):
+        src = ROOT / item
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, dst / item)
+    return dst

@@ -4,7 +4,6 @@ that resumes only its missing cells, and tables/figures that mark failed cells."
 from __future__ import annotations
 
 import re
-import shutil
 from pathlib import Path
 
 import pandas as pd
@@ -12,7 +11,7 @@ import pytest
 import yaml
 
 from tests.helpers.configs import MINI
-from tests.helpers.runner import ROOT
+from tests.helpers.runner import ROOT, copy_workflow
 from tests.helpers.runner import snakemake as smk
 
 
@@ -76,9 +75,7 @@ def test_bad_config_stops_the_dry_run_naming_the_field(tmp_path, change, needle)
 def mini(tmp_path_factory) -> Path:
     """A mini sweep (4 cells) run for real in a scratch copy of the workflow."""
     work = tmp_path_factory.mktemp("wf")
-    for item in ("Snakefile", "workflows", "env"):
-        src = ROOT / item
-        (shutil.copytree if src.is_dir() else shutil.copy)(src, work / item)
+    copy_workflow(work)
     cfg = _write(work, MINI)
     p = smk("--cores", "2", "--configfile", str(cfg), cwd=work, timeout=900)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]

@@ -16,7 +16,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from tests.helpers.runner import ROOT, snakemake, tspbench
+from tests.helpers.runner import ROOT, copy_workflow, snakemake, tspbench
 
 RUN = ["run", "--strategy", "tsp", "--seq-len", "32"]
 OK_CONFIG = yaml.safe_load((ROOT / "workflows/config/default.yaml").read_text())
@@ -40,6 +40,22 @@ def catches(pid: int, sig: int) -> bool:
     status = Path(f"/proc/{pid}/status").read_text()
     mask = int(next(x for x in status.splitlines() if x.startswith("SigCgt:")).split()[1], 16)
     return bool(mask >> (sig - 1) & 1)
+
+
+def wait_for_rank(marker: str, rank: int, timeout: float = 60) -> int:
+    """The pid of local rank ``rank`` of the run writing ``marker``, once it has started."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in leftovers(marker):
+            pid = int(line.split()[0])
+            try:
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"RANK={rank}".encode() in env and b"TSPBENCH_LAUNCHER=local" in env:
+                return pid
+        time.sleep(0.1)
+    raise AssertionError(f"rank {rank} of {marker} never started")
 
 
 def leftovers(marker: str) -> list[str]:
@@ -81,7 +97,7 @@ def baseline_s(tmp_path_factory) -> float:
     [
         ("kill:rank=2:step=2", "rank 2 killed by SIGKILL"),
         ("kill:rank=0:step=1", "rank 0 killed by SIGKILL"),
-        ("stall:rank=1:step=1", "no progress for"),
+        ("stall:rank=1:step=1", "rank 1 hung"),
         ("error:rank=3:step=1", "injected fault"),
     ],
 )
@@ -97,6 +113,79 @@ def test_a_dead_or_stalled_rank_ends_every_rank(tmp_path, baseline_s, fault, nee
     assert needle in rec["error_message"], rec["error_message"]
     assert took < baseline_s + TIMEOUT + 10, (took, baseline_s)
     assert leftovers(str(out)) == []
+    rank = int(fault.split("rank=")[1].split(":")[0])
+    if "kill" not in fault:  # a killed rank posts nothing; the launcher names it instead
+        assert rec["failed_ranks"] == [rank], rec
+
+
+def test_a_stopped_rank_zero_cannot_hang_the_launcher(tmp_path, baseline_s):
+    """SIGSTOP rank 0 (a native hang holding the GIL looks the same): its peers give up after
+    --timeout, the launcher kills it and writes the record naming it."""
+    out = tmp_path / "s.json"
+    cmd = [sys.executable, "-m", "tspbench", *FAULT_RUN, "--out", str(out)]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        [*cmd, "--timeout", str(TIMEOUT), "--steps", "50"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    rank0 = wait_for_rank(str(out), 0)
+    time.sleep(2)  # into the run
+    os.kill(rank0, signal.SIGSTOP)
+    proc.wait(timeout=baseline_s + 4 * TIMEOUT + 30)
+    rec = json.loads(out.read_text())
+    assert rec["status"] == "error" and "rank 0 still running" in rec["error_message"], rec
+    assert rec["failed_ranks"] == [0], rec
+    assert time.monotonic() - t0 < baseline_s + 2 * TIMEOUT + 20
+    assert leftovers(str(out)) == []
+
+
+def test_a_slow_healthy_step_is_not_a_hang_and_a_hung_one_says_which_limit(tmp_path):
+    """At world size 1 no peer exists to blame: a step longer than --timeout is fine, a step
+    longer than --step-timeout is this rank hanging, and the record says which limit fired."""
+    run = ["run", "--strategy", "single", "--seq-len", "32", "--steps", "1", "--warmup", "0"]
+    slow = {"TSPBENCH_FAULT": "slow:seconds=4:step=0"}
+    ok = tspbench(*run, "--timeout", "1", "--out", tmp_path / "ok.json", env=slow)
+    assert ok.returncode == 0 and json.loads((tmp_path / "ok.json").read_text())["status"] == "ok"
+    out = tmp_path / "hung.json"
+    hung = tspbench(*run, "--timeout", "1", "--step-timeout", "2", "--out", out, env=slow)
+    rec = json.loads(out.read_text())
+    assert hung.returncode == 1 and "this rank hung" in rec["error_message"], rec
+    assert "--step-timeout 2" in rec["error_message"]
+
+
+def test_non_finite_results_are_an_error_in_strict_json(tmp_path):
+    """A diverged run (NaN weights: the ``nan`` fault) is an error, and its record is strict
+    JSON (``NaN`` is not JSON); ``check-record`` accepts it as such."""
+    out = tmp_path / "nan.json"
+    p = tspbench(*RUN, "--out", out, env={"TSPBENCH_FAULT": "nan"})
+    rec = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in the record"))
+    assert p.returncode == 1 and rec["status"] == "error", rec
+    assert "non-finite result: loss nan" in rec["error_message"] and rec["loss"] is None, rec
+    assert tspbench("check-record", out).returncode == 0
+
+
+@pytest.mark.parametrize(
+    "env, needle",
+    [
+        ({"MASTER_PORT": "in-use"}, "rendezvous at 127.0.0.1"),
+        ({"MASTER_ADDR": "no-such-host.invalid"}, "rendezvous at no-such-host.invalid"),
+    ],
+)
+def test_a_rendezvous_that_cannot_happen_is_named(tmp_path, env, needle):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        base = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        env = {**base, **{k: (port if v == "in-use" else v) for k, v in env.items()}}
+        out = tmp_path / "r.json"
+        p = tspbench(*RUN, "--timeout", "5", "--out", out, env=env, timeout=120)
+    rec = json.loads(out.read_text())
+    assert p.returncode == 1 and rec["status"] == "error", rec
+    assert needle in rec["error_message"], rec["error_message"]
 
 
 @pytest.mark.parametrize(
@@ -165,11 +254,8 @@ def test_same_seed_same_loss_bitwise(tmp_path):
 
 
 def test_sweep_with_a_failing_and_an_oom_cell_finishes_and_marks_both(tmp_path):
-    import shutil
 
-    for item in ("Snakefile", "workflows", "env"):
-        src = ROOT / item
-        (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / item)
+    copy_workflow(tmp_path)
     cfg = {
         "name": "faulty",
         "model": "tiny",
@@ -206,3 +292,80 @@ def test_sweep_with_a_failing_and_an_oom_cell_finishes_and_marks_both(tmp_path):
     failures = (tmp_path / "results/faulty/tables/failures.md").read_text()
     assert "injected fault" in failures and "injected out of memory" in failures
     assert (tmp_path / "plots/faulty/png/memory_vs_seq.png").exists()
+
+
+def _stalling_sweep(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    """A one-cell sweep whose rank 1 stalls, started in its own process group; returns it and
+    the cell's record path (relative to ``tmp_path``, as the ranks' command lines name it)."""
+    copy_workflow(tmp_path)
+    cfg = {
+        "name": tmp_path.name,
+        "model": "tiny",
+        "dtype": "fp32",
+        "warmup": 0,
+        "steps": 1,
+        "gpus_per_node": 2,
+        "launcher": "local",
+        "timeout": 120,
+        "sweeps": [
+            {
+                "name": "seq",
+                "strategies": ["tsp"],
+                "degrees": [2],
+                "gpus": [2],
+                "seq_lens": [32],
+                "batches": [1],
+                "modes": ["train"],
+            }
+        ],
+    }
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "snakemake", "--cores", "2", "--configfile", "cfg.yaml"],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        env={**os.environ, "TSPBENCH_FAULT": "stall:rank=1:step=0"},
+    )
+    record = Path(f"results/{tmp_path.name}/runs/tsp.D2.g2.S32.B1.train.json")
+    try:
+        wait_for_rank(str(record), 1, timeout=120)
+    except AssertionError:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    time.sleep(3)  # the ranks are in the run, rank 1 stalls
+    return proc, record
+
+
+def _gone(marker: str, within: float = 30) -> list[str]:
+    deadline = time.monotonic() + within
+    while leftovers(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return leftovers(marker)
+
+
+def test_sigterm_to_a_sweep_leaves_no_final_record_and_the_plain_command_resumes(tmp_path):
+    """What CI cancellation, systemd and scancel do: SIGTERM to the whole process group in the
+    middle of a cell. The cell's record must not look final (it goes beside the output, saying
+    so), no rank is left, and the README's plain `snakemake --cores 2` redoes the cell."""
+    proc, record = _stalling_sweep(tmp_path)
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=60)
+    assert _gone(str(record)) == []
+    assert not (tmp_path / record).exists(), (tmp_path / record).read_text()
+    aside = json.loads((tmp_path / record).with_suffix(".interrupted.json").read_text())
+    assert "interrupted by SIGTERM" in aside["error_message"], aside
+    again = snakemake("--cores", "2", "--configfile", "cfg.yaml", cwd=tmp_path, timeout=600)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    assert json.loads((tmp_path / record).read_text())["status"] == "ok"
+
+
+def test_a_killed_pipeline_leaves_no_rank_behind(tmp_path):
+    """SIGKILL to Snakemake alone (nothing can be handled): the launcher and its ranks die with
+    their parents (parent-death signals) instead of running on as orphans."""
+    proc, record = _stalling_sweep(tmp_path)
+    proc.kill()
+    proc.wait(timeout=30)
+    assert _gone(str(record)) == []
+    assert not (tmp_path / record).exists()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from tests.helpers.runner import ROOT
+from tests.helpers.runner import ROOT, copy_workflow
 
 pytestmark = pytest.mark.slurm
 
@@ -71,9 +70,7 @@ STALLED = "tsp.D4.g4.S128.B1.train"
 
 @pytest.mark.skipif(not slurm_up(), reason="no Slurm answers here (bash env/slurm/start.sh)")
 def test_sweep_through_real_slurm(tmp_path, report):
-    for item in ("Snakefile", "workflows", "env"):
-        src = ROOT / item
-        (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / item)
+    copy_workflow(tmp_path)
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(CONFIG))
     cmd = [
         sys.executable,

@@ -149,6 +149,6 @@ def test_bad_combinations_fail_before_any_collective(name, model, layout, S, nee
 
 
 def test_unknown_strategy_is_named():
-    with pytest.raises(ConfigError, match="strategy='nope': unknown; known: single, tsp"):
+    with pytest.raises(ConfigError, match="strategy='nope': unknown; known: tsp, tp, tpsp"):
         get_strategy("nope")
     assert set(strategies()) == {"single", "tsp", "dp", "tp", "sp", "tpsp", "fsdp_cp"}

@@ -127,14 +127,27 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
         help="seconds a collective may wait before the run is declared hung",
     )
     p.add_argument(
+        "--step-timeout",
+        type=seconds,
+        default=3600.0,
+        help="seconds a rank may work outside any collective without progress (a hang)",
+    )
+    p.add_argument(
         "--time-limit",
         type=seconds,
         default=None,
         help="seconds the whole run may take; then it stops and records why",
     )
+    p.add_argument(
+        "--cell",
+        action="store_true",
+        help="a pipeline cell: a final record (ok, oom, error) exits 0; an interrupted run "
+        "writes its record to OUT.interrupted.json, never to --out",
+    )
 
 
 def launch_argv(args: argparse.Namespace) -> list[str]:
     """The launch options a spawned rank gets again (the spec and the output apart)."""
-    argv = ["--timeout", str(args.timeout)]
-    return argv + (["--time-limit", str(args.time_limit)] if args.time_limit else [])
+    argv = ["--timeout", str(args.timeout), "--step-timeout", str(args.step_timeout)]
+    argv += ["--time-limit", str(args.time_limit)] if args.time_limit else []
+    return argv + (["--cell"] if args.cell else [])

@@ -10,33 +10,55 @@ from tspbench.runtime.record import check_out
 from tspbench.runtime.spec import RunSpec
 
 
-def cmd_run(args: argparse.Namespace) -> int:
+def _checked(args: argparse.Namespace) -> RunSpec:
+    """The spec, the output path and the host's memory checked before anything starts."""
+    from tspbench.runtime.launch import check_host_memory
+
     spec = RunSpec.from_args(args)
     check_out(args.out)
+    local = spec.layout.world_size if args.launch == "local" else 1
+    check_host_memory(spec, local)
+    return spec
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    spec = _checked(args)
     if args.launch == "local":
         from tspbench.runtime.local import run_local
 
-        nproc = args.nproc or spec.layout.world_size
-        return run_local("run", spec, args.out, nproc, launch_argv(args))
+        return run_local("run", spec, args.out, *_local(args, spec))
     from tspbench.runtime.run import run_env
 
-    return run_env(spec, args.out, args.timeout, time_limit_s=args.time_limit)
+    return run_env(
+        spec,
+        args.out,
+        args.timeout,
+        time_limit_s=args.time_limit,
+        step_timeout_s=args.step_timeout,
+        cell=args.cell,
+    )
+
+
+def _local(args: argparse.Namespace, spec: RunSpec) -> tuple:
+    """``run_local``'s launch arguments: ranks, their options, the launcher's own deadline
+    (the time limit plus a minute for the ranks to write and end), the cell switch."""
+    deadline = args.time_limit + 60 if args.time_limit else None
+    nproc = args.nproc or spec.layout.world_size
+    return nproc, launch_argv(args), deadline, args.cell
 
 
 def cmd_overlap(args: argparse.Namespace) -> int:
-    spec = RunSpec.from_args(args)
-    check_out(args.out)
+    spec = _checked(args)
     if spec.strategy != "tsp":  # the benchmark drives TSP's prefetch switch
         raise ConfigError(f"--strategy={spec.strategy}: the overlap benchmark measures tsp")
     if args.launch == "local":
         from tspbench.runtime.local import run_local
 
-        nproc = args.nproc or spec.layout.world_size
-        return run_local("overlap", spec, args.out, nproc, launch_argv(args))
+        return run_local("overlap", spec, args.out, *_local(args, spec))
     from tspbench.runtime.comm_hiding import bench_work
     from tspbench.runtime.run import run_env
 
-    return run_env(spec, args.out, args.timeout, bench_work)
+    return run_env(spec, args.out, args.timeout, bench_work, step_timeout_s=args.step_timeout)
 
 
 def cmd_layout(args: argparse.Namespace) -> int:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import functools
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -86,6 +87,24 @@ def _settle(resting: Sequence[tuple[torch.Tensor, tuple[int, int]]], timeout: fl
             time.sleep(1e-5)
 
 
+_blocked = [0]  # collectives this process's main thread is waiting in
+
+
+@contextmanager
+def blocked_in_collective() -> Iterator[None]:
+    """Mark a wait on peers: a watchdog can then tell a rank that hung (no progress outside
+    any collective) from one that waits for a peer that hung."""
+    _blocked[0] += 1
+    try:
+        yield
+    finally:
+        _blocked[0] -= 1
+
+
+def in_collective() -> bool:
+    return _blocked[0] > 0
+
+
 class Pending:
     """An in-flight collective; :meth:`wait` returns its result (for overlap with compute)."""
 
@@ -106,8 +125,9 @@ class Pending:
 
     def wait(self):
         work, self._work = self._work, []  # the work objects hold the buffers too: let go
-        while work:
-            work.pop(0).wait()
+        with blocked_in_collective():
+            while work:
+                work.pop(0).wait()
         _settle(self._resting)
         self._resting = ()
         return self._finish()
@@ -261,5 +281,6 @@ class Comm:
     def all_reduce_metric(self, t: torch.Tensor) -> torch.Tensor:
         """Sum a reported metric (loss, norms): not training traffic, deliberately not counted."""
         if self.size > 1:
-            dist.all_reduce(t, group=self.group)
+            with blocked_in_collective():
+                dist.all_reduce(t, group=self.group)
         return t

@@ -3,11 +3,32 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 
 class ConfigError(ValueError):
     """Bad user input: the message names the field, the value and the rule (CLI exit code 2)."""
+
+
+# Every field's range, shared by --set, configs and presets (workflows/schemas/config.schema.yaml
+# must agree; a test checks it): large enough for any real model, small enough that a typo
+# (vocab=2e9) is refused instead of allocated.
+RANGES: dict[str, tuple[float, float]] = {
+    "vocab": (1, 2**20),
+    "hidden": (1, 65536),
+    "layers": (1, 1024),
+    "heads": (1, 1024),
+    "kv_heads": (1, 1024),
+    "ffn": (1, 2**20),
+    "rope_theta": (1e-6, 1e9),
+    "norm_eps": (1e-12, 0.1),
+    "init_std": (1e-6, 10.0),
+}
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
 
 
 @dataclass(frozen=True)
@@ -26,10 +47,13 @@ class ModelConfig:
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
-        for f in ("vocab", "hidden", "layers", "heads", "kv_heads", "ffn"):
+        for f, (lo, hi) in RANGES.items():
             v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ConfigError(f"model.{f}={v!r}: must be a positive integer")
+            integral = f not in ("rope_theta", "norm_eps", "init_std")
+            if integral and (not isinstance(v, int) or isinstance(v, bool)):
+                raise ConfigError(f"model.{f}={v!r}: must be an integer")
+            if not isinstance(v, int | float) or not math.isfinite(v) or not lo <= v <= hi:
+                raise ConfigError(f"model.{f}={v!r}: must be between {_num(lo)} and {_num(hi)}")
         if self.hidden % self.heads:
             raise ConfigError(
                 f"model.hidden={self.hidden}: must be divisible by model.heads={self.heads}"
@@ -40,8 +64,6 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ConfigError(f"head dim hidden/heads={self.head_dim}: must be even for RoPE")
-        if not self.rope_theta > 0 or not self.norm_eps > 0 or not self.init_std > 0:
-            raise ConfigError("model.rope_theta, model.norm_eps and model.init_std must be > 0")
 
     @property
     def head_dim(self) -> int:

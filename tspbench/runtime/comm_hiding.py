@@ -17,6 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from tspbench.core.comm import blocked_in_collective
 from tspbench.core.mesh import build_mesh
 from tspbench.core.optim import AdamW
 from tspbench.core.reference import make_batch
@@ -29,14 +30,16 @@ def _timed(fn, steps: int, device: torch.device) -> float:
     """Median over steps of the slowest rank's time of ``fn``."""
     times = []
     for _ in range(steps):
-        dist.barrier()
+        with blocked_in_collective():
+            dist.barrier()
         _sync(device)
         t0 = time.perf_counter()
         fn()
         _sync(device)
         times.append(time.perf_counter() - t0)
     t = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    with blocked_in_collective():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return statistics.median(t.tolist())
 
 

@@ -6,8 +6,9 @@ signal number into the pipe, and a guard thread blocked on that pipe acts at onc
 the main thread sits inside a collective (a Python-level handler would wait for the collective
 to return; blocking the signals per thread misses the threads torch started at import). A
 second thread watches progress: if the main thread has not called :meth:`Guard.beat` for
-``timeout`` seconds (a set-up phase, a step or a collective that never ends), or the run passes
-its ``time_limit`` (set below a scheduler's limit, so the run ends itself and says so instead of
+``timeout`` seconds while it waits in a collective or the rendezvous (a peer hung or died), for
+``step_timeout`` seconds outside any collective (this rank hung), or the run passes its
+``time_limit`` (set below a scheduler's limit, so the run ends itself and says so instead of
 being killed), the rank gives up.
 Either way ``on_fatal(reason)`` runs once (it writes the record and tells the peers), then the
 process exits at once.
@@ -50,15 +51,30 @@ def release_signals() -> None:
         os.kill(os.getpid(), _held[0])
 
 
+# What each limit's message starts with: the root-cause selection reads them (tspbench.runtime.run)
+WAITED = "waited"  # in a collective, for a peer: a consequence
+HUNG = "this rank hung"  # no progress outside any collective: a cause
+RENDEZVOUS = "the rendezvous"
+
+
 class Guard:
+    """Signals and limits of one rank. ``timeout_s`` bounds a wait in a collective (and the
+    rendezvous), ``step_timeout_s`` bounds work outside collectives (a long healthy step is
+    not a hang), ``time_limit_s`` the whole run; each says which fired."""
+
     def __init__(
-        self, timeout_s: float, on_fatal: Callable[[str], None], time_limit_s: float | None = None
+        self,
+        timeout_s: float,
+        on_fatal: Callable[[str], None],
+        time_limit_s: float | None = None,
+        step_timeout_s: float = 3600.0,
     ) -> None:
-        self.timeout_s = timeout_s
+        self.timeout_s, self.step_timeout_s = timeout_s, step_timeout_s
         self.deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
         self.time_limit_s = time_limit_s
         self.on_fatal = on_fatal
         self.last = time.monotonic()
+        self.rendezvous: str | None = None  # the master's address while joining the job
         self._once = threading.Lock()
         self._pipe_r, pipe_w = os.pipe()
         os.set_blocking(pipe_w, False)
@@ -100,10 +116,25 @@ class Guard:
                     "scheduler runtime minus a margin); the run did not finish in time",
                     1,
                 )
-            idle = now - self.last
-            if idle > self.timeout_s:
-                self.fatal(
-                    f"no progress for {idle:.0f} s (--timeout {self.timeout_s:g}): a rank hung "
-                    "or a peer died",
-                    1,
-                )
+            reason = self._stalled(now - self.last)
+            if reason:
+                self.fatal(reason, 1)
+
+    def _stalled(self, idle: float) -> str | None:
+        """Why this rank gives up after ``idle`` seconds without progress, if it does."""
+        from tspbench.core.comm import in_collective  # not at import: signals are held first
+
+        t = self.timeout_s
+        if self.rendezvous is not None and idle > t:
+            return (
+                f"{RENDEZVOUS} at {self.rendezvous} did not complete in {idle:.0f} s (--timeout "
+                f"{t:g}): a rank did not start, or the master address cannot be reached"
+            )
+        if in_collective() and idle > t:
+            return f"{WAITED} {idle:.0f} s in a collective (--timeout {t:g}): a peer hung or died"
+        if not in_collective() and idle > self.step_timeout_s:
+            return (
+                f"{HUNG}: no progress for {idle:.0f} s outside any collective "
+                f"(--step-timeout {self.step_timeout_s:g})"
+            )
+        return None

@@ -9,6 +9,7 @@ same command with torchrun's variables set, so a local run takes exactly the tor
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import signal
@@ -16,8 +17,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -44,56 +47,116 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def first_host(nodelist: str) -> str:
-    """First host of a Slurm node list: 'gpu[03-05,09],cpu1' -> 'gpu03'."""
-    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
-    if not m:
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Host names of a Slurm node list, in order, as ``scontrol show hostnames`` prints them:
+    'gpu[03-05,09],cpu1' -> gpu03 gpu04 gpu05 gpu09 cpu1; 'r[1-2]n[01-02]' -> r1n01 r1n02 r2n01
+    r2n02 (every bracket expands; a range keeps its zero padding)."""
+    hosts: list[str] = []
+    for item in re.findall(r"(?:[^,\[]+|\[[^\]]*\])+", nodelist.strip()):
+        parts = re.split(r"(\[[^\]]*\])", item)
+        names = [""]
+        for part in filter(None, parts):
+            if not part.startswith("["):
+                names = [n + part for n in names]
+                continue
+            choices = []
+            for rng in part[1:-1].split(","):
+                lo, _, hi = rng.partition("-")
+                if not lo.isdigit() or (hi and not hi.isdigit()):
+                    raise ConfigError(f"SLURM_JOB_NODELIST={nodelist!r}: cannot read {part!r}")
+                width = len(lo)
+                choices += [str(i).zfill(width) for i in range(int(lo), int(hi or lo) + 1)]
+            names = [n + c for n in names for c in choices]
+        hosts += names
+    if not hosts or not all(hosts):
         raise ConfigError(f"SLURM_JOB_NODELIST={nodelist!r}: cannot read a host name from it")
-    if m.group(2):
-        return m.group(1) + re.split(r"[-,]", m.group(2))[0]
-    return m.group(1)
+    return hosts
 
 
-def _int_env(name: str) -> int:
-    raw = os.environ[name]
+def first_host(nodelist: str) -> str:
+    """First host of a Slurm node list: ``scontrol show hostnames`` where Slurm is installed,
+    else :func:`expand_nodelist`."""
     try:
-        return int(raw)
+        shown = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=10
+        )
+        if shown.returncode == 0 and shown.stdout.split():
+            return shown.stdout.split()[0]
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return expand_nodelist(nodelist)[0]
+
+
+def _int_env(name: str, lo: int = 0, hi: int = 2**31 - 1, default: int | None = None) -> int:
+    """An integer environment variable in [lo, hi] (ConfigError naming it otherwise)."""
+    raw = os.environ.get(name)
+    if raw is None or (raw == "" and default is not None):
+        if default is None:
+            raise ConfigError(f"environment {name}: not set")
+        return default
+    try:
+        value = int(raw)
     except ValueError:
         raise ConfigError(f"environment {name}={raw!r}: must be an integer") from None
+    if not lo <= value <= hi:
+        raise ConfigError(f"environment {name}={raw!r}: must be between {lo} and {hi}")
+    return value
+
+
+def _checked(env: RankEnv) -> RankEnv:
+    """Every launcher variable consistent before anything waits on a peer."""
+    if env.world_size < 1 or not 0 <= env.rank < env.world_size:
+        raise ConfigError(
+            f"rank {env.rank} of world size {env.world_size} (from {env.source}): the rank must "
+            "be between 0 and world size - 1"
+        )
+    lws = env.local_world_size
+    if lws is not None and not (1 <= lws <= env.world_size and 0 <= env.local_rank < lws):
+        raise ConfigError(
+            f"local rank {env.local_rank} of {lws} local ranks (from {env.source}): must be "
+            f"below the local world size, which must be between 1 and {env.world_size}"
+        )
+    if not env.master_addr.strip():
+        raise ConfigError(f"master address {env.master_addr!r} (from {env.source}): empty")
+    return env
 
 
 def detect() -> RankEnv | None:
-    """The launcher environment of this process, or None when no launcher set one."""
+    """The launcher environment of this process (checked), or None when no launcher set one."""
     e = os.environ
     if "RANK" in e and "WORLD_SIZE" in e:
         if "MASTER_ADDR" not in e or "MASTER_PORT" not in e:
             raise ConfigError("RANK/WORLD_SIZE are set but MASTER_ADDR/MASTER_PORT are not")
-        lws = int(e["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in e else None
-        return RankEnv(
-            _int_env("RANK"),
-            _int_env("WORLD_SIZE"),
-            int(e.get("LOCAL_RANK", 0)),
-            e["MASTER_ADDR"],
-            _int_env("MASTER_PORT"),
-            e.get("TSPBENCH_LAUNCHER", "torchrun"),  # "local": spawned by tspbench
-            lws,
+        lws = _int_env("LOCAL_WORLD_SIZE", 1, 65536) if "LOCAL_WORLD_SIZE" in e else None
+        return _checked(
+            RankEnv(
+                _int_env("RANK", 0, 65535),
+                _int_env("WORLD_SIZE", 1, 65536),
+                _int_env("LOCAL_RANK", 0, 65535, default=0),
+                e["MASTER_ADDR"],
+                _int_env("MASTER_PORT", 1, 65535),
+                e.get("TSPBENCH_LAUNCHER", "torchrun"),  # "local": spawned by tspbench
+                lws,
+            )
         )
     if "SLURM_PROCID" in e and "SLURM_NTASKS" in e:
         nodes = e.get("SLURM_STEP_NODELIST") or e.get("SLURM_JOB_NODELIST")
         if not nodes:
             raise ConfigError("SLURM_PROCID is set but SLURM_JOB_NODELIST is not")
         # one port per job step, stable across the step's tasks
-        seed = int(e.get("SLURM_JOB_ID", "0")) * 31 + int(e.get("SLURM_STEP_ID", "0") or 0)
-        port = int(e.get("MASTER_PORT") or 15000 + seed % 20000)
+        job, step = _int_env("SLURM_JOB_ID", default=0), _int_env("SLURM_STEP_ID", default=0)
+        port = _int_env("MASTER_PORT", 1, 65535, default=15000 + (job * 31 + step) % 20000)
         per_node = e.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
-        return RankEnv(
-            _int_env("SLURM_PROCID"),
-            _int_env("SLURM_NTASKS"),
-            int(e.get("SLURM_LOCALID", 0)),
-            first_host(nodes),
-            port,
-            "slurm",
-            int(per_node) if per_node.isdigit() else None,
+        return _checked(
+            RankEnv(
+                _int_env("SLURM_PROCID", 0, 65535),
+                _int_env("SLURM_NTASKS", 1, 65536),
+                _int_env("SLURM_LOCALID", 0, 65535, default=0),
+                first_host(nodes),
+                port,
+                "slurm",
+                int(per_node) if per_node.isdigit() else None,
+            )
         )
     if any(v in e for v in MPI_VARS):
         try:
@@ -129,23 +192,64 @@ def init(env: RankEnv, timeout_s: float) -> tuple[torch.device, str]:
     return device, backend
 
 
-def spawn_local(argv: list[str], nproc: int, grace_s: float = 10.0) -> tuple[list[int], int | None]:
+def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> Callable[[], None]:
+    """A function that asks Linux to send ``sig`` to the calling process when its parent exits
+    (prctl PR_SET_PDEATHSIG), so that a killed launcher or pipeline leaves no orphan; it exits
+    at once if the parent is already gone. ``parent``: the pid that parent has (default: this
+    process, for a child's ``preexec_fn``, which must not import: made here, called there).
+    Elsewhere than Linux: a no-op."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return lambda: None
+    parent = os.getpid() if parent is None else parent
+
+    def arm() -> None:
+        prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os._exit(128 + int(sig))
+
+    return arm
+
+
+@dataclass
+class LocalRanks:
+    """What ``spawn_local`` saw: each rank's exit code (negative: killed by that signal), the
+    ranks it killed itself (they had not ended ``grace_s`` after a peer failed), and the signal
+    the launcher received, if any."""
+
+    codes: list[int]
+    killed_by_launcher: list[int]
+    signal: int | None
+
+
+def spawn_local(
+    argv: list[str],
+    nproc: int,
+    grace_s: float = 10.0,
+    after_rank0_s: float = 2.0,
+    deadline_s: float | None = None,
+) -> LocalRanks:
     """Run ``python -m tspbench <argv>`` as ``nproc`` local ranks (torchrun's variables set).
 
-    When one rank fails, the others get ``grace_s`` to finish, then are killed: none is left
-    behind. A SIGINT/SIGTERM to the launcher (held since start-up: :mod:`tspbench.runtime.guard`)
-    is passed on to every rank. Returns the exit code of every rank started (negative: killed by
-    that signal) and the signal the launcher received, if any (no rank is started after it).
+    Every rank is polled. When one fails, the others get ``grace_s`` to finish (only
+    ``after_rank0_s`` once rank 0, the record's writer, has ended), then are killed: none is
+    left behind. ``deadline_s``: the launcher's own limit for the whole job. A SIGINT/SIGTERM to
+    the launcher (held since start-up: :mod:`tspbench.runtime.guard`) is passed on to every
+    rank, and no rank is started after it. Ranks die with the launcher (parent-death signal).
     """
     from tspbench.runtime.guard import SIGNALS, held_signal
 
     got: list[int] = []
     procs: list[subprocess.Popen] = []
+    mine: set[int] = set()
 
-    def kill_all(sig: int = signal.SIGKILL) -> None:
-        for p in procs:
+    def kill_all(sig: int = signal.SIGKILL, by_launcher: bool = False) -> None:
+        for r, p in enumerate(procs):
             if p.poll() is None:
                 p.send_signal(sig)
+                if by_launcher:
+                    mine.add(r)
 
     def forward(signum, _frame):  # Ctrl-C / scancel reach every rank
         got.append(signum)
@@ -154,7 +258,7 @@ def spawn_local(argv: list[str], nproc: int, grace_s: float = 10.0) -> tuple[lis
     old = {s: signal.signal(s, forward) for s in SIGNALS}
     if held_signal() is not None:
         got.append(held_signal())
-    port = free_port()
+    port, start, arm = free_port(), time.monotonic(), die_with_parent()
     try:
         for r in range(nproc):
             if got:
@@ -171,20 +275,52 @@ def spawn_local(argv: list[str], nproc: int, grace_s: float = 10.0) -> tuple[lis
             )
             for k in ("SLURM_PROCID", "SLURM_NTASKS", *MPI_VARS):
                 env.pop(k, None)
-            procs.append(subprocess.Popen([sys.executable, "-m", "tspbench", *argv], env=env))
+            cmd = [sys.executable, "-m", "tspbench", *argv]
+            procs.append(subprocess.Popen(cmd, env=env, preexec_fn=arm))
         if got:  # signalled while starting the ranks: pass it on to those already started
             kill_all(got[0])
         failed_at = None
-        while [p for p in procs if p.poll() is None]:  # poll every rank, not up to a live one
+        while alive := [p for p in procs if p.poll() is None]:  # poll every rank, every time
+            now = time.monotonic()
             if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
-                failed_at = time.monotonic()
-            if failed_at is not None and time.monotonic() - failed_at > grace_s:
-                kill_all()
-            time.sleep(0.05)
+                failed_at = now
+            grace = after_rank0_s if procs[0].returncode is not None else grace_s
+            late = deadline_s is not None and now - start > deadline_s
+            if late or (failed_at is not None and now - failed_at > grace):
+                kill_all(by_launcher=True)
+            time.sleep(0.05 if alive else 0)
     finally:
         kill_all()
         for p in procs:
             p.wait()
         for s, h in old.items():
             signal.signal(s, h)
-    return [p.returncode for p in procs], (got[0] if got else None)
+    codes = [p.returncode for p in procs]
+    return LocalRanks(codes, sorted(r for r in mine if codes[r] < 0), got[0] if got else None)
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this machine can still give (Linux MemAvailable), None if unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_host_memory(spec, ranks_here: int) -> None:
+    """Refuse a run whose host-side inputs alone cannot fit, before anything is allocated:
+    every rank builds the global token batch (tokens and labels, int64) and initialises one
+    full fp32 weight at a time before slicing its shard (the embedding is the largest)."""
+    cfg, lay = spec.cfg, spec.layout
+    tokens = 2 * 8 * spec.batch * lay.dp * spec.seq_len
+    weight = 4 * max(cfg.vocab * cfg.hidden, 3 * cfg.ffn * cfg.hidden)
+    need, have = ranks_here * (tokens + weight), available_memory()
+    if have is not None and need > have:
+        raise ConfigError(
+            f"batch={spec.batch} x dp={lay.dp} x seq_len={spec.seq_len}: the {ranks_here} "
+            f"rank(s) here need {need / 2**30:.1f} GiB for the token batch and one full weight "
+            f"alone; this machine has {have / 2**30:.1f} GiB available"
+        )

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tspbench.core.comm import blocked_in_collective
 from tspbench.core.memory import MemoryTracker
 from tspbench.core.mesh import build_mesh
 from tspbench.core.optim import AdamW
@@ -116,7 +117,7 @@ def measure_rank(spec: RunSpec, device: torch.device, beat=lambda: None) -> dict
     count = [0]
 
     def step() -> tuple[torch.Tensor, torch.Tensor | None]:
-        inject(dist.get_rank(), count[0], spec.seq_len, spec.strategy)
+        inject(dist.get_rank(), count[0], spec.seq_len, spec.strategy, strat.parameters())
         count[0] += 1
         beat()
         loss, gnorm = one_step(strat, batch, opt)
@@ -152,7 +153,8 @@ def measure_rank(spec: RunSpec, device: torch.device, beat=lambda: None) -> dict
     times = []
     for i in range(spec.steps):
         calib.append(gemm_rate(device, DTYPES[spec.dtype]))
-        dist.barrier()
+        with blocked_in_collective():
+            dist.barrier()
         _sync(device)
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -169,7 +171,8 @@ def measure_rank(spec: RunSpec, device: torch.device, beat=lambda: None) -> dict
         if not spec.quiet and rank0:
             print(f"[tspbench] step {i + 1}/{spec.steps}: {dt * 1e3:.1f} ms (rank 0)", flush=True)
     slowest = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
+    with blocked_in_collective():  # a step lasts as long as its slowest rank
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     out["step_times"] = slowest.tolist()
     out["calib_gflops"] = statistics.median(calib)
     k = spec.steps

@@ -80,12 +80,21 @@ def utc_now() -> str:
     return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def write_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` so that ``path`` is either absent/old or complete, never partial."""
+    """Write ``text`` so that ``path`` is either absent/old or complete, never partial, with the
+    permissions an ordinary write would give (mkstemp's 0600 would hide results from a group on
+    a shared file system)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
@@ -97,18 +106,38 @@ def write_atomic(path: str | os.PathLike, text: str) -> None:
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:
-    write_atomic(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+    """Strict JSON: NaN or infinity is a bug upstream, never written (strict parsers reject it)."""
+    write_atomic(path, json.dumps(obj, indent=2, sort_keys=False, allow_nan=False) + "\n")
 
 
 def check_out(path: str) -> None:
-    """Refuse an output path that cannot hold a record, before anything runs."""
+    """Refuse an output path that cannot hold a record, before anything runs: the name, an
+    existing directory there, a parent that is a file, and a probe write of a file with a name
+    as long as the record's in the record's directory (permissions, name length, read-only or
+    full file systems)."""
     from tspbench.core.config import ConfigError
 
     if not path.endswith(".json"):
         raise ConfigError(f"--out={path!r}: must name a .json file")
-    parent = Path(path).resolve().parent
-    if parent.exists() and not os.access(parent, os.W_OK):
-        raise ConfigError(f"--out={path!r}: directory {parent} is not writable")
+    target = Path(path)
+    if target.is_dir():
+        raise ConfigError(f"--out={path!r}: is a directory")
+    parent = target.resolve().parent
+    for up in (parent, *parent.parents):
+        if up.exists():
+            if not up.is_dir():
+                raise ConfigError(f"--out={path!r}: {up} is not a directory")
+            break
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        probe = parent / ("." + target.name[1:])  # same length as the record's name
+        fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        os.close(fd)
+        probe.unlink()
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise ConfigError(f"--out={path!r}: cannot write there ({e.strerror})") from None
 
 
 SCHEMA = Path(__file__).resolve().parents[1] / "schemas/record.schema.json"
@@ -120,8 +149,14 @@ def check_record(path: str) -> dict[str, Any]:
 
     from tspbench.core.config import ConfigError
 
+    if not Path(path).is_file():  # a FIFO or a device would block or never end
+        raise ConfigError(f"record {path!r}: not a regular file")
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"non-finite number {constant}")
+
     try:
-        rec = json.loads(Path(path).read_text())
+        rec = json.loads(Path(path).read_text(), parse_constant=refuse)
     except (OSError, ValueError) as e:
         raise ConfigError(f"record {path!r}: not readable JSON ({e})") from None
     try:

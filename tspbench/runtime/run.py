@@ -12,18 +12,21 @@ rank 0.
 
 from __future__ import annotations
 
+import math
 import socket
 import sys
 import threading
 import time
 import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from tspbench.core.comm import blocked_in_collective
 from tspbench.core.config import ConfigError
 from tspbench.runtime.flops import device_peak
-from tspbench.runtime.guard import Guard
+from tspbench.runtime.guard import HUNG, RENDEZVOUS, WAITED, Guard
 from tspbench.runtime.launch import RankEnv, detect, free_port, init
 from tspbench.runtime.layout import rank_layout
 from tspbench.runtime.measure import measure_rank, summarize
@@ -33,8 +36,13 @@ from tspbench.runtime.spec import RunSpec
 FAIL_KEY = "tspbench/fail/{}"
 
 
+OOM_TEXTS = ("out of memory", "can't allocate memory", "cannot allocate memory")
+
+
 def _classify(e: BaseException) -> str:
-    oom = isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+    """``oom`` for the device's or the host allocator's out-of-memory errors, else ``error``."""
+    text = str(e).lower()
+    oom = isinstance(e, torch.OutOfMemoryError | MemoryError) or any(t in text for t in OOM_TEXTS)
     return "oom" if oom else "error"
 
 
@@ -53,47 +61,66 @@ def _post(status: str, msg: str, wait_s: float = 2.0) -> None:
     t.join(wait_s)
 
 
-def _causes(world: int, wait_s: float = 3.0) -> dict[int, tuple[str, str]]:
-    """Failure causes posted by any rank (waits briefly for the root cause to land)."""
+def _causes(world: int, wait_s: float = 3.0, quiet_s: float = 0.75) -> dict[int, tuple[str, str]]:
+    """Failure causes posted by any rank: waits until every rank posted, an OOM is in, no new
+    cause came for ``quiet_s`` after the first, or ``wait_s`` passed."""
     store = dist.distributed_c10d._get_default_store()
     found: dict[int, tuple[str, str]] = {}
-    deadline = time.monotonic() + wait_s
+    now = time.monotonic()
+    deadline, last = now + wait_s, None
     while True:
         for r in range(world):
             key = FAIL_KEY.format(r)
             if r not in found and store.check([key]):
                 status, msg = store.get(key).decode().split("\t", 1)
-                found[r] = (status, msg)
-        if any(s == "oom" for s, _ in found.values()) or time.monotonic() > deadline:
+                found[r], last = (status, msg), time.monotonic()
+        now = time.monotonic()
+        quiet = last is not None and now - last > quiet_s
+        if len(found) == world or any(s == "oom" for s, _ in found.values()):
+            return found
+        if quiet or now > deadline:
             return found
         time.sleep(0.1)
 
 
-CONSEQUENCES = ("connection closed", "connection reset")  # a peer went away: never the cause
-HANGS = ("no progress for", "timed out", "timeout")  # a rank stalled: the cause if nothing else
+def root_cause(
+    causes: dict[int, tuple[str, str]], own: tuple[str, str], world: int
+) -> tuple[str, str, list[int]]:
+    """The failure that started it, and the ranks it names: an OOM anywhere, else the first real
+    error, else a rank that hung (its own watchdog, or the ranks that posted nothing while every
+    other rank waited for a peer), else this rank's own (a closed connection, a wait).
 
-
-def root_cause(causes: dict[int, tuple[str, str]], own: tuple[str, str]) -> tuple[str, str]:
-    """The failure that started it: an OOM anywhere, else the first real error, else the first
-    hang (a stalled rank's watchdog), else this rank's own (typically a closed connection)."""
-    ordered = [c for _, c in sorted(causes.items())]
+    Returns (status, message, failed ranks)."""
+    ordered = sorted(causes.items())
 
     def tier(cause: tuple[str, str]) -> int:
         msg = cause[1].lower()
         if cause[0] == "oom":
             return 0
-        if any(s in msg for s in CONSEQUENCES):
-            return 3
-        return 2 if any(s in msg for s in HANGS) else 1
+        if any(s in msg for s in (WAITED, RENDEZVOUS, "connection closed", "connection reset")):
+            return 3  # a consequence of another rank's failure
+        return 2 if HUNG in msg or "time limit" in msg else 1
 
-    return min(ordered + [own], key=tier)
+    best = min([c for _, c in ordered] + [own], key=tier)
+    if tier(best) == 3:
+        silent = [r for r in range(world) if r not in causes]
+        if silent:
+            who = ", ".join(map(str, silent))
+            return (
+                "error",
+                f"rank {who} hung: no error and no progress from it while the others "
+                f"{best[1][best[1].find(WAITED) :] if WAITED in best[1] else best[1]}",
+                silent,
+            )
+    return best[0], best[1], [r for r, c in ordered if c == best] or sorted(causes)
 
 
 def _measure(spec: RunSpec, device: torch.device, header: dict, beat) -> dict | None:
     """`tspbench run`: measure on every rank, summarise on rank 0."""
     mine = measure_rank(spec, device, beat)
     gathered = [None] * spec.layout.world_size if dist.get_rank() == 0 else None
-    dist.gather_object(mine, gathered, dst=0)
+    with blocked_in_collective():
+        dist.gather_object(mine, gathered, dst=0)
     if dist.get_rank() != 0:
         return None
     peak = device_peak(header["hardware"]["device_name"]) if device.type == "cuda" else None
@@ -103,7 +130,8 @@ def _measure(spec: RunSpec, device: torch.device, header: dict, beat) -> dict | 
 def placement(spec: RunSpec, env: RankEnv) -> dict:
     """Model groups, the node of every rank, and whether a model group spans nodes (collective)."""
     hosts = [None] * env.world_size
-    dist.all_gather_object(hosts, socket.gethostname())
+    with blocked_in_collective():
+        dist.all_gather_object(hosts, socket.gethostname())
     lay = rank_layout(spec.strategy, spec.layout)
     nodes: dict[str, list[int]] = {}
     for r, h in enumerate(hosts):
@@ -125,10 +153,42 @@ def placement(spec: RunSpec, env: RankEnv) -> dict:
     }
 
 
+def interrupted_path(out: str) -> str:
+    """Where a pipeline cell's record goes when a signal interrupts it: beside ``out``, so that
+    no record at ``out`` looks final and the next run of the pipeline redoes the cell."""
+    return str(Path(out).with_suffix(".interrupted.json"))
+
+
+def _finite(record: dict) -> dict:
+    """A record that strict JSON parsers accept: a non-finite loss or gradient norm makes an
+    otherwise ``ok`` run an error (the numbers are not results), non-finite numbers become null."""
+    bad = [k for k in ("loss", "grad_norm") if isinstance(record.get(k), float)]
+    bad = [k for k in bad if not math.isfinite(record[k])]
+    if bad and record.get("status") == "ok":
+        what = ", ".join(f"{k} {record[k]}" for k in bad)
+        record = {**record, "status": "error", "error_message": f"non-finite result: {what}"}
+
+    def clean(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        return [clean(x) for x in v] if isinstance(v, list) else v
+
+    return clean(record)
+
+
 def run_env(
-    spec: RunSpec, out: str, timeout_s: float, work=_measure, time_limit_s: float | None = None
+    spec: RunSpec,
+    out: str,
+    timeout_s: float,
+    work=_measure,
+    time_limit_s: float | None = None,
+    step_timeout_s: float = 3600.0,
+    cell: bool = False,
 ) -> int:
-    """Join the launched job, run ``work`` (collective), and write rank 0's record."""
+    """Join the launched job, run ``work`` (collective), and write rank 0's record (``cell``: a
+    pipeline cell, whose interrupted record goes to :func:`interrupted_path`)."""
     env = detect()
     world = spec.layout.world_size
     if env is None:
@@ -145,33 +205,51 @@ def run_env(
     header = spec.header(env.source, world)
     lock, written = threading.Lock(), []
 
-    def write(record: dict) -> None:
+    def write(record: dict) -> str:
+        """Write rank 0's record once; return the status it was written with."""
         with lock:
             if written or env.rank != 0:
-                return
+                return record["status"]
             written.append(True)
-            write_json(out, {**record, "timestamp_utc": utc_now()})
+            interrupted = "interrupted by" in str(record.get("error_message"))
+            path = interrupted_path(out) if cell and interrupted else out
+            record = _finite({**record, "timestamp_utc": utc_now()})
+            write_json(path, record)
             if not spec.quiet:
-                print(f"[tspbench] {record['status']}: wrote {out}", flush=True)
+                print(f"[tspbench] {record['status']}: wrote {path}", flush=True)
+            return record["status"]
 
     def on_fatal(reason: str) -> None:
         print(f"[tspbench] rank {env.rank}: {reason}", file=sys.stderr, flush=True)
+        own, failed = ("error", reason), [env.rank]
         if dist.is_initialized():
-            _post("error", reason)
-        write({**header, "status": "error", "error_message": reason, "failed_ranks": [env.rank]})
+            _post(*own)
+            if env.rank == 0 and "interrupted by" not in reason:  # wait a watchdog tick more:
+                causes = _causes(world, wait_s=5.0, quiet_s=2.0)  # a silent rank is the suspect
+                status, reason, failed = root_cause(causes, own, world)
+        write({**header, "status": "error", "error_message": reason, "failed_ranks": failed})
 
-    guard = Guard(timeout_s, on_fatal, time_limit_s)
-    device, backend = init(env, timeout_s)
+    guard = Guard(timeout_s, on_fatal, time_limit_s, step_timeout_s)
+    guard.rendezvous = f"{env.master_addr}:{env.master_port}"
+    try:
+        device, backend = init(env, timeout_s)
+    except Exception as e:  # never joined: no peer to tell, rank 0 says why
+        reason = f"{RENDEZVOUS} at {guard.rendezvous} failed: {type(e).__name__}: {e}"
+        write({**header, "status": "error", "error_message": reason, "failed_ranks": [env.rank]})
+        print(f"[tspbench] rank {env.rank}: {reason}", file=sys.stderr, flush=True)
+        return 1
+    guard.rendezvous = None
     guard.beat()
     header.update(placement(spec, env))
     header.update(
         hardware=hardware(device, world), versions=versions(backend), git_commit=git_commit()
     )
-    status = "ok"
+    status, completed = "ok", False
     try:
         result = work(spec, device, header, guard.beat)
+        completed = True
         if env.rank == 0:
-            write({**header, "status": "ok", **result})
+            status = write({**header, "status": "ok", **result})
     except Exception as e:
         status, msg = _classify(e), f"{type(e).__name__}: {e}".strip()
         if not spec.quiet:
@@ -182,14 +260,11 @@ def run_env(
             oom = status == "oom" or any(s == "oom" for s, _ in _causes(world, 1.0).values())
             sys.stdout.flush()
             return 0 if oom else 1
-        causes = _causes(world)
-        root = root_cause(causes, (status, msg))
-        status = root[0]
-        write(
-            {**header, "status": status, "error_message": root[1], "failed_ranks": sorted(causes)}
-        )
+        status, msg, failed = root_cause(_causes(world), (status, msg), world)
+        write({**header, "status": status, "error_message": msg, "failed_ranks": failed})
     guard.beat()
-    if status == "ok":
-        dist.barrier()
+    if completed:  # every rank finished the work: leave together
+        with blocked_in_collective():
+            dist.barrier()
         dist.destroy_process_group()
     return 0 if status in ("ok", "oom") else 1

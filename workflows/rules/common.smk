@@ -1,4 +1,5 @@
 # Helpers for the rules (functions only; the logic lives in tspbench.pipeline).
+import shlex
 
 
 def cell_of(wildcards):
@@ -16,3 +17,19 @@ def runtime(wildcards, attempt):
 
 def run_threads(wildcards):
     return cell_of(wildcards).gpus if config["launcher"] == "local" else 1
+
+
+def run_line(wildcards, output, resources):
+    """The cell's shell line. ``--cell``: an error is a result (exit 0, record written), an
+    interruption is not (its record goes beside the output). Local ranks: ``exec``, so the
+    launcher is Snakemake's own child and dies with it (parent-death signal); under srun the
+    step's exit code is the worst rank's, so the record, not the code, says whether it ran.
+    Stops (and records why) before the scheduler's runtime runs out."""
+    limit = max(30, resources.runtime * 60 - 30)
+    log = shlex.quote(f"logs/{NAME}/run/{wildcards.cell}.log")
+    out = shlex.quote(output[0])
+    cmd = command(cell_of(wildcards), config, PYTHON)
+    line = f"{cmd} --out {out} --time-limit {limit} --cell > {log} 2>&1"
+    if config["launcher"] == "local":
+        return f"exec {line}"
+    return f"{line} || true; test -s {out}"

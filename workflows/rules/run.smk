@@ -1,5 +1,6 @@
-# One job per cell: `tspbench run` writes the cell's record. An OOM or a failed run is a result
-# (a record with status oom/error), so the job succeeds whenever a record was written.
+# One job per cell: `tspbench run --cell` writes the cell's record. An OOM or a failed run is a
+# result (a record with status oom/error), so the job succeeds whenever a record was written; a
+# run interrupted by a signal leaves no record there, so the next run of the pipeline redoes it.
 
 
 rule run:
@@ -19,9 +20,6 @@ rule run:
         mpi=cell_resource("mpi"),
         runtime=runtime,
     params:
-        cmd=lambda wc: command(cell_of(wc), config, PYTHON),
-        # stop (and record why) before the scheduler's runtime runs out
-        limit=lambda wc, resources: max(30, resources.runtime * 60 - 30),
+        line=run_line,
     shell:
-        "{params.cmd} --out {output} --time-limit {params.limit} > {log} 2>&1 || true;"
-        " test -s {output}"
+        "{params.line}"
