@@ -26,6 +26,11 @@ def sweep_with(**kw) -> str:
     return yaml.safe_dump(c)
 
 
+TORCHRUN = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+TORCHRUN1 = {**TORCHRUN, "WORLD_SIZE": "1"}
+SLURM = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_JOB_NODELIST": "node1"}
+S32 = ["--seq-len", "32"]
+
 BAD = [
     ("run", ["--seq-len", "0"], {}, "--seq-len: '0': must be between 1 and"),
     ("run", ["--seq-len", "-5"], {}, "--seq-len: '-5': must be between"),
@@ -105,6 +110,21 @@ BAD = [
     ("record", '{"status": "ok", ', {}, "not readable JSON"),
     ("record", json.dumps({"status": "fine"}), {}, "is a required property"),
     ("summary", "missing.csv", {}, "--summary='"),
+    # launcher variables, checked before anything waits on a peer
+    ("run", ["--degree", "2"], {**TORCHRUN, "RANK": "2"}, "rank 2 of world size 2"),
+    ("run", S32, {**TORCHRUN1, "MASTER_PORT": "x"}, "MASTER_PORT='x': must be an integer"),
+    ("run", S32, {**TORCHRUN1, "MASTER_PORT": "70000"}, "between 1 and 65535"),
+    ("run", S32, {**TORCHRUN1, "LOCAL_RANK": "a"}, "LOCAL_RANK='a': must be an integer"),
+    ("run", S32, {**TORCHRUN1, "LOCAL_WORLD_SIZE": "0"}, "LOCAL_WORLD_SIZE='0'"),
+    ("run", S32, {**SLURM, "SLURM_JOB_NODELIST": "n[1-"}, "'n[1-': not a Slurm node list"),
+    ("run", S32, {**SLURM, "SLURM_PROCID": "-1"}, "SLURM_PROCID='-1': must be between"),
+    # inputs that would exhaust the machine
+    ("run", ["--launch", "local", "--dp", "65536"], {}, "--launch local starts at most"),
+    ("run", ["--set", "vocab=2000000000"], {}, "model.vocab=2000000000: must be between 1"),
+    ("run", ["--set", "init_std=inf"], {}, "model.init_std=inf: must be between"),
+    ("run", ["--set", "init_std=nan"], {}, "model.init_std=nan: must be between"),
+    ("run", ["--batch", "4096", "--seq-len", "16777216"], {}, "GiB available"),
+    ("record", '{"status": "ok", "loss": NaN}', {}, "non-finite number NaN"),
 ]
 
 
@@ -124,6 +144,9 @@ def test_bad_input_exits_2_naming_the_problem(
         "SLURM_PROCID",
         "SLURM_NTASKS",
         "SLURM_JOB_NODELIST",
+        "SLURM_STEP_NODELIST",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
         "OMPI_COMM_WORLD_SIZE",
         "PMI_SIZE",
     ):
@@ -164,3 +187,23 @@ def test_bad_input_exits_2_naming_the_problem(
 
 def test_at_least_thirty_bad_inputs():
     assert len(BAD) >= 30
+
+
+@pytest.mark.parametrize(
+    "make, needle",
+    [
+        (lambda d: (d / "rec.json").mkdir() or d / "rec.json", "is a directory"),
+        (lambda d: (d / "file").write_text("") or d / "file" / "rec.json", "is not a directory"),
+        (lambda d: d / ("r" * 300 + ".json"), "cannot write there (File name too long)"),
+    ],
+    ids=["directory", "parent-is-a-file", "name-too-long"],
+)
+def test_an_output_that_cannot_be_written_is_refused_before_the_run(tmp_path, capsys, make, needle):
+    from tspbench.cli import main
+
+    out = make(tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert main([*RUN, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before

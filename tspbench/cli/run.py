@@ -16,7 +16,12 @@ def _checked(args: argparse.Namespace) -> RunSpec:
 
     spec = RunSpec.from_args(args)
     check_out(args.out)
-    local = spec.layout.world_size if args.launch == "local" else 1
+    local = 1
+    if args.launch == "local":
+        from tspbench.runtime.local import check_local_world
+
+        local = spec.layout.world_size
+        check_local_world(local, args.nproc or local)
     check_host_memory(spec, local)
     return spec
 

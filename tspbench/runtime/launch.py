@@ -52,7 +52,10 @@ def expand_nodelist(nodelist: str) -> list[str]:
     'gpu[03-05,09],cpu1' -> gpu03 gpu04 gpu05 gpu09 cpu1; 'r[1-2]n[01-02]' -> r1n01 r1n02 r2n01
     r2n02 (every bracket expands; a range keeps its zero padding)."""
     hosts: list[str] = []
-    for item in re.findall(r"(?:[^,\[]+|\[[^\]]*\])+", nodelist.strip()):
+    items = re.findall(r"(?:[^,\[\]]+|\[[^\]\[]*\])+", nodelist.strip())
+    if ",".join(items) != nodelist.strip():
+        raise ConfigError(f"SLURM_JOB_NODELIST={nodelist!r}: not a Slurm node list")
+    for item in items:
         parts = re.split(r"(\[[^\]]*\])", item)
         names = [""]
         for part in filter(None, parts):
@@ -74,8 +77,9 @@ def expand_nodelist(nodelist: str) -> list[str]:
 
 
 def first_host(nodelist: str) -> str:
-    """First host of a Slurm node list: ``scontrol show hostnames`` where Slurm is installed,
-    else :func:`expand_nodelist`."""
+    """First host of a Slurm node list (checked by :func:`expand_nodelist`): as
+    ``scontrol show hostnames`` prints it where Slurm is installed, else as parsed here."""
+    parsed = expand_nodelist(nodelist)
     try:
         shown = subprocess.run(
             ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=10
@@ -84,7 +88,7 @@ def first_host(nodelist: str) -> str:
             return shown.stdout.split()[0]
     except (OSError, subprocess.TimeoutExpired):
         pass
-    return expand_nodelist(nodelist)[0]
+    return parsed[0]
 
 
 def _int_env(name: str, lo: int = 0, hi: int = 2**31 - 1, default: int | None = None) -> int:

@@ -30,6 +30,17 @@ def max_local_ranks() -> int:
     return max(8, 4 * (os.cpu_count() or 1))
 
 
+def check_local_world(world: int, nproc: int) -> None:
+    """--nproc must match the spec, and this machine must be able to hold that many ranks."""
+    if nproc != world:
+        raise ConfigError(f"--nproc={nproc}: must equal degree x dp = {world}")
+    if world > max_local_ranks():
+        raise ConfigError(
+            f"degree x dp = {world}: --launch local starts at most {max_local_ranks()} ranks on "
+            f"this machine ({os.cpu_count()} cores); use a cluster launcher (srun, torchrun)"
+        )
+
+
 def _what_happened(seen: LocalRanks) -> str:
     """The launcher's own account: which rank died of which signal, which it killed itself."""
     out = []
@@ -57,13 +68,7 @@ def run_local(
     run's record goes beside ``out`` (:func:`interrupted_path`), never to it.
     """
     world = spec.layout.world_size
-    if nproc != world:
-        raise ConfigError(f"--nproc={nproc}: must equal degree x dp = {world}")
-    if world > max_local_ranks():
-        raise ConfigError(
-            f"degree x dp = {world}: --launch local starts at most {max_local_ranks()} ranks on "
-            f"this machine ({os.cpu_count()} cores); use a cluster launcher (srun, torchrun)"
-        )
+    check_local_world(world, nproc)
     die_with_parent(signal.SIGTERM, os.getppid())()
     argv = [command, *spec.to_argv(), *launch_argv, "--out", out, "--launch", "env"]
     path = Path(out)

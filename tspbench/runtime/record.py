@@ -120,15 +120,15 @@ def check_out(path: str) -> None:
     if not path.endswith(".json"):
         raise ConfigError(f"--out={path!r}: must name a .json file")
     target = Path(path)
-    if target.is_dir():
-        raise ConfigError(f"--out={path!r}: is a directory")
-    parent = target.resolve().parent
-    for up in (parent, *parent.parents):
-        if up.exists():
-            if not up.is_dir():
-                raise ConfigError(f"--out={path!r}: {up} is not a directory")
-            break
     try:
+        if target.is_dir():
+            raise ConfigError(f"--out={path!r}: is a directory")
+        parent = target.resolve().parent
+        for up in (parent, *parent.parents):
+            if up.exists():
+                if not up.is_dir():
+                    raise ConfigError(f"--out={path!r}: {up} is not a directory")
+                break
         parent.mkdir(parents=True, exist_ok=True)
         probe = parent / ("." + target.name[1:])  # same length as the record's name
         fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
