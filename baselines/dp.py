@@ -17,6 +17,7 @@ from tspbench.core.strategy import Batch, Layout, Strategy
 
 class DP(Strategy):
     name = "dp"
+    plain_attention = True  # whole sequences per rank: the reference layer's SDPA
 
     @classmethod
     def replica_batch(cls, layout: Layout, per_rank: int = 1) -> int:

@@ -10,13 +10,14 @@ from tspbench.core.config import ConfigError
 
 
 def make_parser() -> Parser:
-    from tspbench.cli import pipeline, run, scale
+    from tspbench.cli import doctor, pipeline, run, scale
 
     p = Parser(prog="tspbench", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=Parser)
     run.add_parsers(sub)
     pipeline.add_parsers(sub)
     scale.add_parsers(sub)
+    doctor.add_parsers(sub)
     return p
 
 

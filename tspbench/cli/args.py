@@ -121,6 +121,12 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--nproc", type=int_in(1, 65536), default=None)
     p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto: a GPU when one is visible; cuda: a GPU or exit 2 (never a silent CPU run)",
+    )
+    p.add_argument(
         "--timeout",
         type=seconds,
         default=300.0,
@@ -149,5 +155,6 @@ def add_launch_args(p: argparse.ArgumentParser) -> None:
 def launch_argv(args: argparse.Namespace) -> list[str]:
     """The launch options a spawned rank gets again (the spec and the output apart)."""
     argv = ["--timeout", str(args.timeout), "--step-timeout", str(args.step_timeout)]
+    argv += ["--device", args.device]
     argv += ["--time-limit", str(args.time_limit)] if args.time_limit else []
     return argv + (["--cell"] if args.cell else [])

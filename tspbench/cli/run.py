@@ -12,8 +12,9 @@ from tspbench.runtime.spec import RunSpec
 
 def _checked(args: argparse.Namespace) -> RunSpec:
     """The spec, the output path and the host's memory checked before anything starts."""
-    from tspbench.runtime.launch import check_host_memory
+    from tspbench.runtime.launch import check_device, check_host_memory
 
+    check_device(args.device)
     spec = RunSpec.from_args(args)
     check_out(args.out)
     local = 1
@@ -41,6 +42,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         time_limit_s=args.time_limit,
         step_timeout_s=args.step_timeout,
         cell=args.cell,
+        device_choice=args.device,
     )
 
 

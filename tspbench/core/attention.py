@@ -6,13 +6,16 @@ The functions return/consume the attention log-sum-exp so that a caller can writ
 (TSP re-gathers K/V in backward instead of saving the full-sequence copies).
 
 Backends, picked per device:
-- ``flash_attn``: CUDA/ROCm with flash-attn installed; ``flash_attn_func(causal=True)`` is
-  lower-right aligned. Backward recomputes through its public autograd API.
+- ``flash_attn``: CUDA/ROCm with flash-attn installed, fp16/bf16 only (its kernels take no
+  fp32); ``causal=True`` is lower-right aligned. Forward returns out and log-sum-exp; backward
+  calls flash-attn's own backward kernel with them (no recomputed forward), through an adapter
+  that matches the installed version's argument names (:func:`_flash_bwd`).
 - ``cpu_flash``: PyTorch's CPU flash kernel (what SDPA dispatches to on CPU); the mask is split
   into the unmasked prefix and the causal diagonal block, merged by log-sum-exp, so no [Lq, Lk]
   mask is materialised. Backward uses the kernel's own backward with the merged out/lse.
-- ``sdpa``: any other device: ``scaled_dot_product_attention`` with ``causal_lower_right``;
-  backward recomputes through autograd.
+- ``sdpa``: any other case (a GPU without flash-attn, or fp32 on a GPU):
+  ``scaled_dot_product_attention`` with ``causal_lower_right``; backward recomputes through
+  autograd.
 - ``fused`` (only under :func:`forced`, only on fake tensors): one kernel call per block, shaped
   like flash-attn's (out and lse, no [Lq, Lk] buffer), so the fake-tensor estimator sees a GPU
   flash kernel's memory. Its mask is top-left aligned: values would be wrong, shapes are right.
@@ -21,7 +24,7 @@ Backends, picked per device:
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -47,11 +50,35 @@ def forced(backend: str | None) -> Iterator[None]:
         _forced = old
 
 
-def backend_for(device: torch.device) -> str:
-    """The kernel this module uses on ``device``."""
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+# FLOP counters listening for the kernels torch's FlopCounterMode cannot see: flash-attn's are a
+# C++ extension call (or a custom op without a formula). The runtime's counter registers here.
+FLOP_LISTENERS: list[Callable[[str, int], None]] = []
+
+
+def _count_flash(kind: str, q: torch.Tensor, k: torch.Tensor) -> None:
+    """Tell the listeners a flash-attn call's FLOPs, by torch's SDPA formulas (the same ones
+    the CPU kernels are counted with): 4 b h s_q s_k d forward, 2.5 times that backward."""
+    if not FLOP_LISTENERS:
+        return
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    b, h, s_q, d = q.shape
+    qs, ks = (b, h, s_q, d), (b, h, k.shape[-2], d)
+    n = (
+        sdpa_flop_count(qs, ks, ks)
+        if kind == "forward"
+        else sdpa_backward_flop_count(qs, qs, ks, ks)
+    )
+    for listen in FLOP_LISTENERS:
+        listen(f"flash_attn.{kind}", n)
+
+
+def backend_for(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
+    """The kernel this module uses on ``device`` for ``dtype``."""
     if _forced is not None:
         return _forced
-    if device.type == "cuda" and HAS_FLASH_ATTN:
+    if device.type == "cuda" and HAS_FLASH_ATTN and dtype in FLASH_DTYPES:
         return "flash_attn"
     if device.type == "cpu":
         return "cpu_flash"
@@ -74,26 +101,48 @@ def _sdpa(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
-def _flash(q, k, v, return_lse=False):
+def _flash(q, k, v):
+    """(out [B, Hq, Lq, d], lse [B, Hq, Lq] fp32) from flash-attn's public function (it works in
+    [B, L, H, d]; with ``return_attn_probs`` it also returns the log-sum-exp)."""
     from flash_attn import flash_attn_func
 
-    res = flash_attn_func(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        causal=True,
-        return_attn_probs=return_lse,
-    )
-    if return_lse:
-        return res[0].transpose(1, 2), res[1]
-    return res.transpose(1, 2)
+    out, lse, _ = flash_attn_func(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
+        return_attn_probs=True,
+    )  # fmt: skip
+    return out.transpose(1, 2), lse
+
+
+def _flash_bwd(dout, q, k, v, out, lse):
+    """flash-attn's backward kernel for :func:`_flash`'s call. Its private entry point's
+    arguments changed between releases (``window_size`` became ``window_size_left/right``,
+    ``softcap`` and ``deterministic`` appeared): they are passed by name, as its signature has
+    them, so one adapter covers 2.5 to 2.8."""
+    import inspect
+
+    from flash_attn import flash_attn_interface as fa
+
+    t = [x.transpose(1, 2).contiguous() for x in (dout, q, k, v, out)]
+    dq, dk, dv = (torch.empty_like(x) for x in t[1:4])
+    values = {
+        "dout": t[0], "q": t[1], "k": t[2], "v": t[3], "out": t[4], "softmax_lse": lse,
+        "dq": dq, "dk": dk, "dv": dv, "dropout_p": 0.0, "softmax_scale": q.shape[-1] ** -0.5,
+        "causal": True, "window_size": (-1, -1), "window_size_left": -1, "window_size_right": -1,
+        "softcap": 0.0, "alibi_slopes": None, "deterministic": False, "rng_state": None,
+    }  # fmt: skip
+    params = inspect.signature(fa._flash_attn_backward).parameters
+    missing = [n for n, p in params.items() if n not in values and p.default is p.empty]
+    if missing:
+        raise RuntimeError(f"flash-attn {fa.__name__}: unknown backward arguments {missing}")
+    fa._flash_attn_backward(**{n: values[n] for n in params if n in values})
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
 def causal_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out [B, Hq, Lq, d], lse [B, Hq, Lq] fp32 or None) of lower-right causal attention."""
-    backend = backend_for(q.device)
+    backend = backend_for(q.device, q.dtype)
     with torch.no_grad():
         if backend == "fused":
             _require_fake(q)
@@ -111,7 +160,8 @@ def causal_fwd(
             )
             return out.to(q.dtype), lse
         if backend == "flash_attn":
-            return _flash(q, k, v, return_lse=True)
+            _count_flash("forward", q, k)
+            return _flash(q, k, v)
         return _sdpa(q, k, v), None
 
 
@@ -124,7 +174,7 @@ def causal_bwd(
     lse: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) for :func:`causal_fwd`, given its saved out and lse."""
-    backend = backend_for(q.device)
+    backend = backend_for(q.device, q.dtype)
     if backend == "fused":
         _require_fake(q)
         bwd = _aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -138,10 +188,12 @@ def causal_bwd(
         dq1, dk1, dv1 = bwd(dout, q, k[:, :, :p], v[:, :, :p], out, lse, 0.0, False)
         dq2, dk2, dv2 = bwd(dout, q, k[:, :, p:], v[:, :, p:], out, lse, 0.0, True)
         return dq1 + dq2, torch.cat([dk1, dk2], dim=2), torch.cat([dv1, dv2], dim=2)
-    fn = _flash if backend == "flash_attn" else _sdpa
+    if backend == "flash_attn":
+        _count_flash("backward", q, k)
+        return _flash_bwd(dout, q, k, v, out, lse)
     with torch.enable_grad():
         qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-        grads = torch.autograd.grad(fn(qq, kk, vv), (qq, kk, vv), dout)
+        grads = torch.autograd.grad(_sdpa(qq, kk, vv), (qq, kk, vv), dout)
     return grads[0], grads[1], grads[2]
 
 

@@ -49,6 +49,7 @@ class Batch:
 
 class Strategy(ABC):
     name: ClassVar[str]
+    plain_attention: ClassVar[bool] = False  # PyTorch's SDPA, not the zigzag entry point
 
     def __init__(
         self,

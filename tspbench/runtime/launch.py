@@ -177,9 +177,25 @@ def detect() -> RankEnv | None:
     return None
 
 
-def init(env: RankEnv, timeout_s: float) -> tuple[torch.device, str]:
-    """Join the process group; return this rank's device and the backend."""
-    if torch.cuda.is_available():
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def check_device(choice: str) -> None:
+    """``cuda`` (CUDA or ROCm) must exist here: a GPU run must never fall back to the CPU."""
+    if choice == "cuda" and not torch.cuda.is_available():
+        build = torch.version.cuda and f"CUDA {torch.version.cuda}" or torch.version.hip
+        what = f"a {build} build of torch" if build else "a CPU-only build of torch"
+        raise ConfigError(
+            f"--device=cuda: no GPU is visible ({what}, torch {torch.__version__}); install the "
+            "CUDA or ROCm build that matches this node, or run with --device cpu"
+        )
+
+
+def init(env: RankEnv, timeout_s: float, device: str = "auto") -> tuple[torch.device, str]:
+    """Join the process group; return this rank's device and the backend (``device``: auto
+    takes a GPU when one is visible)."""
+    check_device(device)
+    if device != "cpu" and torch.cuda.is_available():
         device, backend = torch.device("cuda", env.local_rank % torch.cuda.device_count()), "nccl"
         torch.cuda.set_device(device)
     else:

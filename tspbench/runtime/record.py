@@ -45,6 +45,12 @@ def versions(backend: str | None) -> dict[str, Any]:
         fa = flash_attn.__version__
     except ImportError:
         fa = None
+    nccl = None
+    if backend == "nccl" and torch.cuda.is_available():
+        try:  # RCCL on ROCm reports through the same call
+            nccl = ".".join(map(str, torch.cuda.nccl.version()))
+        except (RuntimeError, AttributeError):
+            nccl = None
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -52,6 +58,7 @@ def versions(backend: str | None) -> dict[str, Any]:
         "backend": backend,
         "cuda": torch.version.cuda,
         "hip": getattr(torch.version, "hip", None),
+        "nccl": nccl,
     }
 
 

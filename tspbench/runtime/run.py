@@ -23,13 +23,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from tspbench.core import attention
 from tspbench.core.comm import blocked_in_collective
 from tspbench.core.config import ConfigError
 from tspbench.runtime.flops import device_peak
 from tspbench.runtime.guard import HUNG, RENDEZVOUS, WAITED, Guard
 from tspbench.runtime.launch import RankEnv, detect, free_port, init
 from tspbench.runtime.layout import rank_layout
-from tspbench.runtime.measure import measure_rank, summarize
+from tspbench.runtime.measure import DTYPES, measure_rank, summarize
 from tspbench.runtime.record import git_commit, hardware, utc_now, versions, write_json
 from tspbench.runtime.spec import RunSpec
 
@@ -153,6 +154,14 @@ def placement(spec: RunSpec, env: RankEnv) -> dict:
     }
 
 
+def attention_kernel(spec: RunSpec, device: torch.device) -> str:
+    """The attention kernel this run's strategy calls on ``device``: the shared entry point's
+    (flash_attn, cpu_flash, sdpa), or PyTorch's own SDPA for the plain replicated layer."""
+    if spec.impl.plain_attention:
+        return "sdpa"
+    return attention.backend_for(device, DTYPES[spec.dtype])
+
+
 def interrupted_path(out: str) -> str:
     """Where a pipeline cell's record goes when a signal interrupts it: beside ``out``, so that
     no record at ``out`` looks final and the next run of the pipeline redoes the cell."""
@@ -186,6 +195,7 @@ def run_env(
     time_limit_s: float | None = None,
     step_timeout_s: float = 3600.0,
     cell: bool = False,
+    device_choice: str = "auto",
 ) -> int:
     """Join the launched job, run ``work`` (collective), and write rank 0's record (``cell``: a
     pipeline cell, whose interrupted record goes to :func:`interrupted_path`)."""
@@ -232,7 +242,7 @@ def run_env(
     guard = Guard(timeout_s, on_fatal, time_limit_s, step_timeout_s)
     guard.rendezvous = f"{env.master_addr}:{env.master_port}"
     try:
-        device, backend = init(env, timeout_s)
+        device, backend = init(env, timeout_s, device_choice)
     except Exception as e:  # never joined: no peer to tell, rank 0 says why
         reason = f"{RENDEZVOUS} at {guard.rendezvous} failed: {type(e).__name__}: {e}"
         write({**header, "status": "error", "error_message": reason, "failed_ranks": [env.rank]})
@@ -242,7 +252,10 @@ def run_env(
     guard.beat()
     header.update(placement(spec, env))
     header.update(
-        hardware=hardware(device, world), versions=versions(backend), git_commit=git_commit()
+        hardware=hardware(device, world),
+        versions=versions(backend),
+        git_commit=git_commit(),
+        attention_backend=attention_kernel(spec, device),
     )
     status, completed = "ok", False
     try:

@@ -1,0 +1,23 @@
+"""``tspbench doctor``: check this node (GPU or CPU) before a sweep; argument handling only."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from tspbench.pipeline.doctor import doctor
+
+    out = Path(args.out) if args.out else None
+    checks = doctor(out)
+    failed = [c.name for c in checks if c.status == "FAILED"]
+    ran = sum(c.status != "skipped" for c in checks)
+    print(f"{ran - len(failed)} ok, {len(failed)} failed, {len(checks) - ran} skipped")
+    return 1 if failed else 0
+
+
+def add_parsers(sub) -> None:
+    d = sub.add_parser("doctor", help="check this node: kernels, strategies, NCCL, memory, rates")
+    d.add_argument("--out", default=None, help="folder for doctor.json (and a GPU preset)")
+    d.set_defaults(func=cmd_doctor)

@@ -1,0 +1,221 @@
+"""``tspbench doctor``: is this node ready for a sweep? One line per check (ok / FAILED /
+skipped: why), run before committing GPU-hours.
+
+What it checks: the devices and versions; the zigzag attention of every kernel this node has,
+forward and backward, against PyTorch's SDPA on the same inputs (fp32, and bf16 where the kernel
+takes it); every strategy at D = 1 against the single-device reference on the device (loss and
+every gradient); on 2+ GPUs, TSP and TP at D = 2 with NCCL/RCCL against the single device; the
+real ``torch.cuda.max_memory_allocated`` peak of a cell against the fake-tensor estimate of the
+same cell; and GEMM/attention rates as a hardware preset (``tspbench calibrate --device cuda``).
+On a CPU machine the CPU parts run and the rest are skipped, saying why.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from tspbench.core import attention
+from tspbench.core.config import get_config
+from tspbench.core.mesh import build_mesh
+from tspbench.core.reference import ReferenceModel, make_batch
+from tspbench.runtime.record import versions, write_json
+from tspbench.runtime.registry import strategies
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TOL = {"fp32": 1e-4, "bf16": 3e-2}  # max error relative to each tensor's max
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # ok | FAILED | skipped
+    detail: str
+    seconds: float = 0.0
+
+    def line(self) -> str:
+        tail = f": {self.detail}" if self.detail else ""
+        return f"{self.status:8s} {self.name}{tail} ({self.seconds:.1f} s)"
+
+
+def _err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def _run(name: str, fn: Callable[[], str | None], skip: str | None = None) -> Check:
+    """Run one check: ``fn`` returns a detail line or raises AssertionError (FAILED)."""
+    if skip:
+        return Check(name, "skipped", skip)
+    t0 = time.monotonic()
+    try:
+        detail, status = fn() or "", "ok"
+    except AssertionError as e:
+        detail, status = str(e), "FAILED"
+    except Exception as e:  # a crash is a failed check, not a crashed doctor
+        detail, status = f"{type(e).__name__}: {e}", "FAILED"
+        traceback.print_exc(file=sys.stderr)
+    return Check(name, status, detail, time.monotonic() - t0)
+
+
+def devices() -> str:
+    v = versions("nccl" if torch.cuda.is_available() else "gloo")
+    names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    shown = ", ".join(f"{k} {x}" for k, x in v.items() if x)
+    kinds = f" ({', '.join(sorted(set(names)))})" if names else ""
+    return f"{len(names)} GPU(s){kinds}; {shown}"
+
+
+def kernels(device: torch.device) -> list[tuple[str, str]]:
+    """(kernel, dtype) pairs this node runs through the attention entry point."""
+    out = []
+    for dtype in ("fp32", "bf16"):
+        if device.type == "cpu" and dtype == "bf16":
+            out.append(("cpu_flash", dtype))  # small shapes: bf16 matmul is slow on CPUs
+            continue
+        out.append((attention.backend_for(device, DTYPES[dtype]), dtype))
+    if device.type == "cuda":
+        out += [("sdpa", "bf16")]
+    return sorted(set(out))
+
+
+def attention_check(device: torch.device, kernel: str, dtype: str) -> str:
+    """Zigzag attention at D = 2 (both ranks' chunks) and plain causal, forward and backward,
+    against SDPA with an explicit mask on the same inputs (fp32 math as the reference)."""
+    g = torch.Generator().manual_seed(0)
+    B, H, Hkv, S, d = 2, 4, 2, 256, 64
+    q = torch.randn(B, H, S, d, generator=g)
+    k, v = (torch.randn(B, Hkv, S, d, generator=g) for _ in range(2))
+    dout = torch.randn(B, H, S, d, generator=g)
+    ref_q, ref_k, ref_v = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        ref_q, ref_k, ref_v, is_causal=True, enable_gqa=True
+    )
+    ref.backward(dout)
+    cast = {"dtype": DTYPES[dtype], "device": device}
+    worst = 0.0
+    from tspbench.core import zigzag
+
+    for degree in (1, 2):
+        outs, grads = [], []
+        for rank in range(degree):
+            ql = zigzag.shard(q, degree, rank, dim=2) if degree > 1 else q
+            qq, kk, vv = (t.detach().to(**cast).clone().requires_grad_() for t in (ql, k, v))
+            with attention.forced(kernel):
+                o = attention.attention(qq, kk, vv, rank, degree)
+                dl = zigzag.shard(dout, degree, rank, dim=2) if degree > 1 else dout
+                o.backward(dl.to(**cast))
+            outs.append(o.float().cpu())
+            grads.append((qq.grad.float().cpu(), kk.grad.float().cpu(), vv.grad.float().cpu()))
+        out = zigzag.unshard(outs, dim=2) if degree > 1 else outs[0]
+        dq = zigzag.unshard([x[0] for x in grads], dim=2) if degree > 1 else grads[0][0]
+        dk, dv = sum(x[1] for x in grads), sum(x[2] for x in grads)
+        for got, want, what in ((out, ref, "out"), (dq, ref_q.grad, "dq"), (dk, ref_k.grad, "dk")):
+            e = _err(got, want)
+            worst = max(worst, e)
+            assert e <= TOL[dtype], f"D={degree} {what}: error {e:.2e} > {TOL[dtype]:g}"
+        worst = max(worst, _err(dv, ref_v.grad))
+    return f"D=1 and D=2 forward/backward within {worst:.1e} of SDPA (tolerance {TOL[dtype]:g})"
+
+
+def strategy_check(device: torch.device, name: str, dtype: str = "fp32") -> str:
+    """One training step at D = 1 on the device: loss and every gradient vs the reference."""
+    cfg = get_config("tiny")
+    impl = strategies()[name]
+    mesh = build_mesh(impl.mesh_dims(impl.make_layout(1, 1, 1, 1)))
+    strat = impl(cfg, mesh, seed=0, dtype=DTYPES[dtype], device=device)
+    tokens, labels = make_batch(cfg, 2, 64, 0)
+    ref = ReferenceModel(cfg, seed=0, device=device)
+    ref_loss, _ = ref.loss(tokens.to(device), labels.to(device))
+    ref_loss.backward()
+    loss = strat.forward_backward(strat.shard_batch(tokens, labels))
+    errors = {"loss": _err(loss, ref_loss)}
+    ref_grads = {n: p.grad for n, p in ref.named_full_params().items()}
+    for n, grad in strat.full_params(grads=True).items():
+        errors[n] = _err(grad, ref_grads[n])
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= TOL[dtype], f"{worst}: error {errors[worst]:.2e} > {TOL[dtype]:g}"
+    return f"loss and {len(errors) - 1} gradients within {errors[worst]:.1e}"
+
+
+def two_gpu_check(name: str) -> str:
+    """TSP or TP at D = 2 on two GPUs (NCCL/RCCL) gives the single device's loss and norm."""
+    recs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for strategy, degree in ((name, 2), ("single", 1)):
+            out = Path(tmp) / f"{strategy}.json"
+            argv = ["run", "--strategy", strategy, "--degree", str(degree), "--seq-len", "256"]
+            argv += ["--batch", "2", "--steps", "1", "--warmup", "0", "--device", "cuda"]
+            argv += ["--launch", "local", "--quiet", "--out", str(out)]
+            p = subprocess.run([sys.executable, "-m", "tspbench", *argv], capture_output=True)
+            assert p.returncode == 0, p.stderr.decode()[-400:]
+            recs[strategy] = json.loads(out.read_text())
+    a, b = recs[name], recs["single"]
+    for key in ("loss", "grad_norm"):
+        e = abs(a[key] - b[key]) / abs(b[key])
+        assert e < 1e-4, f"{key}: {a[key]} vs single {b[key]}"
+    return f"loss {a['loss']:.6f}, grad norm {a['grad_norm']:.6f} = single's"
+
+
+def memory_check(device: torch.device) -> str:
+    """The measured peak of a real cell against the fake-tensor estimate of the same cell."""
+    from tspbench.projection.estimate import estimate
+    from tspbench.runtime.spec import RunSpec
+
+    spec = RunSpec.make("tsp", get_config("small"), degree=1, seq_len=2048, dtype="bf16")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "cell.json"
+        argv = [*spec.to_argv(), "--device", "cuda", "--launch", "local", "--out", str(out)]
+        p = subprocess.run([sys.executable, "-m", "tspbench", "run", *argv], capture_output=True)
+        assert p.returncode == 0, p.stderr.decode()[-400:]
+        measured = json.loads(out.read_text())["peak_mem_bytes"]
+    est = estimate(spec, [0], "fused")["peak_mem_bytes"]
+    ratio = measured / est
+    assert 0.5 < ratio < 2.0, f"measured {measured / 2**20:.1f} MiB, estimate {est / 2**20:.1f}"
+    return f"measured/estimate = {ratio:.3f} ({measured / 2**20:.1f} / {est / 2**20:.1f} MiB)"
+
+
+def calibrate_check(out_dir: Path) -> str:
+    path = out_dir / "calibrated-gpu.json"
+    argv = ["calibrate", "--device", "cuda", "--dtype", "bf16", "--ranks", "1", "--out", str(path)]
+    p = subprocess.run([sys.executable, "-m", "tspbench", *argv], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-400:]
+    return p.stdout.strip().splitlines()[0] + f"; preset {path}"
+
+
+def doctor(out_dir: Path | None = None) -> list[Check]:
+    """Run every check in order (printing each line as it finishes)."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = torch.device("cuda", 0) if gpus else torch.device("cpu")
+    no_gpu = None if gpus else "no GPU visible"
+    plan: list[tuple[str, Callable[[], str | None], str | None]] = [
+        ("devices and versions", devices, None)
+    ]
+    for kernel, dtype in kernels(device):
+        plan.append((f"attention {kernel} {dtype}", lambda k=kernel, t=dtype: attention_check(
+            device, k, t), None))  # fmt: skip
+    for name in strategies():
+        plan.append((f"strategy {name} D=1 on {device.type}", lambda n=name: strategy_check(
+            device, n), None))  # fmt: skip
+    two = None if gpus >= 2 else f"needs 2 GPUs ({gpus} visible)"
+    for name in ("tsp", "tp"):
+        plan.append((f"{name} D=2 with NCCL/RCCL", lambda n=name: two_gpu_check(n), two))
+    plan.append(("peak memory vs estimate", lambda: memory_check(device), no_gpu))
+    where = out_dir or Path(".")
+    plan.append(("calibrate GEMM/attention rates", lambda: calibrate_check(where), no_gpu))
+    checks = []
+    for name, fn, skip in plan:
+        checks.append(_run(name, fn, skip))
+        print(checks[-1].line(), flush=True)
+    if out_dir is not None:
+        write_json(out_dir / "doctor.json", {"checks": [asdict(c) for c in checks]})
+    return checks
