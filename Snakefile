@@ -21,11 +21,12 @@ if (
 ):  # no --configfile: the embedded default, --config keys on top
     with open(workflow.source_path("workflows/config/default.yaml")) as f:
         config = {**yaml.safe_load(f), **config}
-validate(config, "workflows/schemas/config.schema.yaml")
-try:
+try:  # tspbench's checks first: strict integers, finite numbers, no aliases, runnable cells
     CELLS_LIST, FILTERED = sweep_cells(config)
 except ConfigError as e:
     raise ValueError(f"config error: {e}") from None
+# the same schema again, for the defaults it fills in
+validate(config, "workflows/schemas/config.schema.yaml")
 CELLS = {c.id: c for c in CELLS_LIST}
 NAME = config["name"]
 OUT = f"results/{NAME}"

@@ -7,15 +7,20 @@ group); nothing is dropped silently.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import shlex
+import stat
+from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 from tspbench.core.config import ConfigError, get_config
+from tspbench.core.strategy import Layout
 from tspbench.runtime.registry import get_strategy
 from tspbench.runtime.spec import RunSpec, parse_size
 
@@ -62,49 +67,178 @@ def check_sweep(i: int, sweep: dict) -> None:
                 )
 
 
-SCHEMA = Path(__file__).resolve().parents[2] / "workflows/schemas/config.schema.yaml"
+ROOT = Path(__file__).resolve().parents[2]
+SCHEMA = ROOT / "workflows/schemas/config.schema.yaml"
+# every combination becomes a RunSpec at parse time (~60 us each): more than this is a typo, and
+# would stall every snakemake start
+MAX_COMBINATIONS = 10_000
+# Slurm minutes per cell: the run rule doubles it on the retry and passes it on as --time-limit,
+# which the CLI accepts up to a week
+MAX_RUNTIME_MIN = 3 * 24 * 60
+MAX_YAML_BYTES = 2**20  # configs and tolerances are a few kB
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """SafeLoader that refuses aliases: nine nested aliases ("billion laughs") make a tiny file
+    whose object is shared references, and anything that walks or prints it runs out of memory."""
+
+    def compose_node(self, parent: yaml.Node | None, index: object) -> yaml.Node | None:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise ConfigError(
+                f"line {event.start_mark.line + 1}: YAML alias *{event.anchor}: aliases are not "
+                f"allowed (write the value out)"
+            )
+        return super().compose_node(parent, index)
+
+
+def read_yaml(path: str | Path, what: str) -> Any:
+    """The YAML document at ``path``, parsed without aliases; ConfigError (one line) if the file
+    cannot be read or is not YAML."""
+    try:
+        info = Path(path).stat()
+        if not stat.S_ISREG(info.st_mode):  # a FIFO would block forever, a device never end
+            raise ConfigError("not a regular file")
+        if info.st_size > MAX_YAML_BYTES:
+            raise ConfigError(f"larger than {MAX_YAML_BYTES} bytes, not a settings file")
+        return yaml.load(Path(path).read_text(), Loader=_NoAliasLoader)
+    except OSError as e:
+        raise ConfigError(f"{what} {str(path)!r}: cannot read it ({e.strerror})") from None
+    except ConfigError as e:
+        raise ConfigError(f"{what} {str(path)!r}: {e}") from None
+    except (yaml.YAMLError, RecursionError, UnicodeDecodeError) as e:
+        text = str(e).replace("\n", " ")
+        raise ConfigError(f"{what} {str(path)!r}: not valid YAML ({text})") from None
+
+
+def non_finite(obj: object) -> tuple[str, float] | None:
+    """(dotted path, value) of the first NaN or infinity in ``obj``: JSON Schema bounds never
+    refuse NaN (every comparison with it is false), so a NaN timeout passes ``minimum``.
+
+    A list or mapping met twice is a YAML alias that reached us already parsed (snakemake loads
+    ``--configfile`` itself): a ConfigError, before anything walks it exponentially often.
+    """
+    queue: deque[tuple[str, object]] = deque([("", obj)])  # breadth first: the shortest path
+    seen: set[int] = set()
+    while queue:
+        where, v = queue.popleft()
+        if isinstance(v, float) and not math.isfinite(v):
+            return where or "(top level)", v
+        if not isinstance(v, (dict, list)):
+            continue
+        if id(v) in seen:
+            raise ConfigError(f"{where}: a value used twice (a YAML alias?): write it out")
+        seen.add(id(v))
+        items = v.items() if isinstance(v, dict) else enumerate(v)
+        queue.extend((f"{where}.{k}" if where else str(k), x) for k, x in items)
+    return None
+
+
+@functools.cache
+def _validator(schema: Path) -> Any:
+    """``schema``'s validator, with integers that are ints: JSON Schema counts 2.0 as an integer,
+    and the CLI refuses "2.0" (cached: aggregate checks every record of a sweep)."""
+    import jsonschema
+
+    spec = yaml.safe_load(schema.read_text())
+    base = jsonschema.validators.validator_for(spec)
+    strict = base.TYPE_CHECKER.redefine(
+        "integer", lambda _, v: isinstance(v, int) and not isinstance(v, bool)
+    )
+    return jsonschema.validators.extend(base, type_checker=strict)(spec)
+
+
+def check_schema(obj: object, schema: Path, what: str, finite: bool = True) -> None:
+    """Validate ``obj`` against ``schema`` (strict integers; with ``finite``, no NaN or infinity
+    anywhere); ConfigError naming the field, the value and the rule, on one line."""
+    import jsonschema
+
+    try:
+        bad = non_finite(obj)
+    except ConfigError as e:
+        raise ConfigError(f"{what}: {e}") from None
+    if finite and bad:
+        raise ConfigError(f"{what}: {bad[0]}: {bad[1]!r} is not a finite number")
+    error = jsonschema.exceptions.best_match(_validator(schema).iter_errors(obj))
+    if error is not None:
+        where = ".".join(map(str, error.absolute_path)) or "(top level)"
+        message = error.message  # the value's repr, then the rule: keep both ends of a long one
+        message = message if len(message) <= 300 else f"{message[:200]} ... {message[-100:]}"
+        raise ConfigError(f"{what}: {where}: {message}")
 
 
 def load_config(path: str) -> dict:
     """Read (safely) and validate a sweep config: ConfigError names the field and the rule."""
-    import jsonschema
-
-    try:
-        config = yaml.safe_load(Path(path).read_text())
-    except OSError as e:
-        raise ConfigError(f"config {path!r}: cannot read it ({e.strerror})") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"config {path!r}: not valid YAML ({e})".replace("\n", " ")) from None
+    config = read_yaml(path, "config")
     if not isinstance(config, dict):
         raise ConfigError(
             f"config {path!r}: must be a mapping of settings, got {type(config).__name__}"
         )
-    try:
-        jsonschema.validate(config, yaml.safe_load(SCHEMA.read_text()))
-    except jsonschema.ValidationError as e:
-        where = ".".join(map(str, e.absolute_path)) or "(top level)"
-        raise ConfigError(f"config {path!r}: {where}: {e.message}") from None
-    sweep_cells(config)
+    sweep_cells(config, f"config {path!r}")
     return config
 
 
-def sweep_cells(config: dict) -> tuple[list[Cell], list[dict]]:
-    """(valid cells in config order, filtered combinations with their reasons).
-
-    Sweep-level mistakes are config errors (:func:`check_sweep`); a combination that cannot be
-    valid for one strategy (heads not divisible by T, a batch DP cannot split) is filtered with
-    its reason, never dropped silently.
-    """
-    cfg = get_config(config["model"], **config.get("model_overrides", {}))
-    common = {
+def _common(config: dict, what: str) -> dict:
+    """The run settings every cell shares (max_memory parsed: "0.1" passes the pattern)."""
+    mem = config.get("max_memory")
+    try:
+        max_memory = parse_size(str(mem)) if mem else None
+    except ValueError as e:
+        raise ConfigError(f"{what}: max_memory: {e}") from None
+    return {
         "dtype": config["dtype"],
         "warmup": config["warmup"],
         "steps": config["steps"],
         "seed": config.get("seed", 0),
         "recompute": config.get("recompute", "none"),
-        "max_memory": parse_size(str(config["max_memory"])) if config.get("max_memory") else None,
+        "max_memory": max_memory,
         "quiet": True,
     }
+
+
+def _check_size(config: dict, what: str) -> None:
+    """Refuse a sweep too large to enumerate before enumerating it."""
+    n = sum(
+        math.prod(len(s[k]) for k in ("strategies", "gpus", "seq_lens", "batches", "modes"))
+        * (len(s["degrees"]) + len(s.get("tpsp", [])))
+        for s in config["sweeps"]
+    )
+    if n > MAX_COMBINATIONS:
+        raise ConfigError(
+            f"{what}: sweeps: {n} combinations, more than {MAX_COMBINATIONS}: split the sweep"
+        )
+
+
+def _filtered(sweep: dict, strategy: str, lay: Layout, gpus: int, combo: dict, why: str) -> dict:
+    """A combination that cannot run, with its reason (``combo``: seq_len, batch, mode)."""
+    S, B, mode = combo["seq_len"], combo["batch"], combo["mode"]
+    tag = get_strategy(strategy).tag(lay)
+    return {
+        "strategy": strategy,
+        "degree": lay.degree,
+        "tp": lay.tp,
+        "sp": lay.sp,
+        "gpus": gpus,
+        **combo,
+        "sweep": sweep["name"],
+        "cell": f"{tag}.D{lay.degree}.g{gpus}.S{S}.B{B}.{mode}",
+        "reason": why,
+    }
+
+
+def sweep_cells(config: dict, what: str = "config") -> tuple[list[Cell], list[dict]]:
+    """(valid cells in config order, filtered combinations with their reasons).
+
+    The config is validated first (schema with strict integers, finite numbers, size), since the
+    Snakefile and ``check-config`` both start here. Sweep-level mistakes are config errors
+    (:func:`check_sweep`); a combination that cannot be valid for one strategy (heads not
+    divisible by T, a batch DP cannot split) is filtered with its reason, never dropped silently;
+    a config whose every combination is filtered is an error.
+    """
+    check_schema(config, SCHEMA, what)
+    _check_size(config, what)
+    cfg = get_config(config["model"], **config.get("model_overrides", {}))
+    common = _common(config, what)
     cells: dict[str, Cell] = {}
     filtered: list[dict] = []
     for i, sweep in enumerate(config["sweeps"]):
@@ -116,28 +250,19 @@ def sweep_cells(config: dict) -> tuple[list[Cell], list[dict]]:
             impl = get_strategy(strategy)
             for lay in impl.sweep_layouts(sweep["degrees"], sweep.get("tpsp", [])):
                 lay = replace(lay, dp=gpus // lay.degree)
-                fields = {"seq_len": S, "batch": B, "mode": mode, **common}
+                combo = {"seq_len": S, "batch": B, "mode": mode}
                 try:
-                    spec = RunSpec(strategy=strategy, cfg=cfg, layout=lay, **fields)
+                    spec = RunSpec(strategy=strategy, cfg=cfg, layout=lay, **combo, **common)
                 except ConfigError as e:
-                    cell_id = f"{impl.tag(lay)}.D{lay.degree}.g{gpus}.S{S}.B{B}.{mode}"
-                    filtered.append(
-                        {
-                            "strategy": strategy,
-                            "degree": lay.degree,
-                            "tp": lay.tp,
-                            "sp": lay.sp,
-                            "gpus": gpus,
-                            "seq_len": S,
-                            "batch": B,
-                            "mode": mode,
-                            "sweep": sweep["name"],
-                            "cell": cell_id,
-                            "reason": str(e),
-                        }
-                    )
+                    filtered.append(_filtered(sweep, strategy, lay, gpus, combo, str(e)))
                     continue
                 cells.setdefault(spec.id, Cell(spec, sweep["name"]))
+    if not cells:
+        reasons = sorted({f["reason"] for f in filtered})
+        raise ConfigError(
+            f"{what}: no runnable cell: all {len(filtered)} combinations are filtered "
+            f"({'; '.join(reasons[:3])}{'; ...' if len(reasons) > 3 else ''})"
+        )
     return list(cells.values()), filtered
 
 
@@ -177,5 +302,8 @@ def slurm_resources(cell: Cell, config: dict) -> dict:
         "tasks_per_node": per_node,
         "gres": f"gpu:{per_node}" if config.get("gpu", False) else "",
         "mpi": "srun" if per_node > 1 else "",
-        "runtime": int(base * max(1, cell.spec.seq_len / config.get("runtime_base_seq", 16384))),
+        "runtime": min(
+            MAX_RUNTIME_MIN,
+            int(base * max(1, cell.spec.seq_len / config.get("runtime_base_seq", 16384))),
+        ),
     }
