@@ -288,7 +288,11 @@ def write_report(cfg: dict, estimates: Path, out: Path, plots: Path, command: st
 
 
 def load(path: str) -> dict[str, Any]:
-    import yaml
+    """The projection config, checked against its schema before any value reaches the estimate
+    rule's shell line or the report: one-line ConfigError naming the field, value and rule."""
+    from tspbench.pipeline.cells import ROOT, check_schema, read_yaml
 
-    with open(path) as f:
-        return yaml.safe_load(f)
+    cfg = read_yaml(path, "projected config")
+    schema = ROOT / "workflows/schemas/projected.schema.yaml"
+    check_schema(cfg, schema, f"projected config {str(path)!r}")
+    return cfg

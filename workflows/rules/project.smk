@@ -4,8 +4,12 @@ import shlex
 
 from tspbench.pipeline.projected import load as load_projected, memory_cells
 
-PROJ = load_projected(workflow.source_path("../config/projected.yaml"))
-PROJ_CELLS = {c.id: c for c in memory_cells(PROJ)}
+PROJ_CONFIG = os.path.join(workflow.basedir, "workflows/config/projected.yaml")
+try:  # checked against workflows/schemas/projected.schema.yaml before any shell line
+    PROJ = load_projected(PROJ_CONFIG)
+    PROJ_CELLS = {c.id: c for c in memory_cells(PROJ)}
+except ConfigError as e:
+    raise ValueError(f"config error: {e}") from None
 PROJ_OUT = "results/projected"
 PROJ_PLOTS = "plots/projected"
 
@@ -42,10 +46,10 @@ rule projected_report:
         "../../env/environment.yml"
     params:
         python=PYTHON,
-        config=workflow.source_path("../config/projected.yaml"),
+        config=PROJ_CONFIG,
         estimates=lambda wc, input: os.path.dirname(input[0]),
         out=lambda wc, output: os.path.dirname(output[0]),
         plots=PROJ_PLOTS,
     shell:
-        "{params.python} -m tspbench projected-report --config {params.config}"
+        "{params.python:q} -m tspbench projected-report --config {params.config:q}"
         " --estimates {params.estimates} --out {params.out} --plots {params.plots} > {log} 2>&1"
