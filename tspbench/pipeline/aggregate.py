@@ -14,6 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from tspbench.core.comm import KINDS
+from tspbench.core.config import ConfigError
 from tspbench.pipeline.cells import Cell
 from tspbench.runtime.record import write_atomic
 
@@ -56,9 +57,41 @@ SCALARS = [
 
 
 CELL_KEYS = ("strategy", "seq_len", "degree", "tp", "sp", "dp", "batch", "mode", "world_size")
+# a record must have been run with its cell's inputs: one copied or left over from another cell
+# would put that cell's numbers in this row
+MATCH_KEYS = (*CELL_KEYS, "dtype", "model")
+RECORD_SCHEMA = Path(__file__).resolve().parents[1] / "schemas/record.schema.json"
+MAX_RECORD_BYTES = 64 * 2**20  # a record is a few kB; anything near this is not one
+
+
+def read_record(cell: Cell, path: Path) -> tuple[dict | None, str]:
+    """(record, "") when ``path`` holds a valid record of ``cell``, else (None, why): one bad file
+    becomes one ``corrupt`` row instead of stopping the aggregate or filling another cell's row."""
+    from tspbench.pipeline.cells import check_schema, non_finite
+
+    try:
+        if not path.is_file():
+            return None, f"{path}: not a regular file"
+        if path.stat().st_size > MAX_RECORD_BYTES:
+            return None, f"{path}: {path.stat().st_size} bytes, not a run record"
+        rec = json.loads(path.read_text())
+        check_schema(rec, RECORD_SCHEMA, str(path), finite=False)
+    except (OSError, ValueError, RecursionError) as e:  # ConfigError and JSON errors included
+        return None, str(e) if isinstance(e, ConfigError) else f"{path}: {type(e).__name__}: {e}"
+    expected = cell.spec.header("", cell.gpus)
+    for key in (k for k in MATCH_KEYS if rec.get(k) != expected[k]):
+        return (
+            None,
+            f"{path}: record of {key}={rec.get(key)!r}, cell {cell.id} has {expected[key]!r}",
+        )
+    bad = non_finite(rec)
+    if bad and rec["status"] != "error":
+        return None, f"{path}: {bad[0]}: {bad[1]!r} is not a finite number"
+    return rec, ""
 
 
 def row(cell: Cell, path: Path) -> dict:
+    """The cell's row: its inputs, then the record's values (status missing/corrupt if none)."""
     spec = cell.spec
     base = {
         "cell": cell.id,
@@ -67,14 +100,11 @@ def row(cell: Cell, path: Path) -> dict:
         **{k: v for k, v in spec.header("", cell.gpus).items() if k in CELL_KEYS},
         "label": spec.label,
     }
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():
         return {**base, "status": "missing", "error_message": f"no record at {path}"}
-    try:
-        rec = json.loads(path.read_text())
-        if not isinstance(rec, dict) or "status" not in rec:
-            raise ValueError("not a run record (no status)")
-    except (ValueError, UnicodeDecodeError) as e:
-        return {**base, "status": "corrupt", "error_message": f"{path}: {e}"}
+    rec, why = read_record(cell, path)
+    if rec is None:
+        return {**base, "status": "corrupt", "error_message": why}
     out = {**base, **{k: rec.get(k) for k in SCALARS if k in rec}}
     for kind in KINDS:
         out[f"comm_bytes_{kind}"] = (rec.get("comm_bytes") or {}).get(kind, 0.0)
@@ -97,11 +127,19 @@ def aggregate(cells: list[Cell], runs_dir: Path) -> pd.DataFrame:
 
 
 def write_table(df: pd.DataFrame, csv: Path, parquet: Path | None = None) -> None:
+    """The table as CSV and Parquet, each complete or not there: a failed Parquet write leaves
+    neither a partial file nor its temporary behind (one-line ConfigError: exit 2)."""
     write_atomic(csv, df.to_csv(index=False))
-    if parquet is not None:
-        tmp = parquet.with_name(f".{parquet.name}.tmp")
+    if parquet is None:
+        return
+    tmp = parquet.with_name(f".{parquet.name}.tmp")
+    try:
         df.to_parquet(tmp, index=False)
         tmp.replace(parquet)
+    except (OSError, ValueError, TypeError) as e:  # pyarrow's errors are ValueError/TypeError
+        raise ConfigError(f"--parquet={str(parquet)!r}: cannot write it ({e})") from None
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def write_summary(
