@@ -55,7 +55,7 @@ def cmd_figures(args: argparse.Namespace) -> int:
 def cmd_check_config(args: argparse.Namespace) -> int:
     from tspbench.pipeline.cells import load_config, sweep_cells
 
-    cells, filtered = sweep_cells(load_config(args.config))
+    cells, filtered = sweep_cells(load_config(args.config), f"config {args.config!r}")
     print(f"{args.config}: valid; {len(cells)} cells, {len(filtered)} combinations filtered")
     for f in filtered:
         print(f"  filtered {f['cell']}: {f['reason']}")
@@ -71,12 +71,24 @@ def cmd_check_record(args: argparse.Namespace) -> int:
 
 
 def cmd_regress(args: argparse.Namespace) -> int:
+    """Exit 0 clean, 1 regression, 2 unusable input: an error the checks did not foresee is
+    still unusable input (one line, exit 2), never a traceback whose exit 1 reads as a
+    regression."""
+    try:
+        return _regress(args)
+    except ConfigError:
+        raise
+    except (KeyError, TypeError, ValueError, ArithmeticError, OSError) as e:
+        raise ConfigError(f"regress: unusable input ({type(e).__name__}: {e})") from None
+
+
+def _regress(args: argparse.Namespace) -> int:
     from tspbench.pipeline import regress
     from tspbench.runtime.record import write_atomic
 
     baseline = Path(args.baseline or f"results/baselines/{regress.hardware_id()}.csv")
-    tables = [regress.read_table(c, "current") for c in args.current]
     tol = regress.load_tolerances(args.tolerances)
+    tables = [regress.read_table(c, "current", regress.metrics(tol)) for c in args.current]
     if args.update:
         n = regress.update_baseline(baseline, tables, tol, args.current)
         print(f"baseline updated: {baseline} ({n} cells)")
@@ -88,14 +100,13 @@ def cmd_regress(args: argparse.Namespace) -> int:
         )
     if len(tables) != 1:
         raise ConfigError("--current: compare one table at a time (several only with --update)")
-    base = regress.read_table(baseline, "baseline")
+    base = regress.read_table(baseline, "baseline", regress.metrics(tol))
     findings = regress.compare(base, tables[0], tol)
     text = regress.report(findings, len(base))
     print(text)
     if args.out:
         write_atomic(args.out, text)
-    bad = [f for f in findings if f.verdict in ("regression", "missing", "failed")]
-    return 1 if bad else 0
+    return 1 if any(f.verdict in regress.BAD for f in findings) else 0
 
 
 def add_parsers(sub) -> None:

@@ -8,19 +8,22 @@ the run's timed steps, and the baseline is the per-cell median of several repeat
 records each cell's spread: a cell's tolerance is the larger of the configured one and
 ``spread_factor`` x its own spread. Per-cell noise averages out in the median over all cells
 (and over each strategy's cells), which is checked with tighter tolerances. A cell missing from
-the current table, or failing where it used to succeed, is a regression; a new cell is reported.
-Exit codes: 0 clean, 1 any regression, 2 unusable input.
+the current table, or failing where it used to succeed, is a regression, and so is a NaN or infinite
+number in a cell that claims success (``corrupt``); a new cell is reported.
+Exit codes: 0 clean, 1 any regression, 2 unusable input (unreadable or malformed tables, missing
+columns, tolerances that are not finite and >= 0).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
-import yaml
 
 from tspbench.core.config import ConfigError
 
@@ -31,7 +34,7 @@ class Finding:
     metric: str
     baseline: object
     current: object
-    verdict: str  # regression | improvement | missing | new | failed
+    verdict: str  # regression | improvement | missing | new | failed | corrupt
 
     def row(self) -> str:
         def fmt(v: object) -> str:
@@ -47,26 +50,48 @@ class Finding:
         )
 
 
-def read_table(path: str | Path, what: str) -> pd.DataFrame:
+BAD = ("regression", "missing", "failed", "corrupt")  # verdicts that fail the check (exit 1)
+TOLERANCES_SCHEMA = Path(__file__).resolve().parents[2] / "workflows/schemas/regress.schema.yaml"
+
+
+def read_table(path: str | Path, what: str, metrics: tuple[str, ...] = ()) -> pd.DataFrame:
+    """An aggregate table indexed by cell, its ``metrics`` columns numbers (an inf stays inf, for
+    :func:`compare` to flag); anything unusable is a one-line ConfigError (exit 2, never 1)."""
     try:
         df = pd.read_csv(path)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"--{what}={str(path)!r}: cannot read the table ({e})") from None
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and pandas' parser errors included
+        text = str(e).replace("\n", " ")
+        raise ConfigError(f"--{what}={str(path)!r}: cannot read the table ({text})") from None
+    if not isinstance(df.index, pd.RangeIndex):  # pandas makes the surplus fields an index
+        raise ConfigError(f"--{what}={str(path)!r}: rows with more fields than the header")
     for col in ("cell", "status"):
         if col not in df.columns:
             raise ConfigError(f"--{what}={str(path)!r}: not an aggregate table (no {col!r} column)")
-    if df["cell"].duplicated().any():
-        raise ConfigError(f"--{what}={str(path)!r}: duplicate cells")
+    if df["cell"].isna().any() or df["cell"].duplicated().any():
+        raise ConfigError(f"--{what}={str(path)!r}: empty or duplicate cells")
+    for m in (m for m in metrics if m in df.columns):
+        numbers = pd.to_numeric(df[m], errors="coerce")
+        if (wrong := df[m][numbers.isna() & df[m].notna()]).any():
+            raise ConfigError(
+                f"--{what}={str(path)!r}: column {m}: {wrong.iloc[0]!r} is not a number"
+            )
+        df[m] = numbers
     return df.set_index("cell")
 
 
 def load_tolerances(path: str | Path) -> dict:
-    try:
-        tol = yaml.safe_load(Path(path).read_text())
-        tol["exact"], tol["relative"]  # noqa: B018 (shape check)
-    except (OSError, yaml.YAMLError, KeyError, TypeError) as e:
-        raise ConfigError(f"--tolerances={str(path)!r}: unusable ({e})") from None
+    """The tolerances, checked against their schema: a NaN or negative tolerance would make every
+    comparison pass, so it is refused (exit 2) instead of silently disabling the gate."""
+    from tspbench.pipeline.cells import check_schema, read_yaml
+
+    tol = read_yaml(path, "--tolerances")
+    check_schema(tol, TOLERANCES_SCHEMA, f"--tolerances={str(path)!r}")
     return tol
+
+
+def metrics(tol: dict) -> tuple[str, ...]:
+    """Every column the tolerances compare."""
+    return (*tol["exact"], *tol["relative"])
 
 
 def _num(v: object) -> float | None:
@@ -78,6 +103,13 @@ def _num(v: object) -> float | None:
 
 
 def compare(base: pd.DataFrame, cur: pd.DataFrame, tol: dict) -> list[Finding]:
+    """Every finding, cell by cell, then the medians (a column the baseline compares but the
+    current table lacks is unusable input, not a regression of every cell)."""
+    if lost := [m for m in metrics(tol) if m in base.columns and m not in cur.columns]:
+        raise ConfigError(f"--current: no {', '.join(lost)} column(s), which the baseline has")
+    for m in (m for m in metrics(tol) if m in base.columns):
+        if pd.to_numeric(base[m], errors="coerce").abs().eq(math.inf).any():
+            raise ConfigError(f"--baseline: column {m}: holds an infinity, not a measurement")
     out: list[Finding] = []
     for cell in base.index:
         b = base.loc[cell]
@@ -87,23 +119,34 @@ def compare(base: pd.DataFrame, cur: pd.DataFrame, tol: dict) -> list[Finding]:
         c = cur.loc[cell]
         if b["status"] == "ok" and c["status"] != "ok":
             out.append(Finding(cell, "status", b["status"], c["status"], "failed"))
-            continue
-        if b["status"] != "ok" or c["status"] != "ok":
+        elif b["status"] != "ok" or c["status"] != "ok":
             if b["status"] != c["status"]:
                 out.append(Finding(cell, "status", b["status"], c["status"], "improvement"))
-            continue
-        for metric in tol["exact"]:
-            if metric in b.index:
-                bv, cv = _num(b[metric]) or 0.0, _num(c.get(metric)) or 0.0
-                if bv != cv:
-                    out.append(Finding(cell, metric, bv, cv, "regression"))
-        for metric, rule in tol["relative"].items():
-            bv, cv = _num(b.get(metric)), _num(c.get(metric))
-            if bv is None:
-                continue
-            if cv is None:
-                out.append(Finding(cell, metric, bv, "none", "regression"))
-                continue
+        else:
+            out += cell_findings(cell, b, c, tol)
+    out += [
+        Finding(cell, "cell", "absent", "present", "new")
+        for cell in cur.index
+        if cell not in base.index
+    ]
+    out += median_findings(base, cur, tol)
+    return out
+
+
+def cell_findings(cell: str, b: pd.Series, c: pd.Series, tol: dict) -> list[Finding]:
+    """One cell that succeeded in both tables, metric by metric: a NaN or infinite current value
+    is ``corrupt`` (never an improvement), exact metrics must match, measured ones stay within
+    the larger of the tolerance and ``spread_factor`` x the cell's own spread."""
+    out = []
+    for metric in (m for m in metrics(tol) if m in b.index):
+        bv, cv = _num(b[metric]), _num(c[metric])
+        if bv is not None and (cv is None or math.isinf(cv)):
+            out.append(Finding(cell, metric, bv, c[metric], "corrupt"))
+        elif metric in tol["exact"]:
+            if (bv or 0.0) != (cv or 0.0):
+                out.append(Finding(cell, metric, bv or 0.0, cv or 0.0, "regression"))
+        elif bv is not None:
+            rule = tol["relative"][metric]
             change = (cv - bv) / abs(bv) if bv else 0.0
             worse = change if rule["worse"] == "higher" else -change
             limit = rule["tolerance"]
@@ -114,12 +157,6 @@ def compare(base: pd.DataFrame, cur: pd.DataFrame, tol: dict) -> list[Finding]:
                 out.append(Finding(cell, metric, bv, cv, "regression"))
             elif worse < -rule["tolerance"]:
                 out.append(Finding(cell, metric, bv, cv, "improvement"))
-    out += [
-        Finding(cell, "cell", "absent", "present", "new")
-        for cell in cur.index
-        if cell not in base.index
-    ]
-    out += median_findings(base, cur, tol)
     return out
 
 
@@ -137,14 +174,17 @@ def median_findings(base: pd.DataFrame, cur: pd.DataFrame, tol: dict) -> list[Fi
         if "median_tolerance" not in rule or metric not in base.columns or not both:
             continue
         ratio = cur.loc[both, metric].astype(float) / base.loc[both, metric].astype(float)
+        ratio = ratio[ratio.abs() < math.inf]  # NaN and inf: corrupt cells, flagged per cell
         groups = {"(all cells)": (ratio, rule["median_tolerance"])}
         if "strategy" in base.columns and "strategy_median_tolerance" in rule:
             for s, idx in base.loc[both].groupby("strategy").groups.items():
                 groups[f"(strategy {s})"] = (
-                    ratio.loc[list(idx)],
+                    ratio[ratio.index.isin(list(idx))],
                     rule["strategy_median_tolerance"],
                 )
         for name, (r, limit) in groups.items():
+            if r.empty:
+                continue
             change = float(r.median()) - 1
             worse = change if rule["worse"] == "higher" else -change
             if worse > limit:
@@ -153,7 +193,7 @@ def median_findings(base: pd.DataFrame, cur: pd.DataFrame, tol: dict) -> list[Fi
 
 
 def report(findings: list[Finding], n_cells: int) -> str:
-    bad = [f for f in findings if f.verdict in ("regression", "missing", "failed")]
+    bad = [f for f in findings if f.verdict in BAD]
     head = (
         f"**Regression check**: {n_cells} baseline cells, {len(bad)} regression(s), "
         f"{sum(f.verdict == 'improvement' for f in findings)} improvement(s), "
@@ -201,6 +241,8 @@ def median_table(tables: list[pd.DataFrame], exact: list[str]) -> pd.DataFrame:
     for t in tables[1:]:
         if set(t.index) != set(first.index):
             raise ConfigError("--current tables: the repeats do not hold the same cells")
+        if lost := sorted({*exact, *MEASURED} & (set(first.columns) ^ set(t.columns))):
+            raise ConfigError(f"--current tables: column(s) {', '.join(lost)} not in every repeat")
         for m in exact:
             if m in first.columns and not first[m].fillna(0).equals(
                 t.loc[first.index, m].fillna(0)
@@ -217,23 +259,64 @@ def median_table(tables: list[pd.DataFrame], exact: list[str]) -> pd.DataFrame:
 
 def update_baseline(baseline: Path, tables: list[pd.DataFrame], tol: dict, sources: list) -> int:
     """Make the per-cell median of ``tables`` the baseline, with its provenance beside it;
-    returns the number of cells."""
-    from tspbench.runtime.record import git_commit, utc_now, versions, write_atomic, write_json
+    returns the number of cells. Infinities are refused (a baseline must hold measurements)."""
+    from tspbench.runtime.record import git_commit, utc_now, versions
 
+    for t in tables:
+        for m in (m for m in (*metrics(tol), *MEASURED) if m in t.columns):
+            if t[m].abs().eq(math.inf).any():
+                raise ConfigError(f"--current: column {m}: holds an infinity, not a measurement")
     current = median_table(tables, tol["exact"])
-    write_atomic(baseline, current.reset_index().to_csv(index=False))
-    write_json(
-        baseline.with_suffix(".json"),
-        {
-            "hardware_id": hardware_id(),
-            "device_name": current["device_name"].iloc[0],
-            "cpu_count": os.cpu_count(),
-            "versions": versions(None),
-            "git_commit": git_commit(),
-            "created_utc": utc_now(),
-            "source": [str(c) for c in sources],
-            "repeats": len(tables),
-            "cells": len(current),
-        },
+    device = current["device_name"].iloc[0] if "device_name" in current.columns else None
+    meta = {
+        "hardware_id": hardware_id(),
+        "device_name": None if pd.isna(device) else str(device),
+        "cpu_count": os.cpu_count(),
+        "versions": versions(None),
+        "git_commit": git_commit(),
+        "created_utc": utc_now(),
+        "source": [str(c) for c in sources],
+        "repeats": len(tables),
+        "cells": len(current),
+    }
+    text = json.dumps(meta, indent=2, allow_nan=False) + "\n"
+    write_pair(
+        baseline.with_suffix(".json"), text, baseline, current.reset_index().to_csv(index=False)
     )
     return len(current)
+
+
+def write_pair(first: Path, first_text: str, second: Path, second_text: str) -> None:
+    """Both files replaced, or neither: the baseline CSV and its provenance JSON must describe the
+    same repeats. Both are written to temporary names, then renamed (``first`` first); if the
+    second rename fails the old ``first`` is put back. One-line ConfigError on failure."""
+    tmps: list[str] = []
+    try:
+        second.parent.mkdir(parents=True, exist_ok=True)
+        for path, text in ((first, first_text), (second, second_text)):
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+            tmps.append(tmp)
+            mask = os.umask(0)
+            os.umask(mask)
+            os.fchmod(fd, 0o666 & ~mask)  # mkstemp's 0600 would hide a shared baseline
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+        if first.is_file():  # a hard link keeps the old one, to put back
+            tmps.append(tmps[0] + ".old")
+            os.link(first, tmps[-1])
+        os.replace(tmps[0], first)
+        try:
+            os.replace(tmps[1], second)
+        except OSError:
+            if len(tmps) > 2:
+                os.replace(tmps[2], first)
+            else:
+                first.unlink()
+            raise
+    except OSError as e:
+        raise ConfigError(f"--baseline={str(second)!r}: cannot write it ({e})") from None
+    finally:
+        for tmp in tmps:
+            Path(tmp).unlink(missing_ok=True)
