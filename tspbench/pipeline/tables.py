@@ -13,6 +13,25 @@ import pandas as pd
 from tspbench.runtime.record import write_atomic
 
 MARK = {"oom": "OOM", "error": "failed", "missing": "failed", "corrupt": "failed"}
+# LaTeX's special characters in running text (pandas escapes cells, never the caption)
+LATEX = {
+    "\\": r"\textbackslash{}",
+    "&": r"\&",
+    "%": r"\%",
+    "$": r"\$",
+    "#": r"\#",
+    "_": r"\_",
+    "{": r"\{",
+    "}": r"\}",
+    "~": r"\textasciitilde{}",
+    "^": r"\textasciicircum{}",
+}
+
+
+def latex_text(text: str) -> str:
+    """``text`` as LaTeX prints it literally: a caption note such as "50% of runs_2 & more"
+    must not end the caption or open a math group (one line: newlines become spaces)."""
+    return "".join(LATEX.get(ch, ch) for ch in " ".join(text.splitlines()))
 
 
 def mem_unit(df: pd.DataFrame) -> tuple[str, float]:
@@ -116,7 +135,7 @@ def write_tables(df: pd.DataFrame, out_dir: Path, note: str = "") -> list[Path]:
     written = []
     for name, caption, table in specs(df):
         md = f"**{caption}**{note}\n\n{table.to_markdown()}\n"
-        tex = table.to_latex(caption=caption + note, label=f"tab:{name}", escape=True)
+        tex = table.to_latex(caption=latex_text(caption + note), label=f"tab:{name}", escape=True)
         write_atomic(out_dir / "md" / f"{name}.md", md)
         write_atomic(out_dir / "tex" / f"{name}.tex", tex)
         written.append(out_dir / "md" / f"{name}.md")
