@@ -62,3 +62,11 @@ def test_frozen_and_keyword_only():
 def test_a_bad_spec_is_refused_on_construction(argv, needle):
     with pytest.raises(ConfigError, match=needle.replace("*", r"\*").replace("/", "/")):
         spec_of(argv)
+
+
+@pytest.mark.parametrize("field", ["dtype", "mode", "recompute"])
+def test_a_spec_refuses_unknown_choices_whoever_builds_it(field):
+    """Not only argparse: a config or a library caller cannot build a spec with a value that
+    reaches a command line unchecked (e.g. a dtype of "fp32$(touch F)")."""
+    with pytest.raises(ConfigError, match=f"{field}='fp32\\$\\(touch F\\)': must be one of"):
+        RunSpec.make("tsp", get_config("tiny"), seq_len=64, **{field: "fp32$(touch F)"})

@@ -59,7 +59,8 @@ def test_aggregate_reports_missing_and_corrupt_records(tmp_path):
     runs = tmp_path / "runs"
     runs.mkdir()
     (runs / f"{cells[0].id}.json").write_text("{not json")
-    (runs / f"{cells[1].id}.json").write_text(json.dumps({"status": "oom", "error_message": "x"}))
+    oom = {**cells[1].spec.header("local", cells[1].gpus), "status": "oom", "error_message": "x"}
+    (runs / f"{cells[1].id}.json").write_text(json.dumps({**oom, "timestamp_utc": "2026-01-01"}))
     df = aggregate(cells, runs).set_index("cell")
     assert df.loc[cells[0].id, "status"] == "corrupt"
     assert df.loc[cells[1].id, "status"] == "oom"

@@ -41,15 +41,14 @@ def int_in(lo: int, hi: int = 2**24):
 
 
 def seconds(text: str) -> float:
-    """A positive number of seconds, at most a week."""
+    """A number of seconds from 1 to a week (the sweep schema's range: below a second every
+    collective would time out)."""
     try:
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: must be a number") from None
-    if not 0 < v <= 7 * 86400:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: must be a positive number of seconds (<= 1 week)"
-        )
+    if not 1 <= v <= 7 * 86400:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be between 1 and 604800 seconds")
     return v
 
 

@@ -133,6 +133,7 @@ def breakdown(df, unit: str, scale: float, note: str, colors: dict) -> plt.Figur
 
 
 def write_figures(df: pd.DataFrame, out_dir: Path, note: str = "") -> list[Path]:
+    note = note.replace("$", r"\$")  # a note is text, never matplotlib's mathtext
     sns.set_theme(style="whitegrid", context="paper")
     unit, scale = mem_unit(df)
     df = df.assign(peak=df["peak_mem_bytes"] / scale)

@@ -15,11 +15,12 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from tspbench.core.config import ModelConfig, get_config, parse_overrides
+from tspbench.core.config import ConfigError, ModelConfig, get_config, parse_overrides
 from tspbench.core.strategy import Layout, Strategy
 from tspbench.runtime.registry import get_strategy
 
 BYTES = {"fp32": 4, "bf16": 2}
+CHOICES = {"mode": ("train", "infer"), "dtype": tuple(BYTES), "recompute": ("none", "full")}
 
 
 def parse_size(text: str) -> int:
@@ -55,6 +56,10 @@ class RunSpec:
     quiet: bool = False
 
     def __post_init__(self) -> None:
+        for field, choices in CHOICES.items():
+            if getattr(self, field) not in choices:
+                value = getattr(self, field)
+                raise ConfigError(f"{field}={value!r}: must be one of {', '.join(choices)}")
         self.impl.validate(
             self.cfg, self.layout, self.seq_len, self.batch, kv_bucket=self.kv_bucket
         )
