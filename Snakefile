@@ -11,7 +11,12 @@ import yaml
 from snakemake.utils import min_version, validate
 
 from tspbench.core.config import ConfigError
-from tspbench.pipeline.cells import command, slurm_resources, sweep_cells
+from tspbench.pipeline.cells import (
+    check_gpu_build,
+    command,
+    slurm_resources,
+    sweep_cells,
+)
 from tspbench.pipeline.regress import hardware_id
 
 min_version("9.0")
@@ -32,6 +37,11 @@ NAME = config["name"]
 OUT = f"results/{NAME}"
 PLOTS = f"plots/{NAME}"
 PYTHON = sys.executable
+
+
+onstart:
+    # not on a dry run (it runs no cell, and a login node may have a CPU torch)
+    check_gpu_build(config)
 
 
 wildcard_constraints:

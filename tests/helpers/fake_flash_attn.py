@@ -51,7 +51,7 @@ _BWD = {
     "window_size_left, window_size_right, softcap, alibi_slopes, deterministic, rng_state=None",
 }
 
-_INTERFACE = '''
+_INTERFACE = """
 import torch
 
 from flash_attn import _math
@@ -69,7 +69,7 @@ def _flash_attn_backward({signature}):
     for buf, g in zip((dq, dk, dv), grads):
         buf.copy_(g)
     return dq, dk, dv, None
-'''
+"""
 
 
 def install(root: Path, variant: str = "2.7") -> Path:

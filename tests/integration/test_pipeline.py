@@ -15,10 +15,13 @@ from tests.helpers.runner import ROOT, copy_workflow
 from tests.helpers.runner import snakemake as smk
 
 
-def test_paper_dry_run_on_the_slurm_profile_has_the_right_resources():
-    p = smk(
-        "-n", "--profile", "workflows/profiles/slurm", "--configfile", "workflows/config/paper.yaml"
+def test_paper_dry_run_on_the_slurm_profile_has_the_right_resources(tmp_path):
+    paper = yaml.safe_load((ROOT / "workflows/config/paper.yaml").read_text())
+    cfg = tmp_path / "paper.yaml"
+    cfg.write_text(
+        yaml.safe_dump({**paper, "exclusive": True, "cpus_per_task": 4, "mem_mb": 500000})
     )
+    p = smk("-n", "-p", "--profile", "workflows/profiles/slurm", "--configfile", str(cfg))
     assert p.returncode == 0, p.stderr[-3000:]
     out = p.stdout + p.stderr
 
@@ -32,7 +35,32 @@ def test_paper_dry_run_on_the_slurm_profile_has_the_right_resources():
     assert (big["mpi"], big["tasks_per_gpu"]) == ("srun", "0")
     small = resources("tpsp-2x4.D8.g8.S16384.B1.train")
     assert (small["nodes"], small["tasks_per_node"], small["gres"]) == ("1", "8", "gpu:8")
-    assert int(big["runtime"]) == 8 * int(small["runtime"])  # runtime grows with S
+    assert int(big["runtime"]) == 8 * int(small["runtime"]) // 4  # with S; infer: a quarter
+    assert (small["cpus_per_task"], small["mem_mb"], small["slurm_extra"]) == (
+        "4",
+        "500000",
+        "--exclusive",
+    )
+    sruns = re.findall(r"Shell command: (srun .*)", out)
+    assert sruns and all("--kill-on-bad-exit=1" in s and "--device cuda" in s for s in sruns)
+    assert all("--cpus-per-task=4" in s for s in sruns)
+
+
+def test_a_gpu_sweep_with_a_cpu_only_torch_stops_before_any_cell(tmp_path):
+    """gpu: true on a torch built without CUDA/ROCm (e.g. the CUDA wheel's CPU twin) would run
+    every cell on the CPU with gloo: the pipeline stops first, naming why; a dry run still
+    lists the jobs (a login node may have no GPU build)."""
+    import torch
+
+    if torch.version.cuda or torch.version.hip:
+        pytest.skip("this torch has a GPU build")
+    copy_workflow(tmp_path)
+    cfg = {**MINI, "name": "g", "gpu": True}
+    (tmp_path / "g.yaml").write_text(yaml.safe_dump(cfg))
+    assert smk("-n", "--cores", "2", "--configfile", "g.yaml", cwd=tmp_path).returncode == 0
+    p = smk("--cores", "2", "--configfile", "g.yaml", cwd=tmp_path)
+    assert p.returncode != 0 and "built without CUDA or ROCm" in p.stdout + p.stderr
+    assert not (tmp_path / "results").exists() and not (tmp_path / "logs").exists()
 
 
 def _write(tmp_path: Path, cfg: dict) -> Path:

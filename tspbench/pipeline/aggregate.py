@@ -51,6 +51,7 @@ SCALARS = [
     "overlap",
     "kv_bucket",
     "launcher",
+    "attention_backend",
     "git_commit",
     "timestamp_utc",
 ]

@@ -278,26 +278,48 @@ def command(cell: Cell, config: dict, python: str) -> str:
             f"--nodes={res['nodes']}",
             f"--ntasks={cell.gpus}",
             f"--ntasks-per-node={res['tasks_per_node']}",
+            f"--cpus-per-task={res['cpus_per_task']}",
+            "--kill-on-bad-exit=1",  # one dead rank ends the step: no GPUs held until a timeout
         ]
         return " ".join(shlex.quote(a) for a in [*srun, *args, "--launch", "env"])
     return " ".join(shlex.quote(a) for a in [*args, "--launch", "local", "--nproc", str(cell.gpus)])
 
 
 def run_args(cell: Cell, config: dict) -> list[str]:
-    """The ``tspbench run`` arguments of a cell (launcher and output are the rule's business)."""
+    """The ``tspbench run`` arguments of a cell (launcher and output are the rule's business);
+    a GPU sweep's cells insist on a GPU (``--device cuda``: exit 2, never a silent CPU run)."""
     args = cell.spec.to_argv()
     if config.get("timeout"):
         args += ["--timeout", str(config["timeout"])]
-    return args
+    return args + (["--device", "cuda"] if config.get("gpu", False) else [])
+
+
+def check_gpu_build(config: dict) -> None:
+    """A GPU sweep (``gpu: true``) with a torch built without CUDA or ROCm would run every cell
+    on the CPU with gloo: stop before any cell, naming the problem."""
+    import torch
+
+    if config.get("gpu", False) and not (torch.version.cuda or torch.version.hip):
+        raise ConfigError(
+            f"gpu: true, but this torch ({torch.__version__}) is built without CUDA or ROCm: "
+            "install the build for the cluster's GPUs (env/install.sh --torch-index ...)"
+        )
 
 
 def slurm_resources(cell: Cell, config: dict) -> dict:
     """A cell's Slurm job: nodes, one task per rank (tasks_per_node), GPUs per node as gres,
     ``mpi`` (srun starts the ranks; the plugin wants it only for more than one task per node),
-    and a runtime in minutes that grows with S (and, in the rule, with each retry)."""
+    CPUs per task, memory per node (``mem_mb``, the site's default when unset), ``--exclusive``
+    nodes on request, and a runtime in minutes that grows with S, is a fraction of it for a
+    forward-only cell (``infer_runtime_fraction``) and grows, in the rule, with each retry."""
     per_node = min(cell.gpus, config["gpus_per_node"])
     base = config.get("runtime_minutes", 20)
+    if cell.spec.mode != "train":
+        base = max(1, round(base * config.get("infer_runtime_fraction", 0.25)))
     return {
+        "cpus_per_task": config.get("cpus_per_task", 1),
+        "mem_mb": config.get("mem_mb") or 0,  # 0: no --mem, the site's default
+        "slurm_extra": "--exclusive" if config.get("exclusive", False) else "",
         "nodes": math.ceil(cell.gpus / config["gpus_per_node"]),
         "tasks_per_node": per_node,
         "gres": f"gpu:{per_node}" if config.get("gpu", False) else "",

@@ -18,6 +18,9 @@ rule run:
         gres=cell_resource("gres"),
         tasks_per_gpu=0,
         mpi=cell_resource("mpi"),
+        cpus_per_task=cell_resource("cpus_per_task"),
+        mem_mb=cell_resource("mem_mb"),
+        slurm_extra=cell_resource("slurm_extra"),
         runtime=runtime,
     params:
         line=run_line,
