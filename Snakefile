@@ -36,7 +36,14 @@ CELLS = {c.id: c for c in CELLS_LIST}
 NAME = config["name"]
 OUT = f"results/{NAME}"
 PLOTS = f"plots/{NAME}"
-PYTHON = sys.executable
+# Inside a software environment (--sdm conda or apptainer) the rules call that environment's
+# python; without one, the interpreter running snakemake (the installed .venv).
+SDM = {m.name.lower() for m in workflow.deployment_settings.deployment_method}
+PYTHON = "python" if SDM & {"conda", "apptainer"} else sys.executable
+
+
+# --sdm apptainer: every rule runs in this image (build it: env/tspbench.def)
+container: config.get("container", "tspbench.sif")
 
 
 onstart:
