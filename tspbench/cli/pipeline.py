@@ -109,7 +109,26 @@ def _regress(args: argparse.Namespace) -> int:
     return 1 if any(f.verdict in regress.BAD for f in findings) else 0
 
 
+def cmd_claims(args: argparse.Namespace) -> int:
+    from tspbench.pipeline.claims import claims_table, write_claims
+
+    path = Path(args.claims)
+    if not path.is_file():
+        raise ConfigError(f"--claims={args.claims!r}: no such file")
+    df = claims_table(path)
+    text = write_claims(
+        df, Path(args.out) if args.out else None, Path(args.md) if args.md else None
+    )
+    print(text)
+    return 0
+
+
 def add_parsers(sub) -> None:
+    cl = sub.add_parser("claims", help="the paper's claims against ours, one row per claim")
+    cl.add_argument("--claims", default="workflows/paper/claims.yaml")
+    cl.add_argument("--out", default=None, help="CSV: claim, paper, ours, verdict, reason, ...")
+    cl.add_argument("--md", default=None, help="also write the Markdown table here")
+    cl.set_defaults(func=cmd_claims)
     cc = sub.add_parser("check-config", help="validate a sweep config (schema and sweep rules)")
     cc.add_argument("config", help="YAML file, e.g. workflows/config/paper.yaml")
     cc.set_defaults(func=cmd_check_config)
