@@ -16,23 +16,10 @@ import pandas as pd
 import pytest
 import yaml
 
-from tests.helpers.runner import ROOT, copy_workflow, snakemake, tspbench
+from tests.helpers.configs import MINI
+from tests.helpers.runner import copy_workflow, snakemake, tspbench
 
 RUN = ["run", "--strategy", "tsp", "--seq-len", "32"]
-OK_CONFIG = yaml.safe_load((ROOT / "workflows/config/default.yaml").read_text())
-
-
-def cfg_with(**top) -> str:
-    return yaml.safe_dump({**OK_CONFIG, **top})
-
-
-def sweep_with(**kw) -> str:
-    c = json.loads(json.dumps(OK_CONFIG))
-    c["sweeps"][0].update(kw)
-    return yaml.safe_dump(c)
-
-
-# (kind, args or file text, environment, expected message)
 
 
 def catches(pid: int, sig: int) -> bool:
@@ -256,27 +243,7 @@ def test_same_seed_same_loss_bitwise(tmp_path):
 def test_sweep_with_a_failing_and_an_oom_cell_finishes_and_marks_both(tmp_path):
 
     copy_workflow(tmp_path)
-    cfg = {
-        "name": "faulty",
-        "model": "tiny",
-        "dtype": "fp32",
-        "warmup": 0,
-        "steps": 1,
-        "gpus_per_node": 2,
-        "launcher": "local",
-        "sweeps": [
-            {
-                "name": "seq",
-                "strategies": ["tsp", "tp"],
-                "degrees": [2],
-                "gpus": [2],
-                "seq_lens": [32, 64],
-                "batches": [1],
-                "modes": ["train"],
-            }
-        ],
-    }
-    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump({**MINI, "name": "faulty"}))
     faults = "error:rank=1:seq_len=64:strategy=tsp,oom:rank=0:seq_len=64:strategy=tp"
     p = snakemake(
         "--cores", "2", "--configfile", "cfg.yaml", cwd=tmp_path, timeout=900,
@@ -298,27 +265,8 @@ def _stalling_sweep(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     """A one-cell sweep whose rank 1 stalls, started in its own process group; returns it and
     the cell's record path (relative to ``tmp_path``, as the ranks' command lines name it)."""
     copy_workflow(tmp_path)
-    cfg = {
-        "name": tmp_path.name,
-        "model": "tiny",
-        "dtype": "fp32",
-        "warmup": 0,
-        "steps": 1,
-        "gpus_per_node": 2,
-        "launcher": "local",
-        "timeout": 120,
-        "sweeps": [
-            {
-                "name": "seq",
-                "strategies": ["tsp"],
-                "degrees": [2],
-                "gpus": [2],
-                "seq_lens": [32],
-                "batches": [1],
-                "modes": ["train"],
-            }
-        ],
-    }
+    sweep = {**MINI["sweeps"][0], "strategies": ["tsp"], "seq_lens": [32]}
+    cfg = {**MINI, "name": tmp_path.name, "timeout": 120, "sweeps": [sweep]}
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
     proc = subprocess.Popen(
         [sys.executable, "-m", "snakemake", "--cores", "2", "--configfile", "cfg.yaml"],
