@@ -17,8 +17,7 @@ from tspbench.core.memory import MemoryTracker
 from tspbench.core.mesh import build_mesh
 from tspbench.core.optim import AdamW
 from tspbench.core.reference import ReferenceModel, make_batch
-from tspbench.core.strategy import Layout
-from tspbench.runtime.registry import get_strategy
+from tspbench.runtime.spec import RunSpec
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -28,25 +27,36 @@ def mesh_for(dims: tuple[tuple[str, int], ...]):
     return build_mesh(dict(dims))
 
 
-def layout_of(case: dict) -> Layout:
-    return Layout(
-        degree=case["D"], tp=case.get("tp", 1), sp=case.get("sp", 1), dp=case.get("dp", 1)
+def spec_of(case: dict) -> RunSpec:
+    """The run a test case describes (its tolerances and test-only knobs stay in the dict)."""
+    return RunSpec.make(
+        case["strategy"],
+        get_config("tiny", **case.get("model", {})),
+        degree=case["D"],
+        tp=case.get("tp", 1),
+        sp=case.get("sp", 1),
+        dp=case.get("dp", 1),
+        seq_len=case["S"],
+        batch=case["B"],
+        dtype=case.get("dtype", "fp32"),
+        seed=case.get("seed", 0),
+        **{k: case[k] for k in ("mode", "recompute", "overlap", "kv_bucket") if k in case},
     )
 
 
 def make_strategy(case: dict):
     """Build the case's strategy on a mesh of side-by-side model groups (collective)."""
-    cls = get_strategy(case["strategy"])
-    cfg = get_config("tiny", **case.get("model", {}))
-    layout = layout_of(case)
-    opts = {k: case[k] for k in ("recompute", "overlap", "kv_bucket", "dp_bucket_mb") if k in case}
-    cls.validate(cfg, layout, case["S"], case["B"], kv_bucket=opts.get("kv_bucket", 0))
+    spec = spec_of(case)
     world = dist.get_world_size()
-    dims = (("replica", world // layout.world_size), *cls.mesh_dims(layout).items())
+    dims = (("replica", world // spec.layout.world_size), *spec.impl.mesh_dims(spec.layout).items())
     mesh = mesh_for(tuple(dims))
     mesh.counter.reset()
-    dtype = DTYPES[case.get("dtype", "fp32")]
-    return cls(cfg, mesh, seed=case.get("seed", 0), dtype=dtype, **opts), cfg
+    opts = {"dp_bucket_mb": case["dp_bucket_mb"]} if "dp_bucket_mb" in case else {}
+    strat = spec.impl(
+        spec.cfg, mesh, seed=spec.seed, dtype=DTYPES[spec.dtype], recompute=spec.recompute,
+        overlap=spec.overlap, kv_bucket=spec.kv_bucket, **opts,
+    )  # fmt: skip
+    return strat, spec.cfg
 
 
 def err(a: torch.Tensor, b: torch.Tensor) -> float:
