@@ -214,3 +214,11 @@ def test_overlap_benchmark_reports_every_part(tmp_path):
     for key in ("step_overlap_s", "step_no_overlap_s", "compute_s", "comm_s"):
         assert rec[key] > 0, key
     assert rec["collectives_per_step"] > 0 and "hidden_fraction" in rec
+
+
+def test_records_say_which_attention_kernel_ran(records):
+    """CPU: the zigzag entry point's CPU flash kernel, or PyTorch's SDPA for the plain layer."""
+    for name, rec in records.items():
+        want = "sdpa" if rec["strategy"] in ("dp", "single") else "cpu_flash"
+        assert rec["attention_backend"] == want, name
+        assert rec["versions"]["backend"] == "gloo" and "nccl" in rec["versions"]

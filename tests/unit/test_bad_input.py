@@ -126,6 +126,7 @@ BAD = [
     ("run", ["--set", "init_std=nan"], {}, "model.init_std=nan: must be between"),
     ("run", ["--batch", "4096", "--seq-len", "16777216"], {}, "GiB available"),
     ("record", '{"status": "ok", "loss": NaN}', {}, "non-finite number NaN"),
+    ("run", ["--device", "cuda"], {}, "--device=cuda: no GPU is visible"),
 ]
 
 

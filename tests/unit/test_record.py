@@ -1,0 +1,51 @@
+"""Records on a shared file system: readable by the group (the umask decides, not mkstemp's
+0600), strict JSON, and a FIFO where a record should be does not hang `check-record`."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from tests.helpers.runner import tspbench
+from tspbench.runtime.record import write_json
+from tspbench.runtime.run import _classify
+
+
+def test_records_get_the_permissions_an_ordinary_write_would(tmp_path):
+    old = os.umask(0o022)
+    try:
+        write_json(tmp_path / "r.json", {"status": "ok"})
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "r.json").stat().st_mode) == 0o644
+
+
+def test_non_finite_numbers_are_never_written(tmp_path):
+    with pytest.raises(ValueError):
+        write_json(tmp_path / "r.json", {"loss": float("nan")})
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_a_fifo_is_refused_at_once(tmp_path):
+    fifo = tmp_path / "rec.json"
+    os.mkfifo(fifo)
+    p = tspbench("check-record", fifo, timeout=60)  # a blocked read would time out here
+    assert p.returncode == 2 and "not a regular file" in p.stderr
+
+
+@pytest.mark.parametrize(
+    "error, status",
+    [
+        (
+            RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 GB"),
+            "oom",
+        ),
+        (MemoryError(), "oom"),
+        (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), "oom"),
+        (RuntimeError("injected fault"), "error"),
+    ],
+)
+def test_an_allocator_failure_is_an_oom_not_an_error(error, status):
+    assert _classify(error) == status
