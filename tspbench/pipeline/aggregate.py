@@ -4,6 +4,10 @@ Columns carry the record's key names (``strategy`` ... ``grad_norm``); ``comm_by
 ``comm_bytes_total`` plus one ``comm_bytes_<kind>`` column per collective kind. A cell whose record
 is missing or unreadable still gets a row, with status ``missing`` or ``corrupt``, so tables and
 figures show it as failed instead of silently leaving it out.
+
+``sweep`` names every sweep that lists the cell, joined by ``;`` (``seq;degree``): a cell runs
+once and has one row, and :func:`per_sweep` gives it one row in each of its sweeps for the tables
+and figures.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ CELL_KEYS = ("strategy", "seq_len", "degree", "tp", "sp", "dp", "batch", "mode",
 # a record must have been run with its cell's inputs: one copied or left over from another cell
 # would put that cell's numbers in this row
 MATCH_KEYS = (*CELL_KEYS, "dtype", "model")
+SWEEP_SEP = ";"  # sweep names are [A-Za-z0-9_-]+ (the config schema): never in a name
 RECORD_SCHEMA = Path(__file__).resolve().parents[1] / "schemas/record.schema.json"
 MAX_RECORD_BYTES = 64 * 2**20  # a record is a few kB; anything near this is not one
 
@@ -96,7 +101,7 @@ def row(cell: Cell, path: Path) -> dict:
     spec = cell.spec
     base = {
         "cell": cell.id,
-        "sweep": cell.sweep,
+        "sweep": SWEEP_SEP.join(cell.sweeps),
         "gpus": cell.gpus,
         **{k: v for k, v in spec.header("", cell.gpus).items() if k in CELL_KEYS},
         "label": spec.label,
@@ -118,8 +123,19 @@ def row(cell: Cell, path: Path) -> dict:
         mc.get("kv_heads", 0) * mc.get("hidden", 0) // max(mc.get("heads", 1), 1),
         mc.get("ffn"),
     )
-    out["device_name"] = (rec.get("hardware") or {}).get("device_name")
+    hw = rec.get("hardware") or {}
+    out["device_name"], out["device_type"] = hw.get("device_name"), hw.get("device_type")
+    out["cpu_count"] = hw.get("cpu_count")  # logical CPUs of the host (what CPU ranks share)
     return out
+
+
+def per_sweep(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per (cell, sweep): a cell listed by several sweeps (``sweep`` = ``seq;degree``)
+    appears in each, with ``sweep`` its one name there. Tables and figures select by sweep."""
+    if "sweep" not in df or df.empty:
+        return df
+    names = df["sweep"].astype(str).str.split(SWEEP_SEP)
+    return df.assign(sweep=names).explode("sweep", ignore_index=True)
 
 
 def aggregate(cells: list[Cell], runs_dir: Path) -> pd.DataFrame:

@@ -27,10 +27,12 @@ from tspbench.runtime.spec import RunSpec, parse_size
 
 @dataclass(frozen=True)
 class Cell:
-    """One run of a sweep: its spec and the sweep that listed it first."""
+    """One run: its spec and every sweep that lists it, in config order. A cell listed by two
+    sweeps (the D = 8 column of a degree sweep is also the seq sweep's) runs once and writes one
+    record, and counts in each sweep's tables and figures."""
 
     spec: RunSpec
-    sweep: str
+    sweeps: tuple[str, ...]
 
     @property
     def id(self) -> str:
@@ -256,7 +258,11 @@ def sweep_cells(config: dict, what: str = "config") -> tuple[list[Cell], list[di
                 except ConfigError as e:
                     filtered.append(_filtered(sweep, strategy, lay, gpus, combo, str(e)))
                     continue
-                cells.setdefault(spec.id, Cell(spec, sweep["name"]))
+                known = cells.get(spec.id)
+                if known is None:
+                    cells[spec.id] = Cell(spec, (sweep["name"],))
+                elif sweep["name"] not in known.sweeps:  # one run, counted in both sweeps
+                    cells[spec.id] = replace(known, sweeps=(*known.sweeps, sweep["name"]))
     if not cells:
         reasons = sorted({f["reason"] for f in filtered})
         raise ConfigError(

@@ -16,12 +16,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
-from matplotlib.ticker import NullFormatter
+from matplotlib.ticker import NullLocator
 
 from tspbench.core.config import get_config
 from tspbench.core.strategy import Layout
-from tspbench.pipeline.figures import palette, save
+from tspbench.pipeline.figures import draw_lines, legend, log_ticks, palette, save, styles
+from tspbench.pipeline.tables import label_order
 from tspbench.projection.analytic import memory
 from tspbench.projection.costmodel import load_preset, project
 from tspbench.runtime.record import write_atomic
@@ -171,14 +173,23 @@ def throughput_tables(cfg: dict) -> dict[str, pd.DataFrame]:
     }
 
 
-def _lines(ax, d: pd.DataFrame, x: str, y: str) -> None:
-    """One line per strategy (the suite's colours), and a red cross where a cell would not fit."""
-    import seaborn as sns
+def _lines(ax, d: pd.DataFrame, x: str, y: str, colors: dict, marks: dict) -> bool:
+    """One line per strategy (the suite's colour, marker and dash; TSP drawn last, on top), and
+    a red cross on every cell that would not fit in the device's memory; True if any."""
+    draw_lines(ax, d, x, y, colors, marks, hue="strategy")
+    oom = d[~d.fits.astype(bool)]
+    ax.scatter(oom[x], oom[y], marker="x", color="red", s=70, linewidths=2, zorder=30)
+    return len(oom) > 0
 
-    sns.lineplot(d, x=x, y=y, hue="strategy", marker="o", ax=ax, palette=palette(d.strategy))
-    oom = d[~d.fits]
-    if len(oom):
-        ax.scatter(oom[x], oom[y], marker="x", color="red", zorder=5, label="would not fit")
+
+def _legend(ax, d: pd.DataFrame, oom: bool, fontsize: float = 8) -> None:
+    """The strategies' legend outside the axes, on the right, with the red cross if used."""
+    legend(ax, label_order(d.strategy), "would not fit" if oom else "", fontsize=fontsize)
+
+
+def _fits(oom: bool, hw: str) -> str:
+    """What the red crosses mean, or that there are none."""
+    return f"red x: would not fit on {hw}" if oom else f"every cell fits on {hw}"
 
 
 @contextmanager
@@ -193,16 +204,28 @@ def _figure(path: Path, ncols: int = 1, **kw) -> Iterator[tuple[Any, Any]]:
     plt.close(fig)
 
 
+def _log_x(ax, values, fmt) -> None:
+    """Log-scaled x axis with a labelled tick at each swept value and nothing else."""
+    ticks = sorted(set(values))
+    ax.set_xscale("log")
+    ax.set_xticks(ticks, [fmt(v) for v in ticks])
+    ax.xaxis.set_minor_locator(NullLocator())
+
+
 def _seq_axis(ax, seq_lens) -> None:
     """Log-scaled sequence axis labelled 16K, 32K, ... and nothing else."""
-    ticks = sorted(set(seq_lens))
-    ax.set_xscale("log")
-    ax.set_xticks(ticks, [f"{s // 1024}K" for s in ticks])
-    ax.xaxis.set_minor_formatter(NullFormatter())
+    _log_x(ax, seq_lens, lambda s: f"{s // 1024}K")
 
 
 def _md(df: pd.DataFrame, title: str, note: str) -> str:
     return f"# {title}\n\n{note}\n\n" + df.to_markdown(index=False, floatfmt=".3g") + "\n"
+
+
+def _ordered(df: pd.DataFrame, hardware: list[str]) -> pd.DataFrame:
+    """Rows by hardware (the config's order), then strategy (the registry's order, TSP first);
+    the rest keeps the order the rows were made in (stable sort)."""
+    rank = {k: i for i, k in enumerate([*hardware, *label_order(df.strategy)])}
+    return df.sort_values(["hardware", "strategy"], key=lambda c: c.map(rank), kind="stable")
 
 
 def write_report(cfg: dict, estimates: Path, out: Path, plots: Path, command: str) -> None:
@@ -223,68 +246,85 @@ def write_report(cfg: dict, estimates: Path, out: Path, plots: Path, command: st
     ).pivot_table(
         index=["recompute", "strategy"], columns="seq_len", values="cell", aggfunc="first"
     )
+    rows = [(rc, s) for rc in cfg["memory"]["recompute"] for s in label_order(mem.strategy)]
+    wide = wide.reindex([r for r in rows if r in wide.index])  # config's recompute, TSP first
     wide.columns = [f"S={c // 1024}K" for c in wide.columns]
     write_atomic(out / "memory.md", _md(wide.reset_index(), "Peak memory per GPU (GiB)", note))
     write_atomic(out / "memory.csv", mem.to_csv(index=False))
     tables = throughput_tables(cfg)
     for name, df in tables.items():
+        df = _ordered(df, cfg["hardware"])
         write_atomic(out / f"{name}.csv", df.to_csv(index=False))
         write_atomic(out / f"{name}.md", _md(df, name.replace("_", " "), note))
 
     sns.set_theme(style="whitegrid", context="paper")
-    pal = palette(mem.strategy)
-    with _figure(plots / "memory_projected", 2, figsize=(10, 3.8), sharey=True) as (fig, axes):
+    labels = label_order(mem.strategy)
+    colors, marks = palette(labels), styles(labels)
+    mem_gib = cfg["device_memory_gib"]
+    with _figure(plots / "memory_projected", 2, figsize=(11, 4), sharey=True) as (fig, axes):
+        oom = False
         for ax, rc in zip(axes, ("none", "full")):
             d = mem[mem.recompute == rc]
-            sns.lineplot(
-                d, x="seq_len", y="peak_gib", hue="strategy", marker="o", ax=ax, palette=pal
-            )
-            ax.axhline(cfg["device_memory_gib"], color="red", ls="--", lw=1)
-            ax.text(d.seq_len.min(), cfg["device_memory_gib"] * 1.05, f"{hw0} memory", color="red")
+            oom |= _lines(ax, d, "seq_len", "peak_gib", colors, marks)
+            ax.axhline(mem_gib, color="red", ls="--", lw=1, zorder=2)
+            ax.text(d.seq_len.min(), mem_gib * 1.05, f"{hw0} memory ({mem_gib} GiB)", color="red")
             ax.set(yscale="log", xlabel="sequence length", ylabel="peak GiB per GPU")
             ax.set_title(f"recompute {rc}")
             _seq_axis(ax, d.seq_len)
-            ax.legend(fontsize=7, loc="upper left", ncol=2)
+            log_ticks(ax.yaxis, [*mem.peak_gib, mem_gib])
+        _legend(axes[-1], mem, oom)
         fig.suptitle(
-            f"PROJECTED peak memory, {cfg['model']} train, D={cfg['degree']} (fake tensors)"
+            f"PROJECTED peak memory, {cfg['model']} train, D={cfg['degree']} (fake tensors); "
+            f"red x: above {hw0}'s {mem_gib} GiB"
         )
 
     ts, n_hw = tables["throughput_vs_seq"], len(cfg["hardware"])
-    with _figure(plots / "throughput_projected", n_hw, figsize=(4.2 * n_hw, 3.6)) as (fig, axes):
-        for ax, hw in zip(axes, cfg["hardware"]):
+    size = (4.2 * n_hw + 1.2, 3.8)
+    with _figure(plots / "throughput_projected", n_hw, figsize=size) as (fig, axes):
+        oom = False
+        for ax, hw in zip(np.atleast_1d(axes), cfg["hardware"]):
             d = ts[(ts.hardware == hw) & (ts["mode"] == "train")]
-            _lines(ax, d, "seq_len", "tokens_per_s_per_gpu")
+            oom |= _lines(ax, d, "seq_len", "tokens_per_s_per_gpu", colors, marks)
             ax.set(xlabel="sequence length", ylabel="tokens/s per GPU", title=f"{hw} (projected)")
             _seq_axis(ax, d.seq_len)
-            ax.legend(fontsize=6, loc="lower left")
-        fig.suptitle(f"PROJECTED training throughput, {cfg['model']}, one node (D={cfg['degree']})")
+        _legend(np.atleast_1d(axes)[-1], ts, oom)
+        fig.suptitle(
+            f"PROJECTED training throughput, {cfg['model']}, one node (D={cfg['degree']}); "
+            "red x: would not fit (analytic memory)"
+        )
 
     sc = tables["scaling"]
-    d = sc[(sc.hardware == hw0) & (sc.seq_len == max(sc.seq_len))]
-    with _figure(plots / "scaling_projected", figsize=(5.5, 3.8)) as (_, ax):
-        _lines(ax, d, "gpus", "tokens_per_s")
-        ax.set(
-            xscale="log",
-            yscale="log",
-            xlabel="GPUs",
-            ylabel="tokens/s (forward)",
-            title=f"PROJECTED scaling on {hw0}, S={max(sc.seq_len) // 1024}K",
+    S = max(sc.seq_len)
+    d = sc[(sc.hardware == hw0) & (sc.seq_len == S)]
+    ref = label_order(d.strategy)[0]  # TSP: the others relative to it, where lines coincide
+    base = d[d.strategy == ref].set_index("gpus").tokens_per_s
+    rel = d.assign(ratio=d.tokens_per_s / d.gpus.map(base))
+    with _figure(plots / "scaling_projected", 2, figsize=(11.5, 4.2)) as (fig, (ax, ax2)):
+        oom = _lines(ax, d, "gpus", "tokens_per_s", colors, marks)
+        ax.set(yscale="log", xlabel="GPUs", ylabel="tokens/s (forward)", title="all replicas")
+        log_ticks(ax.yaxis, d.tokens_per_s)
+        oom |= _lines(ax2, rel, "gpus", "ratio", colors, marks)
+        ax2.set(xlabel="GPUs", ylabel=f"tokens/s relative to {ref}", title=f"relative to {ref}")
+        for a in (ax, ax2):
+            _log_x(a, d.gpus, str)
+        _legend(ax2, d, oom)
+        fig.suptitle(
+            f"PROJECTED forward scaling on {hw0}, S={S // 1024}K (D={cfg['degree']} per node, "
+            f"data parallel across nodes); {_fits(oom, hw0)}"
         )
 
     mb = tables["microbatch"]
     d = mb[mb.hardware == hw0]
-    with _figure(plots / "microbatch_projected", figsize=(5.5, 3.8)) as (_, ax):
-        _lines(ax, d, "batch", "tokens_per_s")
+    with _figure(plots / "microbatch_projected", figsize=(6.8, 4.2)) as (_, ax):
+        oom = _lines(ax, d, "batch", "tokens_per_s", colors, marks)
         ax.set(
-            xscale="log",
             xlabel="micro-batch",
             ylabel="tokens/s (train)",
-            title=f"PROJECTED micro-batch sweep, {cfg['throughput']['batch_gpus']} x {hw0}",
+            title=f"PROJECTED micro-batch sweep, {cfg['throughput']['batch_gpus']} x {hw0}\n"
+            f"{_fits(oom, hw0)} (analytic memory)",
         )
-        ticks = sorted(d.batch.unique())
-        ax.set_xticks(ticks, [str(b) for b in ticks])
-        ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.legend(fontsize=7)
+        _log_x(ax, d.batch, str)
+        _legend(ax, d, oom)
 
 
 def load(path: str) -> dict[str, Any]:

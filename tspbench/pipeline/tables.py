@@ -1,18 +1,28 @@
-"""Paper-style tables (Markdown and LaTeX) from the aggregate table.
+"""Paper-style tables (Markdown, LaTeX and HTML) from the aggregate table.
 
-Each table is a pivot (strategy x sequence length, or x GPUs, or x micro-batch); a cell that did
-not produce a number says why: ``OOM``, ``failed`` (error, missing or corrupt record).
+Each table is a pivot (strategy x sequence length, or x GPUs, or x micro-batch, or x D) of one
+sweep; a cell listed by several sweeps counts in each (:func:`per_sweep`). Rows follow the
+strategy registry's order (TSP first), the same order as the figures' legends. A cell that did
+not produce a number says why: ``OOM``, ``failed`` (error, missing or corrupt record). The
+hardware and the unit of parallelism (GPUs or CPU ranks) come from the records, never from a
+constant.
 """
 
 from __future__ import annotations
 
+import html
+import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pandas as pd
 
+from tspbench.pipeline.aggregate import per_sweep
 from tspbench.runtime.record import write_atomic
+from tspbench.runtime.registry import strategies
 
 MARK = {"oom": "OOM", "error": "failed", "missing": "failed", "corrupt": "failed"}
+ORDER = list(strategies())  # the registry's order: TSP first
 # LaTeX's special characters in running text (pandas escapes cells, never the caption)
 LATEX = {
     "\\": r"\textbackslash{}",
@@ -26,6 +36,13 @@ LATEX = {
     "~": r"\textasciitilde{}",
     "^": r"\textasciicircum{}",
 }
+# device names torch reports for GPUs (CUDA and ROCm); a CPU run's name is the CPU model's
+GPU_NAME = re.compile(r"NVIDIA|Tesla|GeForce|Quadro|Instinct|Radeon|\bMI\d{3}|\bGPU\b", re.I)
+STYLE = (
+    "body{font-family:sans-serif;font-size:14px;margin:1em}"
+    "table{border-collapse:collapse}th,td{border:1px solid #bbb;padding:3px 8px;text-align:right}"
+    "th{background:#eee}td:first-child{text-align:left}p.hw{color:#555;font-size:12px}"
+)
 
 
 def latex_text(text: str) -> str:
@@ -34,9 +51,66 @@ def latex_text(text: str) -> str:
     return "".join(LATEX.get(ch, ch) for ch in " ".join(text.splitlines()))
 
 
+def label_order(labels) -> list[str]:
+    """Strategy labels in the registry's order (TSP first), factorisations in numeric order
+    within a strategy (``tpsp 2x4`` before ``tpsp 4x2``); unknown labels last."""
+
+    def key(label: str) -> tuple:
+        name = label.split(" ")[0]
+        rank = ORDER.index(name) if name in ORDER else len(ORDER)
+        return (rank, [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", label)])
+
+    return sorted({str(x) for x in labels}, key=key)
+
+
 def mem_unit(df: pd.DataFrame) -> tuple[str, float]:
     peak = df["peak_mem_bytes"].max() if "peak_mem_bytes" in df else 0
     return ("GiB", 2**30) if peak and peak > 10 * 2**30 else ("MiB", 2**20)
+
+
+def _ok(df: pd.DataFrame) -> pd.DataFrame:
+    return df[df["status"] == "ok"] if "status" in df else df
+
+
+def device(df: pd.DataFrame) -> tuple[str, str]:
+    """(one, many) of what a rank ran on, from the records: ``("GPU", "GPUs")``,
+    ``("CPU rank", "CPU ranks")``, or ``("rank", "ranks")`` when the records do not say or
+    disagree (``device_type`` where the summary has it, else the device's name)."""
+    ok = _ok(df)
+    kinds = set(ok["device_type"].dropna().astype(str)) if "device_type" in ok else set()
+    if not kinds and "device_name" in ok:
+        names = ok["device_name"].dropna().astype(str)
+        kinds = {"cuda" if GPU_NAME.search(n) else "cpu" for n in names}
+    if kinds == {"cuda"}:
+        return "GPU", "GPUs"
+    if kinds == {"cpu"}:
+        return "CPU rank", "CPU ranks"
+    return "rank", "ranks"
+
+
+def hardware(df: pd.DataFrame) -> str:
+    """What the records say they ran on, e.g. ``AMD EPYC, 2 CPUs (CPU ranks)`` or
+    ``NVIDIA H100 80GB HBM3 (GPUs)``; ``unknown hardware ...`` when none says."""
+    ok = _ok(df)
+    names = sorted(set(ok["device_name"].dropna().astype(str))) if "device_name" in ok else []
+    if not names:
+        return "unknown hardware (no record names it)"
+    one, many = device(df)
+    cores = ""
+    if one == "CPU rank" and "cpu_count" in ok and ok["cpu_count"].notna().any():
+        n = sorted({int(c) for c in ok["cpu_count"].dropna()})
+        cores = f", {'/'.join(map(str, n))} CPU{'s' if n != [1] else ''}"
+    return f"{', '.join(names)}{cores} ({many})"
+
+
+def report_labels(summary: str | Path, kind: str, name: str) -> dict[str, str]:
+    """The Snakemake report's labels of one table or figure: its name and the hardware its
+    sweep's records ran on (read when the report is made, so true for every config)."""
+    try:
+        where = hardware(pd.read_csv(summary))
+    except (OSError, ValueError):
+        where = "unknown (no readable summary)"
+    return {kind: name, "hardware": where.replace("{", "(").replace("}", ")")}
 
 
 def _cell(row: pd.Series, value: str, fmt: str) -> str:
@@ -46,81 +120,101 @@ def _cell(row: pd.Series, value: str, fmt: str) -> str:
 
 
 def pivot(df: pd.DataFrame, index: str, column: str, value: str, fmt: str) -> pd.DataFrame:
+    """Rows ``index`` (strategy labels, in :func:`label_order`), columns ``column`` (sorted),
+    each entry the formatted value or why there is none; ``-`` where the sweep has no cell."""
     shown = df.assign(shown=[_cell(r, value, fmt) for _, r in df.iterrows()])
     table = shown.pivot_table(index=index, columns=column, values="shown", aggfunc="first")
+    table = table.reindex(label_order(table.index))
     table.columns = [str(c) for c in table.columns]
+    table.index.name = "strategy" if index == "label" else index
     return table.fillna("-")
+
+
+def groups(df: pd.DataFrame, key: str, tag: str) -> Iterator[tuple[str, object, pd.DataFrame]]:
+    """(name suffix, value, rows) per value of ``key``; the suffix (``_D4``) only when there
+    are several values, so one table per value and names stay short in the usual case."""
+    values = sorted(df[key].dropna().unique())
+    for v in values:
+        yield (f"_{tag}{v}" if len(values) > 1 else ""), v, df[df[key] == v]
+
+
+def forward(df: pd.DataFrame) -> pd.DataFrame:
+    """Forward-only cells of the seq and comm sweeps, each once (a cell may be in both)."""
+    part = df[df["sweep"].isin(["seq", "comm"]) & (df["mode"] == "infer")]
+    return part.drop_duplicates("cell") if "cell" in part else part
 
 
 def specs(df: pd.DataFrame) -> list[tuple[str, str, pd.DataFrame]]:
     """(name, caption, table) of every table the data supports."""
     unit, scale = mem_unit(df)
+    one, many = device(df)
+    df = per_sweep(df)
     df = df.assign(peak=df["peak_mem_bytes"] / scale, kbytes=df.get("comm_bytes_total", 0) / 1e3)
     out = []
-    train = df[(df["mode"] == "train") & (df["sweep"] == "seq")]
-    if len(train):
-        d = int(train["degree"].iloc[0])
-        out.append(
-            (
-                "memory_vs_seq",
-                f"Peak memory per GPU ({unit}) vs sequence length, D = {d}, training step",
-                pivot(train, "label", "seq_len", "peak", "{:.2f}"),
+    seq_train = df[(df["mode"] == "train") & (df["sweep"] == "seq")]
+    for mode, part in (("train", seq_train), ("infer", forward(df))):
+        what, sfx = ("training step", "") if mode == "train" else ("forward pass", "_infer")
+        for tag, d, g in groups(part, "degree", "D"):
+            out.append(
+                (
+                    f"memory_vs_seq{sfx}{tag}",
+                    f"Peak memory per {one} ({unit}) vs sequence length, D = {d}, {what}",
+                    pivot(g, "label", "seq_len", "peak", "{:.2f}"),
+                )
             )
-        )
-        out.append(
-            (
-                "throughput_vs_seq",
-                f"Training throughput (tokens/s) vs sequence length, D = {d}",
-                pivot(train, "label", "seq_len", "tokens_per_s", "{:.0f}"),
+            out.append(
+                (
+                    f"throughput_vs_seq{sfx}{tag}",
+                    f"{'Training' if mode == 'train' else 'Inference'} throughput (tokens/s) "
+                    f"vs sequence length, D = {d}",
+                    pivot(g, "label", "seq_len", "tokens_per_s", "{:.0f}"),
+                )
             )
-        )
     for mode in ("train", "infer"):
         sc = df[(df["sweep"] == "scaling") & (df["mode"] == mode)]
-        if len(sc):
-            for S, part in sc.groupby("seq_len"):
-                out.append(
-                    (
-                        f"scaling_{mode}_S{S}",
-                        f"{mode.capitalize()} throughput (tokens/s) vs GPUs, S = {S}",
-                        pivot(part, "label", "gpus", "tokens_per_s", "{:.0f}"),
-                    )
+        for S, part in sc.groupby("seq_len"):
+            out.append(
+                (
+                    f"scaling_{mode}_S{S}",
+                    f"{'Training' if mode == 'train' else 'Inference'} throughput (tokens/s, "
+                    f"all replicas) vs {many}, S = {S}",
+                    pivot(part, "label", "gpus", "tokens_per_s", "{:.0f}"),
                 )
-    comm = df[(df["sweep"].isin(["comm", "seq"])) & (df["mode"] == "infer")]
+            )
+    comm = forward(df)
     if len(comm):
         out.append(
             (
                 "comm_vs_seq",
-                "Bytes communicated per GPU per forward pass (kB) vs sequence length",
+                f"Bytes communicated per {one} per forward pass (kB) vs sequence length",
                 pivot(comm, "label", "seq_len", "kbytes", "{:.0f}"),
             )
         )
     for sweep in ("batch", "microbatch"):
-        mb = df[df["sweep"] == sweep]
-        if len(mb):
+        for tag, S, mb in groups(df[df["sweep"] == sweep], "seq_len", "S"):
             out.append(
                 (
-                    f"{sweep}_memory",
-                    f"Peak memory per GPU ({unit}) vs micro-batch",
+                    f"{sweep}_memory{tag}",
+                    f"Peak memory per {one} ({unit}) vs micro-batch, S = {S}",
                     pivot(mb, "label", "batch", "peak", "{:.2f}"),
                 )
             )
             out.append(
                 (
-                    f"{sweep}_throughput",
-                    "Throughput (tokens/s) vs micro-batch",
+                    f"{sweep}_throughput{tag}",
+                    f"Throughput (tokens/s, all replicas) vs micro-batch, S = {S}",
                     pivot(mb, "label", "batch", "tokens_per_s", "{:.0f}"),
                 )
             )
     deg = df[df["sweep"] == "degree"]
-    if len(deg):
-        for S, part in deg.groupby("seq_len"):
-            out.append(
-                (
-                    f"memory_vs_degree_S{S}",
-                    f"Peak memory per GPU ({unit}) vs D, S = {S}",
-                    pivot(part, "label", "degree", "peak", "{:.2f}"),
-                )
+    for S, part in deg.groupby("seq_len"):
+        out.append(
+            (
+                f"memory_vs_degree_S{S}",
+                f"Peak memory per {one} ({unit}) vs D, S = {S}",
+                pivot(part, "label", "degree", "peak", "{:.2f}"),
             )
+        )
     return out
 
 
@@ -130,16 +224,35 @@ def failures(df: pd.DataFrame) -> pd.DataFrame:
     return bad[cols]
 
 
+def html_page(title: str, caption: str, body: str, foot: str = "") -> str:
+    """A small self-contained HTML page (the report shows it as it is)."""
+    head = f'<meta charset="utf-8"><title>{html.escape(title)}</title><style>{STYLE}</style>'
+    foot = f'<p class="hw">{html.escape(foot)}</p>\n' if foot else ""
+    return (
+        f"<!DOCTYPE html>\n<html><head>{head}</head><body>\n"
+        f"<p><b>{html.escape(caption)}</b></p>\n{body}\n{foot}</body></html>\n"
+    )
+
+
 def write_tables(df: pd.DataFrame, out_dir: Path, note: str = "") -> list[Path]:
-    """Write every table as .md and .tex, plus failures.md; return the Markdown paths."""
+    """Write every table as .md, .tex and .html, plus failures.md and failures.html; return the
+    Markdown paths."""
     written = []
+    hw = f"Measured on: {hardware(df)}."
     for name, caption, table in specs(df):
-        md = f"**{caption}**{note}\n\n{table.to_markdown()}\n"
-        tex = table.to_latex(caption=latex_text(caption + note), label=f"tab:{name}", escape=True)
+        md = f"**{caption}**{note}\n\n{table.to_markdown()}\n\n{hw}\n"
+        tex = table.to_latex(
+            caption=latex_text(f"{caption}{note}. {hw}"), label=f"tab:{name}", escape=True
+        )
+        body = table.reset_index().to_html(index=False, escape=True)  # one header row
+        page = html_page(name, caption + note, body, hw)
         write_atomic(out_dir / "md" / f"{name}.md", md)
         write_atomic(out_dir / "tex" / f"{name}.tex", tex)
+        write_atomic(out_dir / "html" / f"{name}.html", page)
         written.append(out_dir / "md" / f"{name}.md")
     fails = failures(df)
     body = fails.to_markdown(index=False) if len(fails) else "No failed cells."
     write_atomic(out_dir / "failures.md", f"**Cells without a result**\n\n{body}\n")
+    body = fails.to_html(index=False, escape=True) if len(fails) else "<p>No failed cells.</p>"
+    write_atomic(out_dir / "failures.html", html_page("failures", "Cells without a result", body))
     return written

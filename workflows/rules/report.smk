@@ -1,4 +1,7 @@
-# Records -> one tidy table -> tables (Markdown, LaTeX) and figures (PNG, PDF) for the report.
+# Records -> one tidy table -> tables (Markdown, LaTeX, HTML) and figures (PNG, PDF) for the
+# report. The report shows the HTML tables and PNG figures themselves; its labels name the
+# hardware the records ran on (read from the summary when the report is made).
+from tspbench.pipeline.tables import report_labels
 
 
 rule aggregate:
@@ -28,16 +31,20 @@ rule tables:
     input:
         f"{OUT}/summary.csv",
     output:
-        failures=report(
-            f"{OUT}/tables/failures.md",
+        failures=f"{OUT}/tables/failures.md",
+        failures_html=report(
+            f"{OUT}/tables/failures.html",
             caption="../report/failures.rst",
             category="Tables",
+            labels={"table": "failures"},
         ),
-        tables=report(
-            directory(f"{OUT}/tables/md"),
-            patterns=["{name}.md"],
+        tables=directory(f"{OUT}/tables/md"),
+        html=report(
+            directory(f"{OUT}/tables/html"),
+            patterns=["{name}.html"],
             caption="../report/tables.rst",
             category="Tables",
+            labels=lambda wc, input: report_labels(input[0], "table", wc.name),
         ),
     log:
         f"logs/{NAME}/tables.log",
@@ -61,6 +68,7 @@ rule figures:
             patterns=["{name}.png"],
             caption="../report/figures.rst",
             category="Figures",
+            labels=lambda wc, input: report_labels(input[0], "figure", wc.name),
         ),
     log:
         f"logs/{NAME}/figures.log",

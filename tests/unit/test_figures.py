@@ -1,0 +1,338 @@
+"""Tables and figures from synthetic run records: a cell listed by several sweeps counts in
+each (paper.yaml), inference cells get tables and figures, the default sweep's micro-batch table
+has several columns, throughput carries the timed steps' spread, axes say GPUs or CPU ranks as
+the records do, and the projected figures keep every strategy visible and mark cells that would
+not fit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+import pandas as pd
+import pytest
+import yaml
+
+matplotlib.use("Agg")
+
+from tests.helpers.runner import ROOT  # noqa: E402
+
+PAPER = yaml.safe_load((ROOT / "workflows/config/paper.yaml").read_text())
+DEFAULT = yaml.safe_load((ROOT / "workflows/config/default.yaml").read_text())
+GPU = {"device_type": "cuda", "device_name": "AMD Instinct MI300X", "cpu_count": 192}
+CPU = {"device_type": "cpu", "device_name": "AMD EPYC 7763 64-Core Processor", "cpu_count": 2}
+
+
+def fake_record(cell, launcher: str = "slurm", hardware: dict | None = None) -> dict:
+    """A valid ``ok`` record of ``cell`` (record.schema.json) with plausible numbers: memory
+    grows with S x B / D, a step takes longer with more tokens, strategies differ a little."""
+    from tspbench.runtime.registry import strategies
+
+    spec, gpus = cell.spec, cell.gpus
+    header = spec.header(launcher, gpus)
+    S, B, D, dp = spec.seq_len, spec.batch, spec.layout.degree, spec.layout.dp
+    k = 1 + 0.1 * list(strategies()).index(spec.strategy)
+    train = spec.mode == "train"
+    peak = int(k * (2**26 + 2**12 * S * B / D) * (3 if train else 1))
+    step = k * 1e-5 * S * B * (3 if train else 1) / D
+    hw = {**(hardware or GPU), "device_count": gpus, "host": "node0"}
+    return {
+        **header,
+        "status": "ok",
+        "peak_mem_bytes": peak,
+        "peak_mem_bytes_per_rank": [peak] * gpus,
+        "step_time_s": step,
+        "step_time_min_s": 0.9 * step,
+        "step_time_max_s": 1.2 * step,
+        "step_times_s": [0.9 * step, step, 1.2 * step],
+        "tokens_per_s": B * dp * S / step,
+        "comm_bytes": {"all_gather": 1e3 * S / k, "all_reduce": 2e3 * S},
+        "comm_bytes_total": 1e3 * S / k + 2e3 * S,
+        "flops_per_step": int(6e6 * S * B),
+        "param_numel_per_rank": [10**6 // D] * gpus,
+        "optimizer_numel_per_rank": [2 * 10**6 // D] * gpus,
+        "loss": 10.4,
+        "grad_norm": 1.5 if train else None,
+        "hardware": hw,
+        "versions": {"python": "3.12", "torch": "2.13.0"},
+        "git_commit": "0123abc",
+        "timestamp_utc": "2026-01-01T00:00:00+00:00",
+    }
+
+
+def write_records(cells, runs: Path, **kw) -> None:
+    runs.mkdir(parents=True, exist_ok=True)
+    for c in cells:
+        (runs / f"{c.id}.json").write_text(json.dumps(fake_record(c, **kw)))
+
+
+def summary(config: dict, tmp_path: Path, **kw) -> tuple[list, pd.DataFrame]:
+    """Every cell of ``config`` with a synthetic ok record, aggregated as the pipeline does."""
+    from tspbench.pipeline.aggregate import aggregate
+    from tspbench.pipeline.cells import sweep_cells
+
+    cells, _ = sweep_cells(config)
+    write_records(cells, tmp_path / "runs", **kw)
+    df = aggregate(cells, tmp_path / "runs")
+    assert set(df["status"]) == {"ok"}, df[df["status"] != "ok"]["error_message"].tolist()
+    return cells, df
+
+
+def expected_tables(cell, sweep: str) -> list[tuple[str, str]]:
+    """(table, column) that must show ``cell`` as a member of ``sweep``."""
+    s = cell.spec
+    if sweep == "seq" and s.mode == "train":
+        return [("memory_vs_seq", str(s.seq_len)), ("throughput_vs_seq", str(s.seq_len))]
+    if sweep == "seq":
+        return [
+            (name, str(s.seq_len))
+            for name in ("memory_vs_seq_infer", "throughput_vs_seq_infer", "comm_vs_seq")
+        ]
+    if sweep == "degree":
+        return [(f"memory_vs_degree_S{s.seq_len}", str(s.layout.degree))]
+    if sweep in ("microbatch", "batch"):
+        return [(f"{sweep}_memory", str(s.batch)), (f"{sweep}_throughput", str(s.batch))]
+    if sweep == "scaling":
+        return [(f"scaling_{s.mode}_S{s.seq_len}", str(cell.gpus))]
+    raise AssertionError(f"no table known for sweep {sweep}")
+
+
+def test_every_sweep_of_paper_yaml_shows_every_one_of_its_cells(tmp_path):
+    """A cell listed by two sweeps runs once and has one row, and appears in both sweeps'
+    tables and figures: the D = 8 column of memory_vs_degree, the 8-GPU scaling point."""
+    from tspbench.pipeline.figures import plots, write_figures
+    from tspbench.pipeline.tables import specs, write_tables
+
+    cells, df = summary(PAPER, tmp_path)
+    assert len(df) == len(cells) and df["cell"].is_unique  # one run, one record, one row
+    shared = {c.id: c.sweeps for c in cells if len(c.sweeps) > 1}
+    assert shared["tsp.D8.g8.S16384.B1.train"] == ("seq", "degree")
+    assert shared["tsp.D8.g8.S131072.B1.infer"] == ("seq", "scaling")
+    df = pd.read_csv(_csv(df, tmp_path))  # what tables and figures read: the CSV
+    tables = {name: table for name, _, table in specs(df)}
+    for S in (16384, 131072):
+        assert list(tables[f"memory_vs_degree_S{S}"].columns) == ["2", "4", "8"]
+        assert list(tables[f"scaling_infer_S{S}"].columns)[0] == "8"
+    for c in cells:
+        for sweep in c.sweeps:
+            for name, column in expected_tables(c, sweep):
+                shown = tables[name].loc[c.spec.label, column]
+                assert float(shown) > 0, (c.id, sweep, name, shown)
+
+    drawn: dict[str, set] = {}
+    for p in plots(df):
+        for sweep in p.sweep.split("+"):
+            drawn.setdefault(sweep, set()).update(p.data["cell"])
+    for sweep in {s for c in cells for s in c.sweeps}:
+        missing = {c.id for c in cells if sweep in c.sweeps} - drawn[sweep]
+        assert not missing, f"{sweep}: not in any figure: {sorted(missing)[:5]}"
+
+    md = write_tables(df, tmp_path / "t")
+    assert {p.stem for p in md} == set(tables)
+    assert all((tmp_path / "t/html" / f"{p.stem}.html").exists() for p in md)
+    pngs = {p.stem for p in write_figures(df, tmp_path / "f") if p.suffix == ".png"}
+    assert {
+        "memory_vs_degree_S16384",
+        "throughput_vs_gpus_infer_S16384",
+        "memory_vs_seq_infer",
+        "throughput_vs_seq_infer",
+        "microbatch_throughput",
+    } <= pngs
+
+
+def _csv(df: pd.DataFrame, tmp_path: Path) -> Path:
+    path = tmp_path / "summary.csv"
+    df.to_csv(path, index=False)
+    return path
+
+
+def test_inference_cells_have_memory_and_throughput_tables(tmp_path):
+    """paper.yaml's seq sweep has 24 forward-only cells: every one is in the inference
+    memory and throughput tables (and figures), not only in the bytes table."""
+    from tspbench.pipeline.figures import plots
+    from tspbench.pipeline.tables import specs
+
+    cells, df = summary(PAPER, tmp_path)
+    infer = [c for c in cells if "seq" in c.sweeps and c.spec.mode == "infer"]
+    assert len(infer) == 24
+    tables = {name: (caption, t) for name, caption, t in specs(df)}
+    for name in ("memory_vs_seq_infer", "throughput_vs_seq_infer"):
+        caption, table = tables[name]
+        assert table.shape == (6, 4) and "-" not in table.values, table
+        assert "forward" in caption or "Inference" in caption
+    assert list(tables["memory_vs_seq_infer"][1].index)[0] == "tsp"
+    figs = {p.name: p for p in plots(df)}
+    assert set(figs["throughput_vs_seq_infer"].data["cell"]) == {c.id for c in infer}
+
+
+def test_default_micro_batch_sweep_has_three_columns_and_about_the_same_cells(tmp_path):
+    """The default sweep's micro-batch tables have at least three micro-batches; the sweep
+    stays about as long as before (40 cells, ~10 min on 2 cores): the B = 1 cells are the seq
+    sweep's, run once."""
+    from tspbench.pipeline.tables import specs
+
+    batch = next(s for s in DEFAULT["sweeps"] if s["name"] == "batch")
+    assert len(batch["batches"]) >= 3
+    cells, df = summary(DEFAULT, tmp_path, launcher="local", hardware=CPU)
+    assert len(cells) <= 42
+    tables = {name: t for name, _, t in specs(df)}
+    for name in ("batch_memory", "batch_throughput"):
+        assert len(tables[name].columns) >= 3 and "tsp" == tables[name].index[0]
+        assert (tables[name].loc["tsp"] != "-").all()
+
+
+def test_throughput_has_step_spread_and_axes_name_the_device(tmp_path):
+    """Throughput figures draw the timed steps' min-max as error bars (tokens per step over
+    the slowest and fastest step); the GPU axis says CPU ranks for a CPU run, GPUs for GPUs."""
+    from tspbench.pipeline.figures import line, palette, plots, styles
+    from tspbench.pipeline.tables import device, hardware
+
+    _, cpu = summary(DEFAULT, tmp_path, launcher="local", hardware=CPU)
+    assert device(cpu) == ("CPU rank", "CPU ranks")
+    assert hardware(cpu) == "AMD EPYC 7763 64-Core Processor, 2 CPUs (CPU ranks)"
+    named_only = cpu.drop(columns=["device_type"])  # an older summary: the name decides
+    assert device(named_only) == ("CPU rank", "CPU ranks")
+    assert device(named_only.assign(device_name="NVIDIA H100 80GB HBM3")) == ("GPU", "GPUs")
+    figs = {p.name: p for p in plots(cpu)}
+    scaling = figs["throughput_vs_gpus_train_S1024"]
+    assert scaling.xlabel == "CPU ranks" and scaling.spread == ("tokens_lo", "tokens_hi")
+    d = scaling.data
+    per_step = d["tokens_per_s"] * d["step_time_s"]
+    assert (d["tokens_lo"] == per_step / d["step_time_max_s"]).all()
+    assert (d["tokens_hi"] == per_step / d["step_time_min_s"]).all()
+    assert (d["tokens_lo"] < d["tokens_per_s"]).all() and (d["tokens_hi"] > d["tokens_per_s"]).all()
+    assert "per CPU rank" in figs["memory_vs_seq"].ylabel
+    colors, marks = palette(cpu["label"]), styles(cpu["label"])
+    for name in ("throughput_vs_seq", "throughput_vs_seq_infer", "batch_throughput"):
+        fig = line(figs[name], colors, marks)
+        ax = fig.axes[0]
+        bars = [c for c in ax.containers if isinstance(c, matplotlib.container.ErrorbarContainer)]
+        assert len(bars) == len(set(figs[name].data["label"])), name
+
+    cells, gpu = summary(PAPER, tmp_path / "gpu")
+    figs = {p.name: p for p in plots(gpu)}
+    assert figs["throughput_vs_gpus_infer_S16384"].xlabel == "GPUs"
+    assert "per GPU" in figs["memory_vs_seq"].ylabel
+
+
+def test_tables_follow_the_strategy_registry_order(tmp_path):
+    from tspbench.pipeline.tables import label_order, specs
+    from tspbench.runtime.registry import strategies
+
+    _, df = summary(PAPER, tmp_path)
+    order = list(strategies())
+    for name, _, table in specs(df):
+        rows = list(table.index)
+        assert rows == label_order(rows), name
+        ranks = [order.index(r.split(" ")[0]) for r in rows]
+        assert ranks == sorted(ranks) and rows[0] == "tsp", (name, rows)
+
+
+def _fake_project(spec, preset) -> dict:
+    """A stand-in for the cost model (seconds of fake-tensor op counting per layout): TSP and
+    FSDP+CP coincide exactly, the case where TSP must stay visible on top."""
+    slower = 1.0 if spec.strategy in ("tsp", "fsdp_cp") else 1.2
+    step = 1e-6 * spec.seq_len * spec.batch * slower
+    tokens = spec.batch * spec.layout.dp * spec.seq_len
+    return {"tokens_per_s": tokens / step, "step_time_s": step, "mfu": 0.4 / slower}
+
+
+@pytest.fixture(scope="module")
+def projected(tmp_path_factory):
+    """The projected report of the committed memory estimates on the H100 preset (80 GB:
+    several cells would not fit), throughput from a stand-in cost model; its figures are kept
+    for inspection."""
+    import tspbench.pipeline.projected as projected
+    from tspbench.pipeline.projected import load, write_report
+
+    cfg = load(str(ROOT / "workflows/config/projected.yaml"))
+    cfg["hardware"] = ["h100"]
+    figures: dict[str, object] = {}
+    save = projected.save
+
+    def keep(fig, path):
+        figures[Path(path).name] = fig
+        return save(fig, path)
+
+    tmp = tmp_path_factory.mktemp("projected")
+    mp = pytest.MonkeyPatch()
+    mp.setattr(projected, "save", keep)
+    mp.setattr(projected, "project", _fake_project)
+    try:
+        write_report(cfg, ROOT / "results/reference/projected-7b/estimates", tmp, tmp, "test")
+    finally:
+        mp.undo()
+    return cfg, tmp, figures
+
+
+def _red_crosses(axes) -> int:
+    """Points drawn as red crosses (the would-not-fit marks) on ``axes``."""
+    return sum(
+        len(c.get_offsets())
+        for ax in axes
+        for c in ax.collections
+        if len(c.get_offsets()) and tuple(c.get_edgecolor()[0][:3]) == (1.0, 0.0, 0.0)
+    )
+
+
+def _strategy_lines(ax) -> dict[str, object]:
+    return {ln.get_label(): ln for ln in ax.get_lines() if not ln.get_label().startswith("_")}
+
+
+def test_projected_figures_keep_every_strategy_visible(projected):
+    """Distinct marker and dash per strategy, TSP drawn last and on top, the legend outside
+    the axes, labelled log ticks, and a red cross on every cell that would not fit."""
+    cfg, out, figures = projected
+    assert set(figures) == {
+        "memory_projected",
+        "throughput_projected",
+        "scaling_projected",
+        "microbatch_projected",
+    }
+    for name, fig in figures.items():
+        fig.canvas.draw()
+        for ax in fig.axes:
+            lines = _strategy_lines(ax)
+            if not lines:
+                continue
+            styles = {(ln.get_marker(), str(ln.get_linestyle())) for ln in lines.values()}
+            markers = {ln.get_marker() for ln in lines.values()}
+            assert len(markers) == len(lines) and len(styles) == len(lines), name
+            assert lines["tsp"].get_zorder() == max(ln.get_zorder() for ln in lines.values())
+            assert ax.get_lines().index(lines["tsp"]) > max(
+                ax.get_lines().index(ln) for k, ln in lines.items() if k != "tsp"
+            ), f"{name}: tsp is not drawn last"
+        legends = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
+        assert len(legends) == 1, name
+        leg = legends[0]
+        host = next(ax for ax in fig.axes if ax.get_legend() is leg)
+        box, axes_box = leg.get_window_extent(), host.get_window_extent()
+        assert box.x0 >= axes_box.x1, f"{name}: the legend overlaps the axes"
+
+    mem_fig = figures["memory_projected"]
+    for ax in mem_fig.axes:
+        ticks = [
+            t for t in ax.yaxis.get_majorticklocs() if ax.get_ylim()[0] <= t <= ax.get_ylim()[1]
+        ]
+        labels = [ax.yaxis.get_major_formatter()(t) for t in ticks]
+        assert len(ticks) >= 5 and all(labels), (ticks, labels)
+        assert len(ax.yaxis.get_minorticklocs()) > len(ticks)
+    mem = pd.read_csv(out / "memory.csv")
+    assert _red_crosses(mem_fig.axes) == (~mem["fits"]).sum() > 0
+    scaling = figures["scaling_projected"]
+    ax = scaling.axes[0]
+    lo, hi = ax.get_ylim()
+    ticks = [t for t in ax.yaxis.get_majorticklocs() if lo <= t <= hi]
+    assert len(ticks) >= 3 and all(ax.yaxis.get_major_formatter()(t) for t in ticks), ticks
+    thr = pd.read_csv(out / "throughput_vs_seq.csv")
+    train = thr[thr["mode"] == "train"]
+    assert _red_crosses(figures["throughput_projected"].axes) == (~train["fits"]).sum() > 0
+
+
+def test_projected_tables_follow_the_strategy_order(projected):
+    _, out, _ = projected
+    text = (out / "memory.md").read_text()
+    rows = [line.split("|")[2].strip() for line in text.splitlines() if line.startswith("| ")]
+    rows = rows[1:]  # the header
+    assert rows[0] == "tsp" and rows[rows.index("dp") + 1] == "tsp", rows
