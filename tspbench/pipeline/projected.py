@@ -267,7 +267,14 @@ def write_report(cfg: dict, estimates: Path, out: Path, plots: Path, command: st
             d = mem[mem.recompute == rc]
             oom |= _lines(ax, d, "seq_len", "peak_gib", colors, marks)
             ax.axhline(mem_gib, color="red", ls="--", lw=1, zorder=2)
-            ax.text(d.seq_len.min(), mem_gib * 1.05, f"{hw0} memory ({mem_gib} GiB)", color="red")
+            ax.text(  # just right of the first points: above the line, clear of the markers
+                d.seq_len.min() * 2**0.15,
+                mem_gib * 1.04,
+                f"{hw0} memory ({mem_gib} GiB)",
+                color="red",
+                va="bottom",
+                bbox={"facecolor": "white", "alpha": 0.7, "edgecolor": "none", "pad": 1},
+            )
             ax.set(yscale="log", xlabel="sequence length", ylabel="peak GiB per GPU")
             ax.set_title(f"recompute {rc}")
             _seq_axis(ax, d.seq_len)
