@@ -64,6 +64,7 @@ localrules:
     regress,
     project,
     projected_report,
+    claims,
 
 
 include: "workflows/rules/common.smk"
@@ -71,6 +72,7 @@ include: "workflows/rules/run.smk"
 include: "workflows/rules/report.smk"
 include: "workflows/rules/regress.smk"
 include: "workflows/rules/project.smk"
+include: "workflows/rules/claims.smk"
 
 
 rule all:
@@ -78,4 +80,5 @@ rule all:
     input:
         f"{OUT}/summary.csv",
         f"{OUT}/tables/failures.md",
+        f"{OUT}/claims.csv",
         f"{PLOTS}/png",

@@ -110,12 +110,20 @@ def _regress(args: argparse.Namespace) -> int:
 
 
 def cmd_claims(args: argparse.Namespace) -> int:
-    from tspbench.pipeline.claims import claims_table, write_claims
+    from tspbench.pipeline.claims import Sources, claims_table, write_claims
 
     path = Path(args.claims)
     if not path.is_file():
         raise ConfigError(f"--claims={args.claims!r}: no such file")
-    df = claims_table(path)
+    src = Sources.find()
+    if args.measured:
+        src.measured = Path(args.measured).resolve()
+    if args.projected:
+        src.projected = Path(args.projected).resolve()
+    for what, where in (("--measured", src.measured), ("--projected", src.projected)):
+        if not where.exists():
+            raise ConfigError(f"{what}={str(where)!r}: no such file or folder")
+    df = claims_table(path, src)
     text = write_claims(
         df, Path(args.out) if args.out else None, Path(args.md) if args.md else None
     )
@@ -128,6 +136,18 @@ def add_parsers(sub) -> None:
     cl.add_argument("--claims", default="workflows/paper/claims.yaml")
     cl.add_argument("--out", default=None, help="CSV: claim, paper, ours, verdict, reason, ...")
     cl.add_argument("--md", default=None, help="also write the Markdown table here")
+    cl.add_argument(
+        "--measured",
+        default=None,
+        help="an aggregate summary.csv (default: fresh "
+        "results/default, else the committed CPU reference)",
+    )
+    cl.add_argument(
+        "--projected",
+        default=None,
+        help="folder of projected tables (default: "
+        "fresh results/projected, else results/reference/projected-7b)",
+    )
     cl.set_defaults(func=cmd_claims)
     cc = sub.add_parser("check-config", help="validate a sweep config (schema and sweep rules)")
     cc.add_argument("config", help="YAML file, e.g. workflows/config/paper.yaml")

@@ -18,6 +18,7 @@ import pandas as pd
 import yaml
 
 from tspbench.core.config import ModelConfig, get_config
+from tspbench.pipeline.aggregate import per_sweep
 from tspbench.projection import analytic
 from tspbench.projection.costmodel import load_preset
 from tspbench.runtime.spec import RunSpec
@@ -49,6 +50,11 @@ class Sources:
         df = pd.read_csv(self.projected / f"{name}.csv")
         df["base"] = df["strategy"].str.split().str[0]  # "tpsp (2x4)" / "tpsp 2x4" -> tpsp
         return df
+
+
+def _rel(path: Path) -> str:
+    """A path as the repository names it (absolute when it lies elsewhere)."""
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 @dataclass
@@ -100,7 +106,7 @@ def memory_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
                 + _growth(mem, best.strategy)
                 + (_tsp_choices(cfg, c["seq_len"]) if c["strategy"] == "tsp" else ""),
                 c["source"],
-                f"{src.projected.relative_to(ROOT)}/memory.csv: {best.strategy}, S={c['seq_len']}",
+                f"{_rel(src.projected)}/memory.csv: {best.strategy}, S={c['seq_len']}",
             )
         )
     return rows
@@ -153,7 +159,7 @@ def throughput_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
                     else ""
                 ),
                 c["source"],
-                f"{src.projected.relative_to(ROOT)}/scaling.csv",
+                f"{_rel(src.projected)}/scaling.csv",
             )
         )
     rows.append(
@@ -184,8 +190,8 @@ def lowest_memory_rows(c: dict, src: Sources) -> list[Row]:
             if best != "tsp":
                 text = f"S={S} {rc}: {best} {d[best]:.2f} < tsp {d['tsp']:.2f} GiB"
                 losses.append((text, d["tsp"] - d[best]))
-    cpu = pd.read_csv(src.measured)
-    seq = cpu[(cpu.sweep == "seq") & (cpu.status == "ok")]
+    cpu = per_sweep(pd.read_csv(src.measured))  # a cell of two sweeps counts in each
+    seq = cpu[(cpu.sweep == "seq") & (cpu.status == "ok") & (cpu["mode"] == "train")]
     lowest = [g.loc[g.peak_mem_bytes.idxmin(), "strategy"] for _, g in seq.groupby("seq_len")]
     cpu_ok = all(s == "tsp" for s in lowest)
     n = 2 * len(c["seq_lens"])
@@ -202,7 +208,7 @@ def lowest_memory_rows(c: dict, src: Sources) -> list[Row]:
             "holds" if not losses and cpu_ok else "partly" if near else "differs",
             "; ".join(t for t, _ in losses) or "TSP lowest everywhere",
             c["source"],
-            f"{src.projected.relative_to(ROOT)}/memory.csv, {src.measured.relative_to(ROOT)}",
+            f"{_rel(src.projected)}/memory.csv, {_rel(src.measured)}",
         )
     ]
 
@@ -233,7 +239,7 @@ def gap_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
             "holds" if grows else "partly",
             "projected fake-tensor peaks for S; the analytic model for D (no estimate at D < 8)",
             c["source"],
-            f"{src.projected.relative_to(ROOT)}/memory.csv",
+            f"{_rel(src.projected)}/memory.csv",
         )
     ]
 
@@ -257,7 +263,7 @@ def microbatch_rows(c: dict, src: Sources) -> list[Row]:
             if tsp_least
             else "another strategy has a lower peak at the largest batch",
             c["source"],
-            f"{src.projected.relative_to(ROOT)}/microbatch.csv",
+            f"{_rel(src.projected)}/microbatch.csv",
         )
     ]
 
@@ -277,7 +283,7 @@ def competitive_rows(c: dict, src: Sources) -> list[Row]:
             "holds" if min(ratio.values()) > 0.8 and rising else "partly" if rising else "differs",
             "cost-model projection (good to tens of percent, docs/projection.md)",
             c["source"],
-            f"{src.projected.relative_to(ROOT)}/throughput_vs_seq.csv",
+            f"{_rel(src.projected)}/throughput_vs_seq.csv",
         )
     ]
 

@@ -1,0 +1,24 @@
+# The paper's claims against ours (`tspbench claims`): seconds, from this sweep's summary and the
+# projected tables (fresh results/projected, else the committed references).
+
+
+rule claims:
+    input:
+        summary=f"{OUT}/summary.csv",
+        claims=workflow.source_path("../paper/claims.yaml"),
+    output:
+        csv=report(
+            f"{OUT}/claims.csv",
+            caption="../report/claims.rst",
+            category="Paper claims",
+        ),
+        md=f"{OUT}/claims.md",
+    log:
+        f"logs/{NAME}/claims.log",
+    conda:
+        "../../env/environment.yml"
+    params:
+        python=PYTHON,
+    shell:
+        "{params.python:q} -m tspbench claims --claims {input.claims:q}"
+        " --measured {input.summary:q} --out {output.csv:q} --md {output.md:q} > {log:q} 2>&1"
