@@ -10,7 +10,7 @@ from tspbench.core.config import ConfigError
 
 
 def make_parser() -> Parser:
-    from tspbench.cli import doctor, pipeline, run, scale
+    from tspbench.cli import doctor, pipeline, plan, run, scale
 
     p = Parser(prog="tspbench", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=Parser)
@@ -18,6 +18,7 @@ def make_parser() -> Parser:
     pipeline.add_parsers(sub)
     scale.add_parsers(sub)
     doctor.add_parsers(sub)
+    plan.add_parsers(sub)
     return p
 
 

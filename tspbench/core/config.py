@@ -89,7 +89,15 @@ PRESETS: dict[str, ModelConfig] = {
     "7b": ModelConfig(
         name="7b", vocab=32000, hidden=4096, layers=32, heads=32, kv_heads=32, ffn=16384
     ),
-}
+    # well-known shapes (planning): Llama-3-8B's GQA (8 KV heads) and a Llama-2-13B-like MHA
+    "llama3-8b": ModelConfig(
+        name="llama3-8b", vocab=128256, hidden=4096, layers=32, heads=32, kv_heads=8,
+        ffn=14336, rope_theta=500000.0,
+    ),
+    "llama2-13b": ModelConfig(
+        name="llama2-13b", vocab=32000, hidden=5120, layers=40, heads=40, kv_heads=40, ffn=13824
+    ),
+}  # fmt: skip
 
 
 def parse_overrides(items: list[str] | None) -> dict[str, object]:
@@ -120,3 +128,135 @@ def get_config(preset: str, **overrides: object) -> ModelConfig:
     if overrides:
         return dataclasses.replace(PRESETS[preset], **overrides)
     return PRESETS[preset]
+
+
+# -- Hugging Face config.json (shapes only; nothing is downloaded) ---------------------------------
+HF_FIELDS = {  # ModelConfig field <- config.json key (and the key's default, None: required)
+    "vocab": ("vocab_size", None),
+    "hidden": ("hidden_size", None),
+    "layers": ("num_hidden_layers", None),
+    "heads": ("num_attention_heads", None),
+    "kv_heads": ("num_key_value_heads", "num_attention_heads"),  # missing: MHA
+    "ffn": ("intermediate_size", None),
+    "rope_theta": ("rope_theta", 10000.0),
+    "norm_eps": ("rms_norm_eps", 1e-6),
+}
+HF_MODEL_TYPES = ("llama", "mistral")  # dense pre-norm RMSNorm/RoPE/GQA/SwiGLU decoders
+HF_MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "n_shared_experts",
+               "num_experts_per_tok", "moe_intermediate_size", "moe_layer_freq")  # fmt: skip
+
+
+def hf_config(data: object, where: str = "config.json") -> tuple[ModelConfig, list[str]]:
+    """A :class:`ModelConfig` from a Hugging Face Llama-style ``config.json`` (a dict), and notes
+    on what was read but does not change the shapes. Whatever the model here cannot express
+    (biases, mixture of experts, sliding-window attention, a tied LM head, another architecture,
+    another activation or head size) is a ConfigError naming the key."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: must be a JSON object of model settings")
+
+    def refuse(key: str, why: str) -> ConfigError:
+        return ConfigError(f"{where}: {key}={data[key]!r}: {why}")
+
+    mtype = data.get("model_type")
+    archs = data.get("architectures") or []
+    if mtype is not None and mtype not in HF_MODEL_TYPES:
+        raise refuse(
+            "model_type", f"not a Llama-style model (supported: {', '.join(HF_MODEL_TYPES)})"
+        )
+    if not isinstance(archs, list) or any(
+        not isinstance(a, str) or not a.lower().startswith(HF_MODEL_TYPES) for a in archs
+    ):
+        raise refuse(
+            "architectures", "not a Llama-style model (LlamaForCausalLM, MistralForCausalLM)"
+        )
+    for key in HF_MOE_KEYS:
+        if data.get(key):
+            raise refuse(
+                key, "mixture of experts: the model here is dense (one SwiGLU MLP per layer)"
+            )
+    for key in ("attention_bias", "mlp_bias"):
+        if data.get(key):
+            raise refuse(key, "biases: the model here has bias-free projections")
+    if data.get("sliding_window") is not None and data.get("use_sliding_window", True):
+        raise refuse(
+            "sliding_window",
+            "sliding-window attention: the model here attends causally over the whole sequence",
+        )
+    if data.get("tie_word_embeddings"):
+        raise refuse(
+            "tie_word_embeddings",
+            "the model here has an untied LM head (separate [V, h] embedding and head); "
+            "set it to false to plan the untied model (one more [V, h] matrix)",
+        )
+    act = data.get("hidden_act", data.get("hidden_activation", "silu"))
+    if act not in ("silu", "swish"):
+        key = "hidden_act" if "hidden_act" in data else "hidden_activation"
+        raise refuse(key, "the MLP here is SwiGLU (silu)")
+    values: dict[str, object] = {}
+    for field, (key, default) in HF_FIELDS.items():
+        if key in data:
+            v = data[key]
+        elif default is None:
+            raise ConfigError(f"{where}: {key}: missing (a Llama-style config.json has it)")
+        else:
+            v = data[default] if isinstance(default, str) and default in data else default
+        lo, hi = RANGES[field]
+        integral = field not in ("rope_theta", "norm_eps")
+        bad = isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v)
+        if bad or (integral and not isinstance(v, int)):
+            raise ConfigError(
+                f"{where}: {key}={v!r}: must be {'an integer' if integral else 'a number'}"
+            )
+        if not lo <= v <= hi:
+            raise ConfigError(f"{where}: {key}={v!r}: must be between {_num(lo)} and {_num(hi)}")
+        values[field] = v if integral else float(v)
+    heads, hidden = values["heads"], values["hidden"]
+    if "head_dim" in data and data["head_dim"] is not None and hidden % heads == 0:
+        if data["head_dim"] != hidden // heads:
+            raise refuse(
+                "head_dim",
+                f"the model here has head dim hidden_size/num_attention_heads = {hidden // heads}",
+            )
+    try:
+        cfg = ModelConfig(name="custom", **values)
+    except ConfigError as e:  # a rule across fields: say it with the file's keys
+        msg = str(e)
+        for field, (key, _) in HF_FIELDS.items():
+            msg = msg.replace(f"model.{field}", key)
+        raise ConfigError(f"{where}: {msg}") from None
+    notes = []
+    if data.get("rope_scaling"):
+        notes.append(
+            "rope_scaling read but not modelled (it changes positions, not shapes or costs)"
+        )
+    return cfg, notes
+
+
+def read_hf_config(path: str) -> tuple[ModelConfig, list[str]]:
+    """:func:`hf_config` of a ``config.json`` file (or of a folder holding one)."""
+    import json
+    from pathlib import Path
+
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    try:
+        data = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"--model={path}: no such file") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ConfigError(
+            f"--model={path}: not a readable JSON config ({e.__class__.__name__})"
+        ) from None
+    return hf_config(data, str(p))
+
+
+def load_model(name_or_path: str) -> tuple[ModelConfig, list[str]]:
+    """A preset by name, or the model of a Hugging Face ``config.json`` (path or folder)."""
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path], []
+    if name_or_path.endswith(".json") or "/" in name_or_path or name_or_path.startswith("."):
+        return read_hf_config(name_or_path)
+    raise ConfigError(
+        f"--model={name_or_path!r}: not a preset ({', '.join(PRESETS)}) nor a config.json path"
+    )

@@ -1,0 +1,163 @@
+"""``tspbench plan | plan-map | plan-check``: which strategy, degrees and micro-batch to run a model
+with on a cluster (projected), the map of winners over S x GPUs, and the planner's check against
+measured and estimated cells."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+from tspbench.cli.args import int_in
+from tspbench.core.config import ConfigError
+
+GiB = 2**30
+
+
+def gib(text: str) -> float:
+    """A positive, finite number of GiB."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a number of GiB") from None
+    if not math.isfinite(v) or v <= 0 or v > 2**20:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a positive number of GiB")
+    return v
+
+
+def schema_models() -> list[str]:
+    """The model presets a sweep config may name (workflows/schemas/config.schema.yaml)."""
+    import yaml
+
+    from tspbench.pipeline.cells import SCHEMA
+
+    try:
+        return list(yaml.safe_load(SCHEMA.read_text())["properties"]["model"]["enum"])
+    except (OSError, KeyError, TypeError):  # an installed package without the workflows
+        return ["tiny", "small", "7b"]
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from tspbench.projection import planner
+
+    req = planner.Request.make(
+        args.model,
+        args.hardware,
+        args.seq_len,
+        args.gpus,
+        memory_cap=None if args.memory_cap is None else args.memory_cap * GiB,
+        max_degree=args.max_degree,
+        mode=args.mode,
+        dtype=args.dtype,
+        global_batch=args.global_batch,
+        max_batch=args.max_batch,
+        recompute=("none", "full") if args.recompute == "both" else (args.recompute,),
+    )
+    plan = planner.plan(
+        req,
+        top=args.top,
+        exact=args.exact,
+        estimate=args.estimate_top if args.estimate else 0,
+        kernel=args.kernel,
+        cache=args.cache,
+        use_cache=not args.no_cache,
+    )
+    models = schema_models()
+    obj = planner.to_json(plan)
+    if obj["best"] is not None:
+        obj["pipeline_config"] = planner.pipeline_config(req, plan.best.cand.spec, models)
+    if args.out:
+        from tspbench.runtime.record import write_json
+
+        if not args.out.endswith(".json"):
+            raise ConfigError(f"--out={args.out!r}: must name a .json file")
+        write_json(args.out, obj)
+    print(json.dumps(obj, indent=1) if args.json else planner.render(plan, models))
+    return 0
+
+
+def cmd_plan_map(args: argparse.Namespace) -> int:
+    from tspbench.projection import planmap
+
+    cfg = planmap.load_config(args.config)
+    table = planmap.sweep(cfg, args.model, args.hardware, cache=args.cache, progress=True)
+    planmap.write_map(table, cfg, args.model, args.hardware, args.out)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def cmd_plan_check(args: argparse.Namespace) -> int:
+    from tspbench.projection import planmap
+    from tspbench.runtime.record import write_atomic
+
+    text = planmap.check(
+        args.summary, args.hardware, args.memory, args.memory_hardware, cache=args.cache
+    )
+    print(text)
+    if args.out:
+        write_atomic(args.out, text)
+    return 0
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser(
+        "plan", help="rank strategies, degrees and micro-batches for a model on G GPUs (projected)"
+    )
+    p.add_argument(
+        "--model", required=True, help="preset (7b, llama3-8b, ...) or a Hugging Face config.json"
+    )
+    p.add_argument("--hardware", default="mi300x", help="mi300x, h100, h200 or a calibrated .json")
+    p.add_argument("--seq-len", type=int_in(1), required=True)
+    p.add_argument("--gpus", type=int_in(1, 65536), required=True, help="G, GPUs in all")
+    p.add_argument(
+        "--global-batch",
+        type=int_in(1),
+        default=None,
+        help="sequences per step: micro-batch = global batch / dp (default: micro-batches 1..16)",
+    )
+    p.add_argument("--mode", choices=("train", "infer"), default="train")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument(
+        "--memory-cap", type=gib, default=None, help="GiB per GPU (default: the hardware's memory)"
+    )
+    p.add_argument(
+        "--max-degree",
+        type=int_in(1, 65536),
+        default=None,
+        help="largest model group D (default: the hardware's GPUs per node)",
+    )
+    p.add_argument("--max-batch", type=int_in(1, 4096), default=16, help="largest micro-batch")
+    p.add_argument("--recompute", choices=("none", "full", "both"), default="both")
+    p.add_argument("--top", type=int_in(1, 1000), default=10, help="rows of the ranked table")
+    p.add_argument("--json", action="store_true", help='print {"candidates": [...], ...}')
+    p.add_argument("--out", default=None, help="also write the JSON here")
+    p.add_argument(
+        "--estimate",
+        action="store_true",
+        help="re-check the best rows with the fake-tensor estimator (slow; cached)",
+    )
+    p.add_argument("--estimate-top", type=int_in(1, 100), default=3, help="rows to re-check")
+    p.add_argument("--kernel", choices=("fused", "cpu_flash"), default="fused")
+    p.add_argument(
+        "--exact", action="store_true", help="count every configuration's operations (slow)"
+    )
+    p.add_argument("--cache", default=None, help="cache folder (default: ~/.cache/tspbench)")
+    p.add_argument("--no-cache", action="store_true", help="neither read nor write the cache")
+    p.set_defaults(func=cmd_plan)
+
+    m = sub.add_parser("plan-map", help="winners, feasibility and TSP's margin over S x GPUs")
+    m.add_argument("--config", default="workflows/config/plan.yaml")
+    m.add_argument("--model", required=True)
+    m.add_argument("--hardware", required=True)
+    m.add_argument("--out", required=True, help="folder for map.csv and the figures")
+    m.add_argument("--cache", default=None)
+    m.set_defaults(func=cmd_plan_map)
+
+    c = sub.add_parser("plan-check", help="the planner against measured and estimated cells")
+    c.add_argument("--summary", nargs="+", required=True, help="repeated runs of one sweep")
+    c.add_argument("--hardware", required=True, help="the calibrated preset of that machine")
+    c.add_argument("--memory", required=True, help="projected memory.csv (fake-tensor estimates)")
+    c.add_argument("--memory-hardware", default="mi300x", help="the cap memory.csv's fits use")
+    c.add_argument("--out", default=None, help="Markdown")
+    c.add_argument("--cache", default=None)
+    c.set_defaults(func=cmd_plan_check)
