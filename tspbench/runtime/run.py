@@ -35,6 +35,7 @@ from tspbench.runtime.record import git_commit, hardware, utc_now, versions, wri
 from tspbench.runtime.spec import RunSpec
 
 FAIL_KEY = "tspbench/fail/{}"
+WRITTEN_KEY = "tspbench/record-written"
 
 
 OOM_TEXTS = ("out of memory", "can't allocate memory", "cannot allocate memory")
@@ -60,6 +61,32 @@ def _post(status: str, msg: str, wait_s: float = 2.0) -> None:
     t = threading.Thread(target=post, daemon=True)
     t.start()
     t.join(wait_s)
+
+
+def _await_record(store=None, wait_s: float = 15.0) -> None:
+    """A failing rank other than 0 stays until rank 0 has written the record, or is gone: under
+    ``srun --kill-on-bad-exit`` (or torchrun) its exit would kill rank 0 before it could say
+    why. ``store``: the job's store, taken before the process group was closed."""
+    deadline = time.monotonic() + wait_s
+    try:
+        store = store or dist.distributed_c10d._get_default_store()
+        while time.monotonic() < deadline and not store.check([WRITTEN_KEY]):
+            time.sleep(0.1)
+    except Exception:  # the store went with rank 0: nothing left to wait for
+        pass
+
+
+def _leave(world: int, status: str) -> bool:
+    """A failed rank other than 0: close its connections (the peers' collectives fail at once
+    instead of after --timeout), then wait for rank 0's record. True if an OOM is known."""
+    store = dist.distributed_c10d._get_default_store()
+    oom = status == "oom" or any(s == "oom" for s, _ in _causes(world, 1.0).values())
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+    _await_record(store)
+    return oom
 
 
 def _causes(world: int, wait_s: float = 3.0, quiet_s: float = 0.75) -> dict[int, tuple[str, str]]:
@@ -225,6 +252,11 @@ def run_env(
             path = interrupted_path(out) if cell and interrupted else out
             record = _finite({**record, "timestamp_utc": utc_now()})
             write_json(path, record)
+            if dist.is_initialized():  # the peers waiting in _await_record may leave now
+                try:
+                    dist.distributed_c10d._get_default_store().set(WRITTEN_KEY, "1")
+                except Exception:
+                    pass
             if not spec.quiet:
                 print(f"[tspbench] {record['status']}: wrote {path}", flush=True)
             return record["status"]
@@ -234,6 +266,8 @@ def run_env(
         own, failed = ("error", reason), [env.rank]
         if dist.is_initialized():
             _post(*own)
+            if env.rank != 0:
+                _await_record()
             if env.rank == 0 and "interrupted by" not in reason:  # wait a watchdog tick more:
                 causes = _causes(world, wait_s=5.0, quiet_s=2.0)  # a silent rank is the suspect
                 status, reason, failed = root_cause(causes, own, world)
@@ -270,7 +304,7 @@ def run_env(
         _post(status, msg)
         guard.beat()
         if env.rank != 0:
-            oom = status == "oom" or any(s == "oom" for s, _ in _causes(world, 1.0).values())
+            oom = _leave(world, status)
             sys.stdout.flush()
             return 0 if oom else 1
         status, msg, failed = root_cause(_causes(world), (status, msg), world)
