@@ -65,6 +65,9 @@ localrules:
     project,
     projected_report,
     claims,
+    plan,
+    plan_map,
+    plan_check,
 
 
 include: "workflows/rules/common.smk"
@@ -73,6 +76,7 @@ include: "workflows/rules/report.smk"
 include: "workflows/rules/regress.smk"
 include: "workflows/rules/project.smk"
 include: "workflows/rules/claims.smk"
+include: "workflows/rules/plan.smk"
 
 
 rule all:
