@@ -185,7 +185,8 @@ def test_default_micro_batch_sweep_has_three_columns_and_about_the_same_cells(tm
 def test_throughput_has_step_spread_and_axes_name_the_device(tmp_path):
     """Throughput figures draw the timed steps' min-max as error bars (tokens per step over
     the slowest and fastest step); the GPU axis says CPU ranks for a CPU run, GPUs for GPUs."""
-    from tspbench.pipeline.figures import line, palette, plots, styles
+    from tspbench.pipeline.figures import line, plots
+    from tspbench.pipeline.plotting import palette, styles
     from tspbench.pipeline.tables import device, hardware
 
     _, cpu = summary(DEFAULT, tmp_path, launcher="local", hardware=CPU)

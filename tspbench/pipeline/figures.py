@@ -1,4 +1,6 @@
-"""Paper-style figures (PNG and PDF, matplotlib with seaborn's theme) from the aggregate table.
+"""Paper-style figures (PNG and PDF, matplotlib with seaborn's theme) of the measured sweeps, from
+the aggregate table: which figures the table supports (``plots``) and how each is drawn. The
+helpers shared with the projected figures live in ``plotting``.
 
 Failed cells are never left out quietly: a cell whose status is not ``ok`` is drawn as a red
 cross at the top of its axis, labelled OOM or failed. Every strategy keeps one colour, marker
@@ -9,7 +11,6 @@ the timed steps' min-max as error bars; the axis says GPUs or CPU ranks as the r
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,12 +22,18 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 from matplotlib import ticker  # noqa: E402
-from matplotlib.lines import Line2D  # noqa: E402
 
 from tspbench.pipeline.aggregate import per_sweep  # noqa: E402
+from tspbench.pipeline.plotting import (  # noqa: E402
+    draw_lines,
+    failed_markers,
+    legend,
+    log_ticks,
+    palette,
+    save,
+    styles,
+)
 from tspbench.pipeline.tables import (  # noqa: E402
-    MARK,
-    ORDER,
     device,
     forward,
     groups,
@@ -36,164 +43,16 @@ from tspbench.pipeline.tables import (  # noqa: E402
 )
 
 __all__ = [
-    "ORDER",
-    "compact",
-    "draw_lines",
-    "legend",
-    "log_ticks",
-    "palette",
+    "Plot",
+    "breakdown",
+    "comm_figure",
+    "crossover_bs",
+    "line",
     "plots",
-    "save",
-    "styles",
     "write_figures",
 ]
 PARTS = ["weights", "grads", "optimizer state", "activations + buffers"]
-MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
-DASHES = ("-", "--", "-.", ":", (0, (5, 1)), (0, (3, 1, 1, 1)), (0, (1, 1)), (0, (6, 2, 1, 2)))
 SPREAD = "bars: min-max over the timed steps (points set apart)"
-
-
-def palette(labels) -> dict[str, tuple]:
-    """One colour per strategy label, the same in every figure (tsp first)."""
-    ordered = label_order(labels)
-    return dict(zip(ordered, sns.color_palette("deep", len(ordered))))
-
-
-def styles(labels) -> dict[str, tuple[str, object]]:
-    """(marker, dash style) per strategy label, in the palette's order: two strategies whose
-    lines coincide still look different."""
-    return {
-        k: (MARKERS[i % len(MARKERS)], DASHES[i % len(DASHES)])
-        for i, k in enumerate(label_order(labels))
-    }
-
-
-def save(fig, path_stem: Path) -> list[Path]:
-    """Write ``png/<name>.png`` and ``pdf/<name>.pdf`` beside ``path_stem``, atomically."""
-    out = []
-    for ext in ("png", "pdf"):
-        path = path_stem.parent / ext / f"{path_stem.name}.{ext}"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.stem}.tmp.{ext}")
-        fig.savefig(tmp, dpi=150, bbox_inches="tight")
-        os.replace(tmp, path)
-        out.append(path)
-    plt.close(fig)
-    return out
-
-
-def compact(v: float, _pos: object = None) -> str:
-    """A short tick label: 1500 -> 1.5k, 2e6 -> 2M, 0.5 -> 0.5."""
-    for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(v) >= div:
-            return f"{v / div:.3g}{suffix}"
-    return f"{v:.3g}"
-
-
-def log_ticks(axis, values) -> None:
-    """Labelled major ticks on a log-scaled axis, enough to read a value off: evenly spaced
-    round numbers when the values span less than a decade (8k, 10k, 12k, ...), else 1-2-5 in
-    each decade (powers of ten past three decades) with unlabelled minor ticks between."""
-    v = np.asarray(pd.Series(values).dropna(), dtype=float)
-    v = v[np.isfinite(v) & (v > 0)]
-    decades = np.log10(v.max() / v.min()) if len(v) else 1.0
-    if decades < 1:
-        axis.set_major_locator(ticker.MaxNLocator(nbins=6, steps=[1, 2, 2.5, 5, 10]))
-        axis.set_minor_locator(ticker.NullLocator())
-    else:
-        subs = (1, 2, 5) if decades < 3 else (1,)
-        axis.set_major_locator(ticker.LogLocator(base=10, subs=subs, numticks=50))
-        axis.set_minor_locator(ticker.LogLocator(base=10, subs=tuple(range(2, 10)), numticks=50))
-        axis.axes.grid(True, which="minor", axis=axis.axis_name, alpha=0.25, lw=0.5)
-    axis.set_major_formatter(ticker.FuncFormatter(compact))
-    axis.set_minor_formatter(ticker.NullFormatter())
-
-
-def draw_lines(
-    ax,
-    df: pd.DataFrame,
-    x: str,
-    y: str,
-    colors: dict,
-    marks: dict,
-    spread: tuple[str, str] | None = None,
-    hue: str = "label",
-    dodge: float = 0.0,
-) -> list[str]:
-    """One line per strategy label (column ``hue``; colour, marker and dash of its own), the
-    first in the order (TSP) drawn last, highest and filled, the others hollow; ``spread``:
-    (low, high) columns drawn as error bars; ``dodge``: strategies' points moved apart by this
-    many octaves each on a log2 x axis, so bars at one x do not hide each other. Returns the
-    labels drawn, in the legend's order (TSP first)."""
-    present = [k for k in colors if k in set(df[hue])]
-    for i in reversed(range(len(present))):
-        k = present[i]
-        d = df[df[hue] == k].sort_values(x)
-        z = 3 + len(present) - i  # the first in the order on top
-        xs = d[x] * 2.0 ** ((i - (len(present) - 1) / 2) * dodge) if dodge else d[x]
-        marker, dash = marks[k]
-        # TSP filled and on top; the others hollow and a little larger, so a marker under it
-        # still shows its outline
-        face = {} if i == 0 else {"markerfacecolor": "none", "markeredgewidth": 1.5}
-        ax.plot(
-            xs,
-            d[y],
-            color=colors[k],
-            marker=marker,
-            ls=dash,
-            lw=1.6,
-            ms=5.5 if i == 0 else 9,
-            zorder=z,
-            label=k,
-            **face,
-        )
-        if spread is not None and len(d):
-            lo = (d[y] - d[spread[0]]).clip(lower=0).fillna(0)
-            hi = (d[spread[1]] - d[y]).clip(lower=0).fillna(0)
-            ax.errorbar(xs, d[y], yerr=[lo, hi], fmt="none", ecolor=colors[k], capsize=3, zorder=z)
-    return present
-
-
-def legend(
-    ax, labels: list[str], failed: str = "", title: str = "strategy", fontsize: float = 8
-) -> None:
-    """The legend outside the axes, on the right (it never hides a point), strategies in
-    ``labels`` order, and a red cross named ``failed`` when the axis marks cells so."""
-    by_label = dict(zip(*reversed(ax.get_legend_handles_labels())))
-    names = [k for k in labels if k in by_label]
-    handles = [by_label[k] for k in names]
-    if failed:
-        handles.append(Line2D([], [], color="red", marker="x", ls="none", ms=7, mew=2))
-        names.append(failed)
-    ax.legend(
-        handles,
-        names,
-        title=title,
-        fontsize=fontsize,
-        loc="upper left",
-        bbox_to_anchor=(1.01, 1.0),
-        borderaxespad=0.0,
-    )
-
-
-def _failed_markers(ax, failed: pd.DataFrame, x: str) -> None:
-    """A red cross at the top of the axis per failed cell; labels at one x are stacked."""
-    if failed.empty:
-        return
-    top = ax.get_ylim()[1]
-    seen: dict[object, int] = {}
-    for _, r in failed.iterrows():
-        k = seen[r[x]] = seen.get(r[x], -1) + 1
-        ax.scatter(r[x], top, marker="x", color="red", s=60, zorder=20, clip_on=False)
-        ax.annotate(
-            f"{r['label']}: {MARK.get(r['status'], 'failed')}",
-            (r[x], top),
-            textcoords="offset points",
-            xytext=(-4, -12 - 10 * k),
-            fontsize=7,
-            color="red",
-            ha="right",
-        )
 
 
 @dataclass
@@ -367,7 +226,7 @@ def line(p: Plot, colors: dict, marks: dict, note: str = "", foot: str = "") -> 
     sub = f"{foot}; {SPREAD}" if p.spread else foot
     ax.set_title(f"{p.title}{note}\n{sub}", fontsize=9)
     ax.grid(True, which="major", alpha=0.3)
-    _failed_markers(ax, failed, p.x)
+    failed_markers(ax, failed, p.x)
     legend(ax, drawn, "OOM / failed" if len(failed) else "")
     return fig
 

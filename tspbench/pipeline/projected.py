@@ -22,7 +22,7 @@ from matplotlib.ticker import NullLocator
 
 from tspbench.core.config import get_config
 from tspbench.core.strategy import Layout
-from tspbench.pipeline.figures import draw_lines, legend, log_ticks, palette, save, styles
+from tspbench.pipeline.plotting import draw_lines, legend, log_ticks, palette, save, styles
 from tspbench.pipeline.tables import label_order
 from tspbench.projection.analytic import memory
 from tspbench.projection.costmodel import load_preset, project
