@@ -14,7 +14,8 @@ import yaml
 
 from tspbench.cli import main
 from tspbench.core.config import PRESETS, ConfigError, hf_config
-from tspbench.projection import costmodel, planmap, planner
+from tspbench.projection import costmodel, plancheck, planfigures, planmap, planner
+from tspbench.projection.plantypes import Request
 
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"],
@@ -183,7 +184,7 @@ def test_bad_input_is_one_line_exit_2(capsys, stub_ops, argv, needle):
 
 
 def test_global_batch_sets_the_micro_batch(stub_ops):
-    req = planner.Request.make("7b", "mi300x", 32768, 16, global_batch=8)
+    req = Request.make("7b", "mi300x", 32768, 16, global_batch=8)
     p = planner.plan(req, use_cache=False)
     for c in p.candidates:
         if c.spec is not None:
@@ -193,13 +194,13 @@ def test_global_batch_sets_the_micro_batch(stub_ops):
 
 def test_answers_in_seconds_for_1024_gpus(stub_ops):
     t0 = time.perf_counter()
-    p = planner.plan(planner.Request.make("7b", "mi300x", 131072, 1024), use_cache=False)
+    p = planner.plan(Request.make("7b", "mi300x", 131072, 1024), use_cache=False)
     assert time.perf_counter() - t0 < 20 and p.best is not None and p.best.fits
     assert {c.layout.world_size for c in p.candidates} == {1024}
 
 
 def test_counts_operations_for_real_and_caches_them(tmp_path):
-    req = planner.Request.make("tiny", "mi300x", 256, 2, mode="infer", dtype="fp32", max_batch=2)
+    req = Request.make("tiny", "mi300x", 256, 2, mode="infer", dtype="fp32", max_batch=2)
     first = planner.plan(req, top=1, cache=tmp_path)
     assert first.ops.counted > 0 and all(r.cand.exact for r in first.shown if r.fits)
     again = planner.plan(req, top=1, cache=tmp_path)
@@ -228,7 +229,7 @@ def test_map_sweep_and_figures(stub_ops, tmp_path):
     assert len(table) == 2 * 2 * 7 and table.fits.any()
     s64 = table[(table.seq_len == 65536) & (table.gpus == 8)]
     assert s64.winner.iloc[0] is not None and s64.focus_margin.notna().all()
-    planmap.write_map(table, cfg, "7b", "mi300x", tmp_path / "out")
+    planfigures.write_map(table, cfg, "7b", "mi300x", tmp_path / "out")
     for name in ("winner", "feasible", "margin"):
         assert (tmp_path / "out" / f"{name}.png").stat().st_size > 10_000
         assert (tmp_path / "out" / f"{name}.pdf").exists()
@@ -252,6 +253,6 @@ def test_map_config_refused_naming_the_key(tmp_path, text, needle):
 
 
 def test_spearman_ranks_with_ties():
-    assert planmap.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
-    assert planmap.spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
-    assert planmap.spearman([1, 1, 2], [5, 5, 9]) == pytest.approx(1.0)
+    assert plancheck.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert plancheck.spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+    assert plancheck.spearman([1, 1, 2], [5, 5, 9]) == pytest.approx(1.0)

@@ -38,9 +38,11 @@ def schema_models() -> list[str]:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from tspbench.projection import planner
+    from tspbench.projection import planner, planrender
+    from tspbench.projection.planlaunch import pipeline_config
+    from tspbench.projection.plantypes import Request
 
-    req = planner.Request.make(
+    req = Request.make(
         args.model,
         args.hardware,
         args.seq_len,
@@ -63,34 +65,34 @@ def cmd_plan(args: argparse.Namespace) -> int:
         use_cache=not args.no_cache,
     )
     models = schema_models()
-    obj = planner.to_json(plan)
+    obj = planrender.to_json(plan)
     if obj["best"] is not None:
-        obj["pipeline_config"] = planner.pipeline_config(req, plan.best.cand.spec, models)
+        obj["pipeline_config"] = pipeline_config(req, plan.best.cand.spec, models)
     if args.out:
         from tspbench.runtime.record import write_json
 
         if not args.out.endswith(".json"):
             raise ConfigError(f"--out={args.out!r}: must name a .json file")
         write_json(args.out, obj)
-    print(json.dumps(obj, indent=1) if args.json else planner.render(plan, models))
+    print(json.dumps(obj, indent=1) if args.json else planrender.render(plan, models))
     return 0
 
 
 def cmd_plan_map(args: argparse.Namespace) -> int:
-    from tspbench.projection import planmap
+    from tspbench.projection import planfigures, planmap
 
     cfg = planmap.load_config(args.config)
     table = planmap.sweep(cfg, args.model, args.hardware, cache=args.cache, progress=True)
-    planmap.write_map(table, cfg, args.model, args.hardware, args.out)
+    planfigures.write_map(table, cfg, args.model, args.hardware, args.out)
     print(f"wrote {args.out}")
     return 0
 
 
 def cmd_plan_check(args: argparse.Namespace) -> int:
-    from tspbench.projection import planmap
+    from tspbench.projection import plancheck
     from tspbench.runtime.record import write_atomic
 
-    text = planmap.check(
+    text = plancheck.check(
         args.summary, args.hardware, args.memory, args.memory_hardware, cache=args.cache
     )
     print(text)

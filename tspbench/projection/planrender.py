@@ -1,0 +1,223 @@
+"""What ``tspbench plan`` prints: the text answer (:func:`render`: header, ranked table, why
+configurations are missing, the best plan's commands and config) and the JSON one
+(:func:`to_json`). Split from the planner so that deciding and wording change apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+from tspbench.core.config import ModelConfig
+from tspbench.projection.planlaunch import pipeline_config, run_lines
+from tspbench.projection.planner import binding, limit
+from tspbench.projection.plantypes import Candidate, Plan, Request, node_size
+from tspbench.runtime.registry import strategies
+
+GiB = 2**30
+
+
+def describe(cfg: ModelConfig) -> str:
+    return (
+        f"h {cfg.hidden}, {cfg.layers} layers, {cfg.heads} heads / {cfg.kv_heads} KV, "
+        f"f {cfg.ffn}, V {cfg.vocab}, {cfg.n_params() / 1e9:.2f}B parameters"
+    )
+
+
+def candidate_dict(c: Candidate, req: Request) -> dict[str, Any]:
+    lay, r = c.layout, c.result or {}
+    factors = strategies()[c.strategy].factors(lay)
+    return {
+        "strategy": c.strategy,
+        "label": strategies()[c.strategy].label(lay),
+        "degree": lay.degree,
+        "tp": factors["tp"],
+        "sp": factors["sp"],
+        "dp": lay.dp,
+        "gpus": lay.world_size,
+        "batch": c.batch or None,  # None: no micro-batch splits the global batch
+        "global_batch": c.batch * lay.dp or None,
+        "seq_len": req.seq_len,
+        "mode": req.mode,
+        "dtype": req.dtype,
+        "recompute": c.recompute,
+        "kv_bucket": c.kv_bucket,
+        "fits": bool(c.fits),
+        "peak_mem_bytes": c.peak,
+        "memory_source": c.peak_source if c.peak is not None else None,
+        "memory_cap_bytes": req.memory_cap,
+        "headroom_bytes": None if c.peak is None else req.memory_cap - c.peak,
+        "tokens_per_s": r.get("tokens_per_s"),
+        "tokens_per_s_per_gpu": r["tokens_per_s"] / req.gpus if r else None,
+        "step_time_s": r.get("step_time_s"),
+        "mfu": r.get("mfu"),
+        "throughput_exact": c.exact,  # False: no dispatch time yet, an upper bound
+        "binding": binding(c, req),
+    }
+
+
+def to_json(plan: Plan) -> dict[str, Any]:
+    req, best = plan.request, plan.best
+    out: dict[str, Any] = {
+        "projected": True,
+        "request": {
+            "model": req.model,
+            "model_config": dataclasses.asdict(req.cfg),
+            "hardware": req.hardware.get("name"),
+            "seq_len": req.seq_len,
+            "gpus": req.gpus,
+            "global_batch": req.global_batch,
+            "mode": req.mode,
+            "dtype": req.dtype,
+            "memory_cap_bytes": req.memory_cap,
+            "max_degree": req.max_degree,
+            "notes": list(req.notes),
+        },
+        "candidates": [candidate_dict(c, req) for c in plan.candidates],
+        "ranked": [candidate_dict(r.cand, req) | {"limit": limit(r, req)} for r in plan.shown],
+        "best": None,
+        "filtered": filtered_lines(plan),
+        "skipped_degrees": plan.skipped,
+        "ops": {
+            "configurations": sum(1 for c in plan.configs if c.valid),
+            "counted": plan.ops.counted,
+            "cached": plan.ops.hits,
+        },  # fmt: skip
+        "timings": plan.timings,
+    }
+    if best is not None:
+        out["best"] = candidate_dict(best.cand, req) | {
+            "limit": limit(best, req),
+            **run_lines(req, best.cand.spec),
+        }
+    return out
+
+
+def filtered_lines(plan: Plan) -> list[str]:
+    """Why configurations are missing: a rule per group (with the micro-batches it hits when
+    it hits only some), and the degrees above ``max_degree``."""
+    req = plan.request
+    rules: dict[tuple, set[int]] = {}  # (label, D, rule with the batch as B) -> batches hit
+    runnable: set[tuple] = set()  # (label, D) with some valid micro-batch
+    for conf in plan.configs:
+        for c in conf.candidates:
+            if c.reason:
+                why = re.sub(rf"\bbatch={c.batch}\b", "batch=B", c.reason)
+                rules.setdefault((conf.label, conf.layout.degree, why), set()).add(c.batch)
+            else:
+                runnable.add((conf.label, conf.layout.degree))
+    lines = []
+    for (label, D, why), batches in rules.items():
+        some = f" (B={_ranges(sorted(batches))})" if (label, D) in runnable else ""
+        lines.append(f"{label} D={D}{some}: {why}")
+    above = sorted({s["degree"] for s in plan.skipped})
+    if above:
+        lines.append(
+            f"D={', '.join(map(str, above))}: above --max-degree {req.max_degree} "
+            f"(GPUs per node: {node_size(req.hardware)}), not enumerated"
+        )
+        said: set[str] = set()
+        for s in plan.skipped:  # the smallest such degree a rule refuses, per strategy
+            if s["rule"] and s["strategy"] not in said:
+                said.add(s["strategy"])
+                lines.append(f"  and anyway {s['label']} D={s['degree']}: {s['rule']}")
+    return lines
+
+
+def _ranges(xs: list[int]) -> str:
+    out, i = [], 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        out.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def _fmt_rate(c: Candidate) -> str:
+    t = c.tokens_per_s
+    return "-" if t is None else ("" if c.exact else "<=") + f"{t:,.0f}"
+
+
+def render(plan: Plan, models: list[str] | None = None) -> str:
+    """The text answer: header, ranked table, why others are missing, and the best plan's
+    commands and pipeline config."""
+    req = plan.request
+    cap = req.memory_cap / GiB
+    n_valid = sum(len(c.valid) for c in plan.configs)
+    n_fit = sum(len(c.fitting) for c in plan.configs)
+    n_conf = sum(1 for c in plan.configs if c.valid)
+    batches = (f"global batch {req.global_batch}" if req.global_batch
+               else f"micro-batch 1..{req.max_batch}")  # fmt: skip
+    out = [
+        f"PROJECTED plan: {req.model} ({describe(req.cfg)})",
+        f"  {req.mode} {req.dtype}, S={req.seq_len}, {req.gpus} GPUs of {req.hardware.get('name')}"
+        f" ({node_size(req.hardware)} per node, D <= {req.max_degree}), memory cap {cap:.1f} GiB,"
+        f" {batches}",
+        f"  {len(plan.candidates)} candidates in {len(plan.configs)} configurations: {n_fit} fit, "
+        f"{n_valid - n_fit} over memory, {len(plan.candidates) - n_valid} refused by a rule; "
+        f"operations counted for {plan.ops.counted} configurations, {plan.ops.hits} cached, of "
+        f"{n_conf}; {plan.timings['total_s']:.1f} s",
+        *(f"  note: {n}" for n in req.notes),
+        "",
+    ]
+    head = ["#", "strategy", "D", "dp", "B", "recompute", "kvb", "peak GiB", "headroom",
+            "fits", "tokens/s", "tok/s/GPU", "MFU", "step s", "limit"]  # fmt: skip
+    table = []
+    for i, r in enumerate(plan.shown, 1):
+        c, res = r.cand, r.cand.result or {}
+        src = "*" if c.peak_source != "analytic" else ""
+        table.append([
+            str(i), r.config.label, str(c.layout.degree), str(c.layout.dp), str(c.batch),
+            c.recompute, str(c.kv_bucket), f"{c.peak / GiB:.1f}{src}",
+            f"{(req.memory_cap - c.peak) / GiB:.1f}", "yes" if c.fits else "NO", _fmt_rate(c),
+            ("" if c.exact else "<=") + f"{res['tokens_per_s'] / req.gpus:,.0f}" if res else "-",
+            f"{res['mfu']:.1%}" if res.get("mfu") is not None else "-",
+            f"{res['step_time_s']:.3f}" if res else "-", limit(r, req),
+        ])  # fmt: skip
+    widths = [max(len(x) for x in col) for col in zip(head, *table)]
+    right = {0, 2, 3, 4, 6, 7, 8, 10, 11, 12, 13}
+    for line in [head, *table]:
+        cells = [
+            x.rjust(w) if k in right else x.ljust(w) for k, (x, w) in enumerate(zip(line, widths))
+        ]
+        out.append("  ".join(cells).rstrip())
+    foot = "fitting rows by tokens/s, then the rest by peak memory"
+    if plan.hidden:
+        foot += f"; {plan.hidden} dominated rows not shown (same group: faster with less memory)"
+    out.append(f"({foot}; <=: upper bound, dispatch not counted; peak: analytic steady state"
+               + ("; *: fake-tensor estimate" if plan.estimated else "") + ")")  # fmt: skip
+    if any(c.kv_bucket for c in plan.candidates if c.spec):
+        out.append("(the analytic memory models whole head groups: a KV bucket's saving shows "
+                   "only with --estimate)")  # fmt: skip
+    for c in plan.estimated:
+        out.append(
+            f"estimator: {strategies()[c.strategy].label(c.layout)} D={c.layout.degree} "
+            f"B={c.batch} {c.recompute} kvb={c.kv_bucket}: {c.peak / GiB:.1f} GiB, "
+            f"{'fits' if c.fits else 'OVER the cap'} ({c.estimate['estimate_s']:.1f} s"
+            f"{', cached' if c.estimate.get('cached') else ''})"
+        )
+    filt = filtered_lines(plan)
+    if filt:
+        out += ["", "filtered:", *(f"  {x}" for x in filt)]
+    best = plan.best
+    out.append("")
+    if best is None:
+        out.append(f"no candidate fits {cap:.1f} GiB per GPU: more GPUs per model group, "
+                   "recomputation, a shorter sequence or a larger memory cap")  # fmt: skip
+        return "\n".join(out)
+    c = best.cand
+    lines = run_lines(req, c.spec)
+    out += [
+        f"best plan: {best.config.label} D={c.layout.degree} dp={c.layout.dp} B={c.batch} "
+        f"recompute={c.recompute} kv_bucket={c.kv_bucket}: {c.peak / GiB:.1f} GiB per GPU "
+        f"({c.peak_source}), {c.tokens_per_s:,.0f} tokens/s projected",
+        f"  {lines['run']}",
+        f"  {lines['srun']}",
+        "",
+        "pipeline config (workflows/config/<name>.yaml):",
+        pipeline_config(req, c.spec, models).rstrip(),
+    ]
+    return "\n".join(out)

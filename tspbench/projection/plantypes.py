@@ -1,0 +1,202 @@
+"""The planner's records: the question (:class:`Request`, checked when made) and what a plan
+tries and answers (:class:`Candidate`, :class:`Config`, :class:`Row`, :class:`Plan`). They live
+apart from the enumeration and ranking (:mod:`planner`) so that the rendering, the commands, the
+maps and the check can use them without the planner's machinery.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from tspbench.core.config import ConfigError, ModelConfig, load_model
+from tspbench.core.strategy import Layout
+from tspbench.projection import costmodel
+from tspbench.projection.plancache import OpsCache
+from tspbench.runtime.registry import strategies
+from tspbench.runtime.spec import CHOICES, RunSpec
+
+MAX_BATCH = 4096  # tspbench run's --batch bound
+
+
+# -- the question ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Request:
+    """What to plan: a model on G GPUs of a hardware preset at sequence length S."""
+
+    cfg: ModelConfig
+    hardware: dict
+    seq_len: int
+    gpus: int
+    memory_cap: int
+    max_degree: int
+    mode: str = "train"
+    dtype: str = "bf16"
+    global_batch: int | None = None
+    max_batch: int = 16
+    recompute: tuple[str, ...] = ("none", "full")
+    model: str = ""  # as the user named it (preset or path)
+    notes: tuple[str, ...] = ()
+
+    @classmethod
+    def make(
+        cls,
+        model: str,
+        hardware: str | dict,
+        seq_len: int,
+        gpus: int,
+        *,
+        memory_cap: float | None = None,
+        max_degree: int | None = None,
+        **kw: Any,
+    ) -> Request:
+        """Resolve model (preset or config.json) and hardware (preset or calibrated .json); the
+        memory cap defaults to the preset's ``memory_bytes``, the degree cap to its node size."""
+        cfg, notes = load_model(model) if isinstance(model, str) else (model, [])
+        preset = costmodel.load_preset(hardware) if isinstance(hardware, str) else hardware
+        if memory_cap is None:
+            if not preset.get("memory_bytes"):
+                raise ConfigError(
+                    f"--memory-cap: hardware {preset.get('name')!r} states no memory_bytes; "
+                    "give the GPU memory in GiB"
+                )
+            memory_cap = preset["memory_bytes"]
+        if (
+            not (isinstance(memory_cap, int | float) and math.isfinite(memory_cap))
+            or memory_cap <= 0
+        ):
+            raise ConfigError(f"--memory-cap={memory_cap!r}: must be a positive number of GiB")
+        node = node_size(preset)
+        max_degree = node if max_degree is None else max_degree
+        for name, v, lo, hi in (
+            ("--seq-len", seq_len, 1, 2**24),
+            ("--gpus", gpus, 1, 65536),
+            ("--max-degree", max_degree, 1, 65536),
+            ("--max-batch", kw.get("max_batch", 16), 1, MAX_BATCH),
+            ("--global-batch", kw.get("global_batch") or 1, 1, 2**24),
+        ):
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                raise ConfigError(f"{name}={v!r}: must be an integer between {lo} and {hi}")
+        for key, choices in CHOICES.items():
+            values = kw.get(key, ())
+            for v in values if isinstance(values, tuple) else (values,):
+                if v not in choices:
+                    raise ConfigError(f"--{key}={v!r}: must be one of {', '.join(choices)}")
+        if kw.get("mode", "train") == "infer":
+            kw["recompute"] = ("none",)  # recomputation is a training matter
+        return cls(
+            cfg=cfg, hardware=preset, seq_len=seq_len, gpus=gpus, memory_cap=int(memory_cap),
+            max_degree=max_degree, model=model if isinstance(model, str) else cfg.name,
+            notes=tuple(notes), **kw,
+        )  # fmt: skip
+
+
+def node_size(preset: dict) -> int:
+    """GPUs per node of a preset (a calibrated one: the most ranks it was measured with)."""
+    if "gpus_per_node" in preset:
+        return int(preset["gpus_per_node"])
+    return max((int(k) for k in preset.get("ranks", {})), default=8)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# -- what is tried --------------------------------------------------------------------------------
+@dataclass
+class Candidate:
+    """One runnable (or refused) combination, and what the models say about it."""
+
+    strategy: str
+    layout: Layout
+    batch: int
+    recompute: str
+    kv_bucket: int
+    spec: RunSpec | None = None
+    reason: str | None = None  # the validation rule it breaks
+    peak: float | None = None  # bytes per GPU
+    peak_source: str = "analytic"
+    bound: dict | None = None  # projection without dispatch (an upper bound on tokens/s)
+    proj: dict | None = None  # with the counted operations
+    fits: bool = False
+    estimate: dict | None = None  # the fake-tensor estimator's check, when asked
+
+    @property
+    def exact(self) -> bool:
+        return self.proj is not None
+
+    @property
+    def result(self) -> dict | None:
+        return self.proj or self.bound
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.result["tokens_per_s"] if self.result else None
+
+
+@dataclass
+class Config:
+    """A strategy's group with one recomputation and bucket, over its micro-batches."""
+
+    strategy: str
+    layout: Layout
+    recompute: str
+    kv_bucket: int
+    candidates: list[Candidate] = field(default_factory=list)
+    ops: int | None = None
+
+    @property
+    def label(self) -> str:
+        return strategies()[self.strategy].label(self.layout)
+
+    @property
+    def valid(self) -> list[Candidate]:
+        return [c for c in self.candidates if c.spec is not None]
+
+    @property
+    def fitting(self) -> list[Candidate]:
+        return [c for c in self.valid if c.fits]
+
+    def best(self) -> Candidate | None:
+        """The fitting micro-batch with the most tokens/s, else the one nearest to fitting."""
+        if self.fitting:
+            return max(self.fitting, key=lambda c: c.tokens_per_s)
+        return min(self.valid, key=lambda c: c.peak, default=None)
+
+    def bound(self) -> float:
+        return max((c.bound["tokens_per_s"] for c in self.fitting), default=0.0)
+
+
+# -- what is answered -----------------------------------------------------------------------------
+@dataclass
+class Row:
+    """A configuration as the table shows it: its best micro-batch (or nearest to fitting)."""
+
+    config: Config
+    cand: Candidate
+
+    @property
+    def fits(self) -> bool:
+        return self.cand.fits
+
+
+@dataclass
+class Plan:
+    request: Request
+    configs: list[Config]
+    rows: list[Row]  # ranked: fitting by tokens/s, then the rest by peak memory
+    shown: list[Row]  # what the table shows
+    hidden: int  # fitting rows left out as dominated (same group, less memory and faster)
+    skipped: list[dict]  # degrees above max_degree
+    ops: OpsCache
+    timings: dict[str, float]
+    estimated: list[Candidate] = field(default_factory=list)  # checked by the estimator
+
+    @property
+    def best(self) -> Row | None:
+        return next((r for r in self.rows if r.fits), None)
+
+    @property
+    def candidates(self) -> list[Candidate]:
+        return [c for conf in self.configs for c in conf.candidates]
