@@ -66,14 +66,21 @@ def _post(status: str, msg: str, wait_s: float = 2.0) -> None:
 def _await_record(store=None, wait_s: float = 15.0) -> None:
     """A failing rank other than 0 stays until rank 0 has written the record, or is gone: under
     ``srun --kill-on-bad-exit`` (or torchrun) its exit would kill rank 0 before it could say
-    why. ``store``: the job's store, taken before the process group was closed."""
-    deadline = time.monotonic() + wait_s
-    try:
-        store = store or dist.distributed_c10d._get_default_store()
-        while time.monotonic() < deadline and not store.check([WRITTEN_KEY]):
-            time.sleep(0.1)
-    except Exception:  # the store went with rank 0: nothing left to wait for
-        pass
+    why. ``store``: the job's store, taken before the process group was closed. Bounded by
+    ``wait_s`` even when a store call blocks (rank 0, the store's host, stopped)."""
+
+    def wait() -> None:
+        deadline = time.monotonic() + wait_s
+        try:
+            s = store or dist.distributed_c10d._get_default_store()
+            while time.monotonic() < deadline and not s.check([WRITTEN_KEY]):
+                time.sleep(0.1)
+        except Exception:  # the store went with rank 0: nothing left to wait for
+            pass
+
+    t = threading.Thread(target=wait, daemon=True)
+    t.start()
+    t.join(wait_s)
 
 
 def _leave(world: int, status: str) -> bool:
