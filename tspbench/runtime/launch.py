@@ -300,7 +300,7 @@ def spawn_local(
         if got:  # signalled while starting the ranks: pass it on to those already started
             kill_all(got[0])
         failed_at = None
-        while alive := [p for p in procs if p.poll() is None]:  # poll every rank, every time
+        while [p for p in procs if p.poll() is None]:  # poll every rank, every time
             now = time.monotonic()
             if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
                 failed_at = now
@@ -308,7 +308,7 @@ def spawn_local(
             late = deadline_s is not None and now - start > deadline_s
             if late or (failed_at is not None and now - failed_at > grace):
                 kill_all(by_launcher=True)
-            time.sleep(0.05 if alive else 0)
+            time.sleep(0.05)
     finally:
         kill_all()
         for p in procs:
