@@ -72,20 +72,34 @@ def test_noise_within_tolerance_passes(tmp_path, capsys):
     assert code == 0, out
 
 
-def test_a_uniform_slowdown_fails_the_median_check(tmp_path, capsys):
+def test_another_machines_level_passes_a_uniform_slowdown_fails(tmp_path, capsys):
     cur = table()
-    cur["tokens_per_s_per_gflops"] *= 0.8  # every cell 20% slower: within per-cell tolerance
+    cur["tokens_per_s_per_gflops"] *= 0.8  # every cell 20% slower: a slower machine
+    code, out = run(tmp_path, cur, capsys)
+    assert code == 0 and "(run level): 0.800" in out, out
+    cur["tokens_per_s_per_gflops"] *= 0.75  # 40% slower in all: beyond the level's tolerance
     code, out = run(tmp_path, cur, capsys)
     assert code == 1 and "| (all cells) | median tokens_per_s_per_gflops |" in out
 
 
-def test_throughput_cut_by_30_percent_fails_naming_cell_and_metric(tmp_path, capsys):
+def test_one_strategy_slower_than_the_others_in_one_run_fails(tmp_path, capsys):
+    cur = table()
+    cur["tokens_per_s_per_gflops"] *= [0.5, 0.5, 1.0, 1.0]  # tsp at half speed, tp unchanged
+    code, out = run(tmp_path, cur, capsys)
+    assert code == 1
+    assert "| (strategy tsp) | median tokens_per_s_per_gflops / run level |" in out
+
+
+def test_a_cell_halved_fails_a_cell_30_percent_slower_is_a_notice(tmp_path, capsys):
     cur = table()
     cur.loc[1, "tokens_per_s_per_gflops"] *= 0.7
     code, out = run(tmp_path, cur, capsys)
+    assert code == 0 and "-30.0% | slower |" in out, out
+    cur.loc[1, "tokens_per_s_per_gflops"] = 20.0  # half the baseline's 40
+    code, out = run(tmp_path, cur, capsys)
     assert code == 1
-    assert "| tsp.D2.g2.S1024.B1.train | tokens_per_s_per_gflops |" in out
-    assert "-30.0% | regression |" in out
+    assert "| tsp.D2.g2.S1024.B1.train | tokens_per_s_per_gflops (/ run level 1.000) |" in out
+    assert "-50.0% | regression |" in out
 
 
 def test_one_more_byte_element_fails(tmp_path, capsys):
