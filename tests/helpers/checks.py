@@ -40,7 +40,11 @@ def spec_of(case: dict) -> RunSpec:
         batch=case["B"],
         dtype=case.get("dtype", "fp32"),
         seed=case.get("seed", 0),
-        **{k: case[k] for k in ("mode", "recompute", "overlap", "kv_bucket") if k in case},
+        **{
+            k: case[k]
+            for k in ("mode", "recompute", "overlap", "kv_bucket", "mlp_schedule")
+            if k in case
+        },
     )
 
 
@@ -54,7 +58,7 @@ def make_strategy(case: dict):
     opts = {"dp_bucket_mb": case["dp_bucket_mb"]} if "dp_bucket_mb" in case else {}
     strat = spec.impl(
         spec.cfg, mesh, seed=spec.seed, dtype=DTYPES[spec.dtype], recompute=spec.recompute,
-        overlap=spec.overlap, kv_bucket=spec.kv_bucket, **opts,
+        overlap=spec.overlap, kv_bucket=spec.kv_bucket, mlp_schedule=spec.mlp_schedule, **opts,
     )  # fmt: skip
     return strat, spec.cfg
 
@@ -161,20 +165,24 @@ def run_cases(cases: list[dict]) -> dict:
 
 
 def measure_case(case: dict) -> dict:
-    """One step as ``tspbench run``'s probe measures it: tracked peak (parameters, fp32 masters,
-    inputs and everything the step allocates, AdamW's state included), FLOPs, bytes per kind."""
-    from tspbench.runtime.flops import counter
-    from tspbench.runtime.measure import gc_held, one_step
+    """The probe steps of ``tspbench run``: tracked peaks of the first and the steady-state step
+    (parameters, fp32 masters, inputs, AdamW's state and everything the step allocates), FLOPs
+    and bytes per kind of one step."""
+    import torch
+
+    from tspbench.runtime.measure import one_step, probe
 
     strat, cfg = make_strategy(case)
     tokens, labels = make_batch(cfg, case["B"], case["S"], seed=0)
     batch = strat.shard_batch(tokens, labels)
     train = case.get("mode", "train") == "train"
     opt = AdamW(strat.parameters()) if train else None
-    tracker = MemoryTracker()
-    tracker.track(strat.parameters(), opt.masters if opt else [], batch.tokens, batch.labels)
-    strat.mesh.counter.reset()
-    with gc_held(), tracker, counter() as flops:  # as measure_rank's probe
-        one_step(strat, batch, opt)
+    step = lambda: one_step(strat, batch, opt)  # noqa: E731
+    found, _ = probe(step, strat, batch, opt, torch.device("cpu"))
     by_kind = strat.mesh.counter.by_kind(axes=("model", "tp", "sp", "dp"))
-    return {"peak": tracker.peak, "flops": int(flops.get_total_flops()), "bytes": by_kind}
+    return {
+        "peak": found["tracked_peak_first"],
+        "peak_steady": found["tracked_peak"],
+        "flops": found["flops"],
+        "bytes": by_kind,
+    }

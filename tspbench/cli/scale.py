@@ -113,7 +113,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         f"fake-tensor estimate: {spec.strategy} {spec.cfg.name} S={spec.seq_len} "
         f"D={spec.layout.degree} {spec.mode} {spec.dtype} recompute={spec.recompute}\n"
         f"  peak per GPU {est['peak_mem_bytes'] / GiB:.2f} GiB (first step "
-        f"{est['peak_mem_first_step_bytes'] / GiB:.2f}; analytic {ana['peak'] / GiB:.2f}) "
+        f"{est['peak_mem_bytes_first_step'] / GiB:.2f}; analytic {ana['peak'] / GiB:.2f}) "
         f"ranks {est['estimated_ranks']}: "
         + ", ".join(f"{p / GiB:.2f}" for p in est["peak_mem_bytes_per_rank"])
         + f"\n  {'fits' if obj['fits'] else 'does NOT fit'} in {args.device_memory:g} GiB; "

@@ -13,13 +13,13 @@ Faithfulness notes:
 - Ranks: zigzag gives the ranks of a model group different key lengths, so each of the D ranks of
   replica 0 is estimated; data-parallel replicas run the same shapes (only their batch rows
   differ), so they are not estimated again.
-- Training runs two steps: AdamW creates its state inside the first ``step()``; the second step is
-  the steady state that decides whether a run fits. Both peaks are reported.
+- The steps are a measured run's probe steps (:func:`tspbench.runtime.measure.probe`): the first
+  step's peak (AdamW creates its state inside it), the steady-state peak of a second step, which
+  decides whether a run fits, and FLOPs (and dispatched operations) counted in a third step.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import Any
 
@@ -34,8 +34,7 @@ from tspbench.core.memory import MemoryTracker
 from tspbench.core.mesh import Axis, build_mesh
 from tspbench.core.optim import AdamW
 from tspbench.core.reference import make_batch
-from tspbench.runtime.flops import counter
-from tspbench.runtime.measure import build_strategy, gc_held, one_step
+from tspbench.runtime.measure import at_rest, build_strategy, one_step, probe
 from tspbench.runtime.registry import get_strategy
 from tspbench.runtime.spec import RunSpec
 
@@ -79,25 +78,23 @@ def estimate_rank(
             del tokens, labels
             train = spec.mode == "train"
             opt = AdamW(strat.parameters()) if train else None
-            tracker = MemoryTracker()
-            tracker.track(
-                strat.parameters(), opt.masters if opt else [], batch.tokens, batch.labels
+            at_rest_bytes = MemoryTracker()
+            at_rest_bytes.track(*at_rest(strat, batch, opt))
+            ops = OpCounter() if count_ops else None
+            found, _ = probe(  # as a measured run's probe steps
+                lambda: one_step(strat, batch, opt),
+                strat,
+                batch,
+                opt,
+                torch.device("cpu"),
+                also=ops,
             )
-            at_rest = tracker.live
-            peaks = []
-            for _ in range(2 if train else 1):
-                mesh.counter.reset()
-                tracker.reset_peak()
-                ops = OpCounter() if count_ops else contextlib.nullcontext()
-                with gc_held(), tracker, counter() as flops, ops:  # as the measured probe
-                    one_step(strat, batch, opt)
-                peaks.append(tracker.peak)
             return {
                 "rank": rank,
-                "at_rest_bytes": at_rest,
-                "peak_first_bytes": peaks[0],
-                "peak_bytes": peaks[-1],
-                "flops": int(flops.get_total_flops()),
+                "at_rest_bytes": at_rest_bytes.live,
+                "peak_first_bytes": found["tracked_peak_first"],
+                "peak_bytes": found["tracked_peak"],
+                "flops": found["flops"],
                 "comm_by_kind": dict(mesh.counter.by_kind()),
                 "comm_by_axis": dict(mesh.counter.by_axis()),
                 "param_numel": strat.local_numel(),
@@ -118,7 +115,7 @@ def estimate(spec: RunSpec, ranks: list[int] | None = None, kernel: str = "fused
         "estimated_ranks": ranks,
         "kernel": kernel,
         "peak_mem_bytes": worst["peak_bytes"],
-        "peak_mem_first_step_bytes": max(p["peak_first_bytes"] for p in per),
+        "peak_mem_bytes_first_step": max(p["peak_first_bytes"] for p in per),
         "peak_mem_bytes_per_rank": [p["peak_bytes"] for p in per],
         "at_rest_bytes_per_rank": [p["at_rest_bytes"] for p in per],
         "flops_per_rank": [p["flops"] for p in per],

@@ -3,7 +3,7 @@
 KIND: ``kill`` (the rank SIGKILLs itself), ``stall`` (sleeps forever), ``slow`` (a healthy but
 long step: sleeps ``seconds``, default 3), ``nan`` (this rank's first weight becomes NaN: a
 diverged run), ``error`` (raises), ``oom`` (raises an out-of-memory error). Keys select where:
-``rank`` (global rank, default 0), ``step`` (0 is the probe step, then warmup and timed
+``rank`` (global rank, default 0), ``step`` (0-2 are the probe steps, then warmup and timed
 steps; default 0), ``seq_len`` and ``strategy`` (only runs of that sequence length /
 strategy). Several faults: comma-separated.
 Unset, nothing happens.

@@ -1,8 +1,11 @@
 """One measured run on one rank; rank 0 assembles the record.
 
-Order of steps: one *probe* step under the memory tracker and the FLOP counter (these hook every
-op, so the probe is never timed; it yields peak memory, FLOPs, the first-step loss and gradient
-norm), then ``warmup`` untimed steps, then ``steps`` timed steps. Each timed step starts after a
+Order of steps: three untimed *probe* steps (:func:`probe`), then ``warmup`` untimed steps, then
+``steps`` timed steps. The probes: the first step under the memory tracker (its peak, the
+first-step loss and gradient norm), a second under the tracker once AdamW's state exists (the
+steady-state peak, ``peak_mem_bytes``), and a third under the FLOP counter alone: the counter
+decomposes some kernels (``silu_backward``) into temporaries, so memory is never measured
+while it is active, for any strategy. Each timed step starts after a
 barrier and ends synchronized (CUDA events on GPU); a step's time is the slowest rank's, and the
 record reports the median over steps. Bytes communicated are counted over the timed steps and
 divided by their number.
@@ -14,7 +17,7 @@ import gc
 import statistics
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -124,24 +127,16 @@ def measure_rank(spec: RunSpec, device: torch.device, beat=lambda: None) -> dict
         beat()
         return loss, gnorm
 
-    # probe: memory, FLOPs, first-step loss and gradient norm
-    tracker = MemoryTracker(limit=spec.max_memory)
-    tracker.track(strat.parameters(), opt.masters if opt else [], batch.tokens, batch.labels)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    with gc_held(), tracker, counter() as flops:
-        loss, gnorm = step()
+    found, (loss, gnorm) = probe(step, strat, batch, opt, device, limit=spec.max_memory)
     out: dict[str, Any] = {
+        **found,
         "loss": float(loss),
         "grad_norm": None if gnorm is None else float(gnorm),
-        "flops": int(flops.get_total_flops()),
-        "tracked_peak": tracker.peak,
         "param_numel": strat.local_numel(),
         "optimizer_numel": opt.state_numel() if opt else 0,
     }
-    del tracker
     if not spec.quiet and rank0:
-        print(f"[tspbench] probe step: loss {out['loss']:.6f}", flush=True)
+        print(f"[tspbench] probe steps: loss {out['loss']:.6f}", flush=True)
 
     for i in range(spec.warmup):
         step()
@@ -178,16 +173,64 @@ def measure_rank(spec: RunSpec, device: torch.device, beat=lambda: None) -> dict
     k = spec.steps
     out["comm_by_kind"] = {kind: b / k for kind, b in mesh.counter.by_kind().items()}
     out["comm_by_axis"] = {axis: b / k for axis, b in mesh.counter.by_axis().items()}
-    if device.type == "cuda":
-        out["device_peak"] = torch.cuda.max_memory_allocated(device)
-        out["device_reserved"] = torch.cuda.max_memory_reserved(device)
     return out
+
+
+def at_rest(strat, batch, opt) -> list:
+    """What lives between steps: parameters, fp32 masters, AdamW's moments once they exist, the
+    batch (gradients are dropped by ``zero_grad``)."""
+    state = [t for s in opt.inner.state.values() for t in s.values()] if opt else []
+    return [strat.parameters(), opt.masters if opt else [], state, batch.tokens, batch.labels]
+
+
+def probe(
+    step, strat, batch, opt, device: torch.device, limit: int | None = None, also=None
+) -> tuple[dict, tuple]:
+    """Peak memory of the first and of a steady-state step, then FLOPs in a step of their own.
+
+    ``step()`` runs one step and returns (loss, gradient norm), which are returned as the
+    first step gave them, beside the measurements (tensors: fake ones stay fake). Each memory
+    probe tracks what is at rest plus every tensor the step creates (a TorchDispatchMode that
+    only records storages: it changes no kernel); on CUDA the allocator's peak of the same step
+    is read as well. The
+    FLOP counter runs alone in a third step (with ``also``, another counting mode, beside it),
+    after which the mesh's byte counter holds that one step's bytes. Collective: every rank runs
+    the same steps."""
+    peaks, device_peaks, reserved = [], [], []
+    first = None
+    for _ in range(2):
+        tracker = MemoryTracker(limit=limit)
+        tracker.track(*at_rest(strat, batch, opt))
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        with gc_held(), tracker:
+            result = step()
+        if first is None:
+            first = result
+        peaks.append(tracker.peak)
+        if device.type == "cuda":
+            device_peaks.append(torch.cuda.max_memory_allocated(device))
+            reserved.append(torch.cuda.max_memory_reserved(device))
+        del tracker
+    strat.mesh.counter.reset()
+    with gc_held(), counter() as flops, also or nullcontext():
+        step()
+    out = {
+        "flops": int(flops.get_total_flops()),
+        "tracked_peak_first": peaks[0],
+        "tracked_peak": peaks[1],
+    }
+    if device.type == "cuda":
+        out.update(device_peak_first=device_peaks[0], device_peak=device_peaks[1])
+        out["device_reserved"] = max(reserved)
+    return out, first
 
 
 def summarize(spec: RunSpec, ranks: list[dict[str, Any]], device_peak_flops: float | None) -> dict:
     """The measurement part of the record, from every rank's results (rank order)."""
     r0 = ranks[0]
     peaks = [r.get("device_peak", r["tracked_peak"]) for r in ranks]
+    firsts = [r.get("device_peak_first", r["tracked_peak_first"]) for r in ranks]
     times = r0["step_times"]
     step_time = statistics.median(times)
     tokens = spec.batch * spec.layout.dp * spec.seq_len
@@ -198,6 +241,8 @@ def summarize(spec: RunSpec, ranks: list[dict[str, Any]], device_peak_flops: flo
     return {
         "peak_mem_bytes": max(peaks),
         "peak_mem_bytes_per_rank": peaks,
+        "peak_mem_bytes_first_step": max(firsts),
+        "peak_mem_bytes_first_step_per_rank": firsts,
         "peak_mem_source": "cuda_max_memory_allocated" if "device_peak" in r0 else "tracked",
         "peak_reserved_bytes_per_rank": [r["device_reserved"] for r in ranks]
         if "device_reserved" in r0
