@@ -42,6 +42,7 @@ def fake_record(cell, launcher: str = "slurm", hardware: dict | None = None) -> 
         "status": "ok",
         "peak_mem_bytes": peak,
         "peak_mem_bytes_per_rank": [peak] * gpus,
+        "peak_mem_bytes_first_step": peak,
         "step_time_s": step,
         "step_time_min_s": 0.9 * step,
         "step_time_max_s": 1.2 * step,

@@ -199,6 +199,7 @@ def record(cell, **changes) -> dict:
         "status": "ok",
         "peak_mem_bytes": 1000,
         "peak_mem_bytes_per_rank": [1000, 900],
+        "peak_mem_bytes_first_step": 900,
         "step_time_s": 0.1,
         "tokens_per_s": 320.0,
         "comm_bytes": {"broadcast": 10.0},

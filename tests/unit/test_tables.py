@@ -65,3 +65,24 @@ def test_aggregate_reports_missing_and_corrupt_records(tmp_path):
     assert df.loc[cells[0].id, "status"] == "corrupt"
     assert df.loc[cells[1].id, "status"] == "oom"
     assert df.loc[cells[2].id, "status"] == "missing"
+
+
+def test_training_traffic_table_states_both_crossovers(tmp_path):
+    """The training sweep's bytes get a table of their own, captioned with the analytic forward
+    and training crossovers of TSP and TP for the table's model (issue 19)."""
+    from tspbench.pipeline.tables import specs
+
+    rows = [
+        {"cell": f"{s}.{S}", "sweep": "seq", "label": s, "strategy": s, "seq_len": S,
+         "gpus": 2, "degree": 2, "batch": 1, "mode": "train", "dtype": "fp32", "status": "ok",
+         "peak_mem_bytes": 1e6, "tokens_per_s": 1e3, "comm_bytes_total": 1e3 * S,
+         "model": "tiny", "hidden": 64, "kv_dim": 64, "ffn": 256}
+        for s in ("tsp", "tp") for S in (256, 1024)
+    ]  # fmt: skip
+    found = {name: caption for name, caption, _ in specs(pd.DataFrame(rows))}
+    caption = found["comm_vs_seq_train"]
+    assert "per training step when B x S > 1,096 (17.1h)" in caption
+    assert (
+        "recompute full: B x S > 1,346" in caption
+        and "per forward pass when B x S > 414" in caption
+    )

@@ -38,6 +38,7 @@ SCALARS = [
     "status",
     "error_message",
     "peak_mem_bytes",
+    "peak_mem_bytes_first_step",
     "step_time_s",
     "step_time_min_s",
     "step_time_max_s",

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from tspbench.core.config import ConfigError, get_config
 from tspbench.pipeline.aggregate import per_sweep
 from tspbench.runtime.record import write_atomic
 from tspbench.runtime.registry import strategies
@@ -144,6 +145,48 @@ def forward(df: pd.DataFrame) -> pd.DataFrame:
     return part.drop_duplicates("cell") if "cell" in part else part
 
 
+def crossovers(df: pd.DataFrame, mode: str) -> str:
+    """The analytic B x S above which TSP moves fewer bytes per rank than TP, for the table's
+    model and D (forward pass; per training step with and without recomputation, where the
+    weights travel two or three times): a caption's tail, empty if the rows cannot say."""
+    from tspbench.pipeline.claim_checks import crossover
+
+    need = {"model", "hidden", "kv_dim", "ffn", "degree"}
+    ok = df[df["status"] == "ok"] if "status" in df.columns else df
+    if not need <= set(ok.columns) or ok.empty:
+        return ""
+    r = ok.iloc[0]
+    try:
+        base = get_config(str(r["model"]))
+        heads = base.heads * int(r["hidden"]) // base.hidden
+        cfg = get_config(
+            str(r["model"]),
+            hidden=int(r["hidden"]),
+            heads=heads,
+            kv_heads=heads * int(r["kv_dim"]) // int(r["hidden"]),
+            ffn=int(r["ffn"]),
+        )
+    except (ConfigError, ValueError, TypeError):
+        return ""
+    D = int(ok["degree"].max())
+    if D < 2:
+        return ""
+
+    def at(m: str, rc: str) -> str:
+        x = crossover(cfg, m, rc, degree=D)
+        return "never" if x == float("inf") else f"B x S > {x:,.0f} ({x / cfg.hidden:.1f}h)"
+
+    if mode == "infer":
+        return f"; TSP moves fewer bytes than TP per forward pass at D = {D} when " + at(
+            "infer", "none"
+        )
+    return (
+        f"; TSP moves fewer bytes than TP per training step when {at('train', 'none')} "
+        f"(recompute full: {at('train', 'full')}), per forward pass when "
+        f"{at('infer', 'none')} (analytic, this model)"
+    )
+
+
 def specs(df: pd.DataFrame) -> list[tuple[str, str, pd.DataFrame]]:
     """(name, caption, table) of every table the data supports."""
     unit, scale = mem_unit(df)
@@ -186,8 +229,18 @@ def specs(df: pd.DataFrame) -> list[tuple[str, str, pd.DataFrame]]:
         out.append(
             (
                 "comm_vs_seq",
-                f"Bytes communicated per {one} per forward pass (kB) vs sequence length",
+                f"Bytes communicated per {one} per forward pass (kB) vs sequence length"
+                + crossovers(comm, "infer"),
                 pivot(comm, "label", "seq_len", "kbytes", "{:.0f}"),
+            )
+        )
+    for tag, d, g in groups(seq_train, "degree", "D"):
+        out.append(
+            (
+                f"comm_vs_seq_train{tag}",
+                f"Bytes communicated per {one} per training step (kB) vs sequence length, "
+                f"D = {d}" + crossovers(g, "train"),
+                pivot(g, "label", "seq_len", "kbytes", "{:.0f}"),
             )
         )
     for sweep in ("batch", "microbatch"):
