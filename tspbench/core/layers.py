@@ -9,11 +9,58 @@ import torch
 import torch.nn.functional as F
 
 
+def rms_norm_fwd(
+    x: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, rstd): y = x * rstd * weight computed in fp32 and cast to x's dtype, and the fp32
+    per-token rstd = 1/rms(x) [..., 1], all the backward needs besides x and the weight."""
+    rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    y = (x * rstd).mul_(weight.float())  # x * fp32 rstd promotes: no fp32 copy of x is kept
+    return y.to(x.dtype), rstd
+
+
+def rms_norm_bwd(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    need_dx: bool = True,
+    need_dw: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(dx, dweight) of :func:`rms_norm_fwd`, in fp32 from the normalised input x * rstd
+    recomputed here, so that forward need not keep it; dweight sums over all leading dims."""
+    xhat = x * rstd
+    dw = (dy * xhat).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype) if need_dw else None
+    if not need_dx:
+        return None, dw
+    gw = dy * weight.float()
+    # dx = rstd * (gw - xhat * mean(gw * xhat)); xhat and gw are fp32 buffers of our own
+    dx = gw.sub_(xhat.mul_((gw * xhat).mean(-1, keepdim=True))).mul_(rstd)
+    return dx.to(x.dtype), dw
+
+
+class _RMSNorm(torch.autograd.Function):
+    """Autograd keeps only x (its own dtype), the weight and the fp32 rstd, as fused norms do,
+    not the fp32 copies and intermediates of the plain formula (most of a TP layer's bytes)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # type: ignore[override]
+        y, rstd = rms_norm_fwd(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
+        x, weight, rstd = ctx.saved_tensors
+        dx, dw = rms_norm_bwd(dy, x, weight, rstd, *ctx.needs_input_grad[:2])
+        return dx, dw, None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in fp32, cast back to the input dtype."""
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * weight.float()).to(x.dtype)
+    """RMSNorm computed in fp32, cast back to the input dtype; saves nothing without grad."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _RMSNorm.apply(x, weight, eps)
+    return rms_norm_fwd(x, weight, eps)[0]
 
 
 def rope_tables(
