@@ -10,8 +10,11 @@ import torch.nn.functional as F
 
 from tspbench.core import costs
 from tspbench.core.config import ConfigError, ModelConfig
+from tspbench.core.decode import DecodeHooks, greedy, local_attend, prefill_layers, run_layers
+from tspbench.core.kvcache import KVCache, Step
+from tspbench.core.layers import LayerHooks, rms_norm, rope_tables
 from tspbench.core.mesh import Axis, Mesh
-from tspbench.core.reference import ReferenceModel
+from tspbench.core.reference import LAYER_PARAMS, ReferenceModel
 from tspbench.core.strategy import Batch, Layout, Strategy
 
 
@@ -105,3 +108,37 @@ class Single(DP):
             raise ConfigError(
                 f"degree={layout.degree}: strategy 'single' runs one rank per replica (degree=1)"
             )
+
+    # -- decode (docs/decode.md): the reference model with a KV cache ---------------------------
+    decodes = True
+
+    @classmethod
+    def decode_schedule(cls, spec: costs.Spec) -> costs.Schedule:
+        return costs.Schedule()
+
+    def _layers(self) -> list[dict]:
+        return [
+            {k: self.model.p(f"layers.{i}.{k}") for k in LAYER_PARAMS}
+            for i in range(self.cfg.layers)
+        ]
+
+    def _step(self, x: torch.Tensor) -> Step:
+        h = rms_norm(x, self.model.p("norm"), self.cfg.norm_eps)
+        return greedy((h @ self.model.p("head").T).float())
+
+    @torch.no_grad()
+    def prefill(self, tokens: torch.Tensor, max_len: int) -> tuple[KVCache, Step]:
+        cfg, (B, P) = self.cfg, tokens.shape
+        x = F.embedding(tokens.to(self.device), self.model.p("embed"))
+        cache = KVCache.empty(cfg.layers, B, cfg.kv_heads, max_len, cfg.head_dim, x)
+        cos, sin = rope_tables(torch.arange(P), cfg.head_dim, cfg.rope_theta, x.dtype)
+        cos, sin = cos.to(x.device), sin.to(x.device)
+        x = prefill_layers(cfg, self._layers(), x, cos, sin, LayerHooks(), cache)
+        cache.start(P, P)
+        return cache, self._step(x[:, -1])
+
+    @torch.no_grad()
+    def decode_step(self, cache: KVCache, tokens: torch.Tensor) -> Step:
+        x = F.embedding(tokens.to(self.device), self.model.p("embed"))
+        hooks = DecodeHooks(local_attend(cache))
+        return self._step(run_layers(self.cfg, self._layers(), x, cache, hooks))

@@ -13,6 +13,15 @@ import torch.nn.functional as F
 from tspbench.core import costs, zigzag
 from tspbench.core.config import ModelConfig
 from tspbench.core.context_parallel import context_parallel_hooks, zigzag_rope
+from tspbench.core.decode import (
+    DecodeHooks,
+    greedy,
+    merge_events,
+    prefill_layers,
+    run_layers,
+    split_attend,
+)
+from tspbench.core.kvcache import KVCache, Step, merge_all
 from tspbench.core.layers import rms_norm, transformer_layer
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.reference import LAYER_PARAMS, param_shapes
@@ -89,3 +98,51 @@ class SP(Strategy):
 
     def full_params(self, grads: bool = False) -> dict[str, torch.Tensor]:
         return {n: (p.grad if grads else p).detach() for n, p in self.params.items()}
+
+    # -- decode (docs/decode.md): weights replicated, the cache split by sequence --------------
+    decodes = True
+
+    @classmethod
+    def validate_decode(
+        cls, cfg: ModelConfig, layout: Layout, prompt_len: int, new_tokens: int, batch: int, **_
+    ) -> None:
+        super().validate_decode(cfg, layout, prompt_len, new_tokens, batch)
+        cls.validate(cfg, layout, prompt_len, batch)
+
+    @classmethod
+    def decode_cache_split(cls, layout: Layout) -> tuple[int, int]:
+        return layout.degree, 1
+
+    @classmethod
+    def decode_schedule(cls, spec: costs.Spec) -> costs.Schedule:
+        ev = costs.Schedule()
+        merge_events(ev, spec, spec.degree, spec.cfg.heads, Axis.MODEL)
+        return ev
+
+    def _layers(self) -> list[dict]:
+        p = self.params
+        return [{k: p[f"layers.{i}.{k}"] for k in LAYER_PARAMS} for i in range(self.cfg.layers)]
+
+    def _step(self, x: torch.Tensor) -> Step:
+        h = rms_norm(x, self.params["norm"], self.cfg.norm_eps)
+        return greedy((h @ self.params["head"].T).float())
+
+    @torch.no_grad()
+    def prefill(self, tokens: torch.Tensor, max_len: int) -> tuple[KVCache, Step]:
+        cfg, comm, (B, P) = self.cfg, self.comm, tokens.shape
+        D, r = comm.size, comm.rank
+        x = F.embedding(zigzag.shard(tokens, D, r).to(self.device), self.params["embed"])
+        slots = KVCache.capacity(P, max_len, D)
+        cache = KVCache.empty(cfg.layers, B, cfg.kv_heads, slots, cfg.head_dim, x, D, r)
+        cos, sin = zigzag_rope(P, comm, cfg, x.dtype, self.device)
+        hooks = context_parallel_hooks(P, comm, self.device)
+        x = prefill_layers(cfg, self._layers(), x, cos, sin, hooks, cache)
+        cache.start(P // D, P)
+        last = x[:, -1].contiguous()  # position P-1 ends chunk 2D-1: rank 0's last local token
+        return cache, self._step(comm.broadcast(last, src=0))
+
+    @torch.no_grad()
+    def decode_step(self, cache: KVCache, tokens: torch.Tensor) -> Step:
+        x = F.embedding(tokens.to(self.device), self.params["embed"])
+        hooks = DecodeHooks(split_attend(cache, lambda o, lse: merge_all(o, lse, self.comm)))
+        return self._step(run_layers(self.cfg, self._layers(), x, cache, hooks))

@@ -14,6 +14,18 @@ from tspbench.core import costs
 from tspbench.core.attention import attention
 from tspbench.core.collectives import copy_to, reduce_from
 from tspbench.core.config import ModelConfig
+from tspbench.core.decode import (
+    DecodeHooks,
+    check_kv_split,
+    greedy,
+    kv_heads_local,
+    local_attend,
+    megatron_events,
+    megatron_param,
+    prefill_layers,
+    run_layers,
+)
+from tspbench.core.kvcache import KVCache, Step
 from tspbench.core.layers import LayerHooks, rms_norm, rope_tables, transformer_layer
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.reference import LAYER_PARAMS, param_shapes
@@ -50,7 +62,7 @@ class TP(Strategy):
         self.params: dict[str, torch.nn.Parameter] = {}
         for name in param_shapes(cfg):
             full, dim = self.init_full(name), shard_dim(name)
-            self.params[name] = self.to_param(full if dim is None else full.chunk(T, dim)[r])
+            self.params[name] = self.to_param(megatron_param(cfg, name, full, T, r, dim))
         self.hooks = LayerHooks(
             enter=lambda t: copy_to(t, self.comm),
             exit=lambda t: reduce_from(t, self.comm),
@@ -98,3 +110,51 @@ class TP(Strategy):
 
     def full_params(self, grads: bool = False) -> dict[str, torch.Tensor]:
         return gather_named(self.params, self.comm, grads)
+
+    # -- decode (docs/decode.md): heads split (KV heads replicated when fewer than T) ----------
+    decodes = True
+
+    @classmethod
+    def validate_decode(
+        cls, cfg: ModelConfig, layout: Layout, prompt_len: int, new_tokens: int, batch: int, **_
+    ) -> None:
+        super().validate_decode(cfg, layout, prompt_len, new_tokens, batch)
+        for field in ("heads", "ffn", "vocab"):
+            cls.require_divisible(f"model.{field}", getattr(cfg, field), layout.degree, "T")
+        check_kv_split(cfg, layout.degree)
+
+    @classmethod
+    def decode_cache_split(cls, layout: Layout) -> tuple[int, int]:
+        return 1, layout.degree
+
+    @classmethod
+    def decode_schedule(cls, spec: costs.Spec) -> costs.Schedule:
+        ev = costs.Schedule()
+        megatron_events(ev, spec, spec.degree, Axis.MODEL)
+        return ev
+
+    def _layers(self) -> list[dict]:
+        p = self.params
+        return [{k: p[f"layers.{i}.{k}"] for k in LAYER_PARAMS} for i in range(self.cfg.layers)]
+
+    def _step(self, x: torch.Tensor) -> Step:
+        h = rms_norm(x, self.params["norm"], self.cfg.norm_eps)
+        return greedy((h @ self.params["head"].T).float(), self.comm)
+
+    @torch.no_grad()
+    def prefill(self, tokens: torch.Tensor, max_len: int) -> tuple[KVCache, Step]:
+        cfg, (B, P) = self.cfg, tokens.shape
+        x = embedding(tokens.to(self.device), self.params["embed"], self.comm)
+        heads = kv_heads_local(cfg.kv_heads, self.comm.size)
+        cache = KVCache.empty(cfg.layers, B, heads, max_len, cfg.head_dim, x)
+        cos, sin = rope_tables(torch.arange(P), cfg.head_dim, cfg.rope_theta, x.dtype)
+        cos, sin = cos.to(x.device), sin.to(x.device)
+        x = prefill_layers(cfg, self._layers(), x, cos, sin, self.hooks, cache)
+        cache.start(P, P)
+        return cache, self._step(x[:, -1])
+
+    @torch.no_grad()
+    def decode_step(self, cache: KVCache, tokens: torch.Tensor) -> Step:
+        x = embedding(tokens.to(self.device), self.params["embed"], self.comm)
+        hooks = DecodeHooks(local_attend(cache), exit=lambda t: reduce_from(t, self.comm))
+        return self._step(run_layers(self.cfg, self._layers(), x, cache, hooks))

@@ -15,6 +15,19 @@ from tspbench.core import costs, zigzag
 from tspbench.core.collectives import copy_to, reduce_from
 from tspbench.core.config import ConfigError, ModelConfig
 from tspbench.core.context_parallel import context_parallel_hooks, zigzag_rope
+from tspbench.core.decode import (
+    DecodeHooks,
+    check_kv_split,
+    greedy,
+    kv_heads_local,
+    megatron_events,
+    megatron_param,
+    merge_events,
+    prefill_layers,
+    run_layers,
+    split_attend,
+)
+from tspbench.core.kvcache import KVCache, Step, merge_all
 from tspbench.core.layers import rms_norm, transformer_layer
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.reference import LAYER_PARAMS, param_shapes
@@ -91,7 +104,7 @@ class TPSP(Strategy):
         self.params: dict[str, torch.nn.Parameter] = {}
         for name in param_shapes(cfg):
             full, dim = self.init_full(name), shard_dim(name)
-            self.params[name] = self.to_param(full if dim is None else full.chunk(T, dim)[r])
+            self.params[name] = self.to_param(megatron_param(cfg, name, full, T, r, dim))
 
     def shard_batch(self, tokens: torch.Tensor, labels: torch.Tensor) -> Batch:
         return self.zigzag_batch(tokens, labels, self.sp)
@@ -140,3 +153,64 @@ class TPSP(Strategy):
 
     def full_params(self, grads: bool = False) -> dict[str, torch.Tensor]:
         return gather_named(self.params, self.tp, grads)
+
+    # -- decode (docs/decode.md): Megatron over T, the cache split by sequence over Sigma ------
+    decodes = True
+
+    @classmethod
+    def validate_decode(
+        cls, cfg: ModelConfig, layout: Layout, prompt_len: int, new_tokens: int, batch: int, **_
+    ) -> None:
+        super().validate_decode(cfg, layout, prompt_len, new_tokens, batch)
+        if layout.tp * layout.sp != layout.degree:
+            raise ConfigError(
+                f"tp={layout.tp} x sp={layout.sp} = {layout.tp * layout.sp}: must equal "
+                f"degree={layout.degree} (T x Sigma = D)"
+            )
+        for field in ("heads", "ffn", "vocab"):
+            cls.require_divisible(f"model.{field}", getattr(cfg, field), layout.tp, "T (tp)")
+        check_kv_split(cfg, layout.tp, "T (tp)")
+        zigzag.check_divisible(prompt_len, layout.sp)
+
+    @classmethod
+    def decode_cache_split(cls, layout: Layout) -> tuple[int, int]:
+        return layout.sp, layout.tp
+
+    @classmethod
+    def decode_schedule(cls, spec: costs.Spec) -> costs.Schedule:
+        ev = costs.Schedule()
+        megatron_events(ev, spec, spec.tp, Axis.TP)
+        merge_events(ev, spec, spec.sp, spec.cfg.heads // spec.tp, Axis.SP)
+        return ev
+
+    def _layers(self) -> list[dict]:
+        p = self.params
+        return [{k: p[f"layers.{i}.{k}"] for k in LAYER_PARAMS} for i in range(self.cfg.layers)]
+
+    def _step(self, x: torch.Tensor) -> Step:
+        h = rms_norm(x, self.params["norm"], self.cfg.norm_eps)
+        return greedy((h @ self.params["head"].T).float(), self.tp)
+
+    @torch.no_grad()
+    def prefill(self, tokens: torch.Tensor, max_len: int) -> tuple[KVCache, Step]:
+        cfg, sp, (B, P) = self.cfg, self.sp, tokens.shape
+        local = zigzag.shard(tokens, sp.size, sp.rank).to(self.device)
+        x = embedding(local, self.params["embed"], self.tp)
+        slots = KVCache.capacity(P, max_len, sp.size)
+        heads = kv_heads_local(cfg.kv_heads, self.tp.size)
+        cache = KVCache.empty(cfg.layers, B, heads, slots, cfg.head_dim, x, sp.size, sp.rank)
+        cos, sin = zigzag_rope(P, sp, cfg, x.dtype, self.device)
+        hooks = context_parallel_hooks(P, sp, self.device, exit=lambda t: reduce_from(t, self.tp))
+        x = prefill_layers(cfg, self._layers(), x, cos, sin, hooks, cache)
+        cache.start(P // sp.size, P)
+        last = x[:, -1].contiguous()  # position P-1 ends chunk 2 Sigma - 1: sp rank 0's last
+        return cache, self._step(sp.broadcast(last, src=0))
+
+    @torch.no_grad()
+    def decode_step(self, cache: KVCache, tokens: torch.Tensor) -> Step:
+        x = embedding(tokens.to(self.device), self.params["embed"], self.tp)
+        hooks = DecodeHooks(
+            split_attend(cache, lambda o, lse: merge_all(o, lse, self.sp)),
+            exit=lambda t: reduce_from(t, self.tp),
+        )
+        return self._step(run_layers(self.cfg, self._layers(), x, cache, hooks))

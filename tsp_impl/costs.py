@@ -2,8 +2,9 @@
 
 What :class:`tsp_impl.model.TSP` answers when the analytic and cost models ask (the methods of
 :class:`tspbench.core.strategy.Strategy`), written next to the schedules they count: the
-broadcast attention (attention.py), the ring MLP (mlp.py) and the vocabulary-parallel embedding
-and loss (vocab.py). docs/method.md section 6 (communication) and section 7 (memory).
+broadcast attention (attention.py), the ring or broadcast MLP (mlp.py, ``mlp_schedule``) and the
+vocabulary-parallel embedding and loss (vocab.py). docs/method.md section 6 (communication) and
+section 7 (memory).
 
 Notation (docs/method.md section 1): B micro-batch, S sequence, h hidden, kv = n_kv*d, f MLP size,
 V vocabulary, L layers, e bytes per element, D the degree; t = tokens on this rank.
@@ -29,19 +30,24 @@ def largest_param(cfg: ModelConfig, D: int) -> int:
 
 
 def schedule(c: Spec) -> Schedule:
-    """Every shard of every weight is broadcast by its owner (attention, embedding, LM head) or
-    passed around the ring (MLP); one head group's K/V are all-gathered along the sequence. In
-    backward the weights come again, and their gradients are reduced to their owners."""
+    """Every shard of every weight is broadcast by its owner (attention, embedding, LM head; the
+    MLP's with ``mlp_schedule = broadcast``) or passed around the ring (the MLP's); one head
+    group's K/V are all-gathered along the sequence. In backward the weights come again, and
+    their gradients are reduced to their owners (the ring's accumulators travel behind them)."""
     cfg, B, S, e, D = c.cfg, c.batch, c.seq_len, c.e, c.degree
     h, kv, f, V, L = cfg.hidden, cfg.kv_dim, cfg.ffn, cfg.vocab, cfg.layers
     wa, wm, wv = (2 * h + 2 * kv) * h // D * e, 3 * f * h // D * e, V // D * h * e
     kv_full = 2 * B * S * kv // D * e  # one head group's K and V over the whole sequence
     ev, M = Schedule(), Axis.MODEL
+    ring = c.mlp_schedule == "ring"
 
     def layer_fwd(phase: str) -> None:
         ev.add(phase, M, "broadcast", D, wa, D)
         ev.add(phase, M, "all_gather", D, kv_full, D)
-        ev.add(phase, M, "send_recv", D, wm, D - 1)
+        if ring:
+            ev.add(phase, M, "send_recv", D, wm, D - 1)
+        else:
+            ev.add(phase, M, "broadcast", D, wm, D)
 
     ev.add("forward", M, "broadcast", D, wv, D)  # embedding shards
     for _ in range(L):
@@ -57,8 +63,12 @@ def schedule(c: Spec) -> Schedule:
             ev.add("backward", M, "all_gather", D, kv_full, D)
             ev.add("backward", M, "reduce_scatter", D, kv_full, D)
             ev.add("backward", M, "reduce", D, wa, D)
-            ev.add("backward", M, "send_recv", D, wm, 2 * D - 1)
-        ev.add("backward", M, "reduce_scatter", D, V * h * e)  # embedding grad
+            if ring:  # D-1 slice hops, D accumulator hops
+                ev.add("backward", M, "send_recv", D, wm, 2 * D - 1)
+            else:
+                ev.add("backward", M, "broadcast", D, wm, D)
+                ev.add("backward", M, "reduce", D, wm, D)
+        ev.add("backward", M, "reduce", D, wv, D)  # embedding grad, owner by owner
         ev.add("backward", M, "all_reduce", D, costs.norm_numel(cfg) * e)  # norm grads
     return ev
 
@@ -101,12 +111,34 @@ def inference_working_set(c: Spec) -> tuple[int, int]:
 def backward_transients(c: Spec) -> tuple[int, int, int]:
     """At the loss: one vocabulary shard's recomputed logits, three copies, and the head shard
     and its gradient in flight; at a layer: four copies of one head group's K/V over the sequence
-    (the gather and its gradient staging, 3.5 pairs), or the MLP's SiLU backward (five [t, f/D]
-    buffers) with the slice and accumulator in flight; at the end: the embedding gradient's
-    [V, h] buffer, twice."""
-    cfg, e, t, D = c.cfg, c.e, c.tokens, c.degree
-    h, fl, vl = cfg.hidden, cfg.ffn // D, cfg.vocab // D
+    (the gather and its gradient staging, 3.5 pairs), or the MLP's SiLU backward with its slices
+    in flight (:func:`mlp_t`); at the end: the embedding gradient, one owner's [V/D, h] filling
+    and one in flight, and a masked copy of dx."""
+    cfg, e, D = c.cfg, c.e, c.degree
+    h, vl = cfg.hidden, cfg.vocab // D
     act, kv_unit, logits = _units(c)
     loss_t = 3 * logits + act + 2 * vl * h * e
-    layer_t = 2 * act + max(7 * kv_unit // 2, 6 * t * fl * e + 5 * 3 * fl * h * e)
-    return loss_t, layer_t, 2 * cfg.vocab * h * e
+    layer_t = 2 * act + max(7 * kv_unit // 2, mlp_t(c))
+    return loss_t, layer_t, 2 * vl * h * e + act
+
+
+def mlp_t(c: Spec) -> int:
+    """The MLP backward's crest beyond dX and dY: [t, f/D] buffers and slice-sized ones (a
+    weight slice or a packed slice gradient, 3 f h e / D).
+
+    Ring: six [t, f/D] buffers (the previous step's are freed only as the next step's replace
+    them) and five slices: the one in use and the one arriving, the accumulator being computed,
+    the one arriving and the one leaving. Broadcast: the SiLU backward of one slice, whose
+    buffers are freed before the next (six [t, f/D] while forming dh1: silu(h1), dG, dG * h3
+    and silu'(h1)'s three temporaries; four with the gradient's two slices: its three parts and
+    their concatenation), with the slice in use and the next in flight (two slices alive), the
+    previous gradient still reducing, and the owner's own gradient kept until the end: at most
+    six slices in all (rank 0 from D = 4 on; D + 2 below).
+    """
+    cfg, e, t, D = c.cfg, c.e, c.tokens, c.degree
+    fl = cfg.ffn // D
+    tf, sl = t * fl * e, 3 * fl * cfg.hidden * e
+    if c.mlp_schedule == "ring":
+        return 6 * tf + 5 * sl
+    n = min(D + 2, 6)
+    return max(6 * tf + (n - 2) * sl, 4 * tf + n * sl)

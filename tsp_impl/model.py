@@ -4,6 +4,7 @@ Parameters of rank r (nothing else is stored, so weights, grads and AdamW state 
     embed, head        rows r*V/D .. (r+1)*V/D                      [V/D, h]
     layers.i.attn      head group r packed [Wq_r; Wk_r; Wv_r; Wo_r^T] [(2n_h+2n_kv)d/D, h]
     layers.i.mlp       slice r packed [W1_r; W3_r; W2_r^T]         [3f/D, h]
+                       (moved by the ring or the broadcast schedule: mlp_schedule)
     norms              replicated (h elements each); grads all-reduced after backward
 Tokens: zigzag chunks r and 2D-1-r of every sequence; RoPE at the tokens' global positions.
 """
@@ -14,7 +15,8 @@ import torch
 
 from tsp_impl import costs
 from tsp_impl.attention import BroadcastAttention
-from tsp_impl.mlp import RingMLP
+from tsp_impl.decode import TSPDecoding
+from tsp_impl.mlp import BroadcastMLP, RingMLP
 from tsp_impl.plan import TSPPlan
 from tsp_impl.vocab import VocabEmbedding, VocabParallelLoss
 from tspbench.core import zigzag
@@ -22,10 +24,12 @@ from tspbench.core.config import ConfigError, ModelConfig
 from tspbench.core.costs import Schedule, Spec
 from tspbench.core.layers import rms_norm
 from tspbench.core.mesh import Axis, Mesh
-from tspbench.core.strategy import Batch, Layout, Strategy
+from tspbench.core.strategy import MLP_SCHEDULES, Batch, Layout, Strategy
+
+MLP = {"ring": RingMLP, "broadcast": BroadcastMLP}
 
 
-class TSP(Strategy):
+class TSP(TSPDecoding, Strategy):  # decode: tsp_impl/decode.py
     name = "tsp"
 
     @classmethod
@@ -36,6 +40,7 @@ class TSP(Strategy):
     loss_head_passes = 4  # the loss recomputes its logits shard by shard in backward
     recompute_skips_w2 = False  # the custom layers save at their very end
     overlapped = frozenset({"broadcast", "send_recv", "reduce"})  # by the shards' prefetch
+    mlp_schedules = MLP_SCHEDULES
 
     @classmethod
     def weight_split(cls, layout: Layout) -> int:
@@ -92,6 +97,10 @@ class TSP(Strategy):
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, **kw) -> None:
         super().__init__(cfg, mesh, **kw)
+        if self.mlp_schedule not in MLP:
+            raise ConfigError(
+                f"mlp_schedule={self.mlp_schedule!r}: must be one of {', '.join(MLP)}"
+            )
         self.comm = mesh[Axis.MODEL]
         D, r = self.comm.size, self.comm.rank
         self.embed = self.to_param(self.init_full("embed").chunk(D)[r])
@@ -142,7 +151,8 @@ class TSP(Strategy):
                 rms_norm(x, lp["attn_norm"], eps), lp["attn"], plan, grad
             )
             mlp_in = rms_norm(x, lp["mlp_norm"], eps)
-            return x + RingMLP.apply(mlp_in, lp["mlp"], self.comm, self.overlap, grad)
+            mlp = MLP[self.mlp_schedule]
+            return x + mlp.apply(mlp_in, lp["mlp"], self.comm, self.overlap, grad)
 
         for lp in self.layers:
             x = self.checkpointed(block, x, lp)

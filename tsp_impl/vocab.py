@@ -3,8 +3,10 @@
 Rank r owns rows [r*V/D, (r+1)*V/D) of the embedding and of the LM head. Both are driven by the
 same broadcast schedule as attention, so no activation ever moves:
 - Embedding: each owner broadcasts its rows; every rank looks up the local tokens that fall in
-  them. Backward: each rank scatters its tokens' gradients into a [V, h] buffer and one
-  reduce-scatter hands every owner its rows' full gradient.
+  them. Backward, owner by owner: each rank adds its tokens' gradients for that owner's rows
+  into a [V/D, h] buffer and reduces it to the owner (one reduce in flight while the next
+  buffer fills), so no rank ever holds a [V, h] gradient. Same bytes as one reduce-scatter of
+  [V, h]: D reduces of [V/D, h], (D-1)/D of it each on average.
 - Loss: each owner broadcasts its head rows; every rank computes its local tokens' logits for that
   vocabulary shard and folds them into an online log-sum-exp, so full logits never exist.
   Backward recomputes each shard's logits, forms softmax - onehot and reduces dW_r to its owner.
@@ -37,9 +39,18 @@ class VocabEmbedding(torch.autograd.Function):
         (tokens,) = ctx.saved_tensors
         comm: Comm = ctx.comm
         n, h = ctx.shape
-        full = dx.new_zeros((n * comm.size, h))
-        full.index_add_(0, tokens.flatten(), dx.flatten(0, 1))
-        return None, comm.reduce_scatter(full, dim=0), None, None
+        flat, g = tokens.flatten(), dx.flatten(0, 1)
+        de_own, reducing = None, None
+        for r in range(comm.size):
+            hit = (flat >= r * n) & (flat < (r + 1) * n)  # masked: no data-dependent shapes
+            de = g.new_zeros((n, h)).index_add_(0, (flat - r * n).clamp(0, n - 1), g * hit[:, None])
+            if reducing is not None:  # at most one gradient reduce in flight
+                reducing.wait()
+            reducing = comm.reduce(de, dst=r, async_op=True)
+            if r == comm.rank:
+                de_own = de
+        reducing.wait()
+        return None, de_own, None, None
 
 
 class VocabParallelLoss(torch.autograd.Function):

@@ -1,6 +1,7 @@
 """Every strategy equals the single-device reference: loss, hidden states, all gradients, and the
 weights after three AdamW steps (fp32: rtol 1e-4; bf16: see checks.BF16_TOL), at D in {1, 2, 4}
-(tpsp at (T, Sigma) in {(2,1), (1,2), (2,2)}), MHA and GQA, batch 1 and 2.
+(tpsp at (T, Sigma) in {(2,1), (1,2), (2,2)}), MHA and GQA, batch 1 and 2; TSP with either MLP
+schedule (ring, broadcast).
 
 One 4-rank gloo world runs every case (side-by-side model groups when D < 4).
 """
@@ -92,6 +93,16 @@ def _cases() -> list[dict]:
             "model": MODELS["gqa"],
         }
     )
+    # TSP's MLP schedules: every tsp case above runs the ring (the default); the broadcast one
+    # at D 2 and 4, MHA and GQA, with overlap off and with recomputation (same world)
+    bcast = {"strategy": "tsp", "S": 32, "B": 2, "mlp_schedule": "broadcast"}
+    for D in (2, 4):
+        for model, over in MODELS.items():
+            cases.append({"id": f"tsp-mlp-broadcast-D{D}-{model}", "D": D, "model": over, **bcast})
+    cases.append({"id": "tsp-mlp-broadcast-D4-overlap0-gqa", "D": 4, "overlap": False,
+                  "model": MODELS["gqa"], **bcast})  # fmt: skip
+    cases.append({"id": "tsp-mlp-broadcast-D4-recompute", "D": 4, "recompute": "full",
+                  "model": MODELS["gqa"], **bcast})  # fmt: skip
     for strat, lays in LAYOUTS.items():
         lay = lays[-1]
         B = 4 if strat == "dp" else 2

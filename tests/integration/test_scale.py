@@ -27,14 +27,14 @@ REF = ROOT / "results" / "reference" / "calibration"
 def _cases() -> list[dict]:
     cases = []
 
-    def add(s, D, S, mode="train", rc="none", model=None, name="tiny"):
+    def add(s, D, S, mode="train", rc="none", model=None, name="tiny", mlp="ring"):
         c = {"strategy": s, "D": D, "S": S, "B": D if s == "dp" else 1, "mode": mode}
-        c.update(recompute=rc, check="measure", name=name)
+        c.update(recompute=rc, check="measure", name=name, mlp_schedule=mlp)
         if s == "tpsp":
             c.update(tp=2 if D > 1 else 1, sp=D // 2 if D > 1 else 1)
         if model:
             c["model"] = model
-        c["id"] = f"{name}-{s}-D{D}-S{S}-{mode}-{rc}"
+        c["id"] = f"{name}-{s}-D{D}-S{S}-{mode}-{rc}" + ("" if mlp == "ring" else f"-mlp-{mlp}")
         cases.append(c)
 
     for s in ("tsp", "tp", "sp", "fsdp_cp", "dp", "tpsp"):
@@ -46,6 +46,14 @@ def _cases() -> list[dict]:
         add(s, 2, 1024, model=GQA, name="gqa")
         add(s, 2, 1024, rc="full", model=GQA, name="gqa")
     add("single", 1, 2048)
+    # TSP's broadcast MLP schedule (the ring is the default above)
+    for D, S, mode, rc, model, name in [
+        (4, 2048, "train", "none", None, "tiny"),
+        (4, 2048, "train", "full", None, "tiny"),
+        (4, 2048, "infer", "none", None, "tiny"),
+        (2, 1024, "train", "full", GQA, "gqa"),
+    ]:
+        add("tsp", D, S, mode, rc, model, name, mlp="broadcast")
     small = {"vocab": 4096, "hidden": 256, "layers": 4, "ffn": 1024}
     for s in ("tsp", "tp", "fsdp_cp"):
         add(s, 4, 1024, model=small, name="small")
@@ -60,7 +68,7 @@ def _spec(case: dict) -> RunSpec:
     return RunSpec.make(
         case["strategy"], cfg, degree=case["D"], tp=case.get("tp", 1), sp=case.get("sp", 1),
         seq_len=case["S"], batch=case["B"], mode=case["mode"], recompute=case["recompute"],
-        warmup=0, steps=1,
+        mlp_schedule=case["mlp_schedule"], warmup=0, steps=1,
     )  # fmt: skip
 
 
@@ -161,6 +169,12 @@ def test_commands_run(tmp_path):
         assert p.returncode == 0, p.stderr
     rec = json.loads(out.read_text())
     assert rec["fits"] and rec["peak_mem_bytes"] > 0 and rec["git_commit"]
+    # TSP's MLP schedule: the preset's (mi300x: broadcast, h100: ring) unless one is named
+    for extra, want in (([], "broadcast"), (["--hardware", "h100"], "ring"),
+                        (["--mlp-schedule", "ring"], "ring")):  # fmt: skip
+        p = tspbench("project", "--json", *base, *extra)
+        assert p.returncode == 0, p.stderr
+        assert json.loads(p.stdout)["mlp_schedule"] == want, extra
 
 
 def test_calibrate_writes_a_usable_preset(tmp_path):

@@ -127,6 +127,15 @@ BAD = [
     ("run", ["--batch", "4096", "--seq-len", "16777216"], {}, "GiB available"),
     ("record", '{"status": "ok", "loss": NaN}', {}, "non-finite number NaN"),
     ("run", ["--device", "cuda"], {}, "--device=cuda: no GPU is visible"),
+    # TSP's MLP schedule: other strategies have none to choose
+    (
+        "run",
+        ["--strategy", "tp", "--degree", "2", "--mlp-schedule", "broadcast"],
+        {},
+        "mlp_schedule='broadcast': only strategy tsp chooses its MLP schedule (got tp",
+    ),
+    ("run", ["--mlp-schedule", "tree"], {}, "argument --mlp-schedule: invalid choice: 'tree'"),
+    ("config", cfg_with(mlp_schedule="tree"), {}, "mlp_schedule: 'tree' is not one of"),
 ]
 
 

@@ -74,12 +74,14 @@ def test_ranks_strategies_and_prints_commands(capsys, stub_ops, tmp_path):
     run = next(line.strip() for line in out.splitlines() if line.strip().startswith("tspbench run"))
     srun = next(line.strip() for line in out.splitlines() if line.strip().startswith("srun "))
     assert "--strategy tsp" in run and "--nproc 8" in run and "--launch env" in srun
+    assert "--mlp-schedule broadcast" in run  # MI300X's TSP MLP schedule (tsp_mlp_schedule)
     # the pipeline snippet is a sweep config the pipeline accepts
     from tspbench.pipeline.cells import sweep_cells
 
     snippet = out.split("pipeline config (workflows/config/<name>.yaml):\n", 1)[1]
     cells, filtered = sweep_cells(yaml.safe_load(snippet))
     assert len(cells) == 1 and not filtered and cells[0].spec.strategy == "tsp"
+    assert cells[0].spec.mlp_schedule == "broadcast"
 
 
 def test_json_best_7b_128k_on_8_mi300x_fits(capsys, stub_ops, tmp_path):

@@ -49,6 +49,49 @@ def test_projection_parts_follow_the_preset():
     assert scaled["step_time_s"] > a["step_time_s"]  # the data-parallel all-reduce crosses NICs
 
 
+def test_links_and_algorithms_per_topology():
+    """Seconds per byte of the full tensor, per link: a ring hop uses one link on either fabric;
+    on the fully connected MI300X a broadcast or reduce of g ranks uses the g-1 links to its
+    peers, as do the other collectives; on NVSwitch every rank has one port, and a broadcast
+    moves the whole tensor through it (a pipelined ring)."""
+    from tspbench.core.comm import bus_bytes
+    from tspbench.projection.costmodel import fabric, load_preset
+
+    mi, h100 = load_preset("mi300x"), load_preset("h100")
+    link_mi, link_h = (p["link_bandwidth"] * p["bus_efficiency"] for p in (mi, h100))
+    n = 1e9
+
+    def secs(preset: dict, kind: str, g: int) -> float:
+        return bus_bytes(kind, n, g) / fabric(preset, g)[kind]["bw"]
+
+    for g in (2, 4, 8):
+        assert secs(mi, "send_recv", g) == pytest.approx(n / link_mi)
+        assert secs(h100, "send_recv", g) == pytest.approx(n / link_h)
+        for kind in ("broadcast", "reduce"):
+            assert secs(mi, kind, g) == pytest.approx(n / ((g - 1) * link_mi))
+            assert secs(h100, kind, g) == pytest.approx(n / link_h)
+        assert secs(mi, "all_gather", g) == pytest.approx((g - 1) / g * n / ((g - 1) * link_mi))
+        assert secs(h100, "all_gather", g) == pytest.approx((g - 1) / g * n / link_h)
+
+
+def test_tsp_mlp_schedule_default_follows_the_preset():
+    """MI300X: the broadcast MLP (one owner drives all seven links) beats the ring (one link per
+    hop) and is the preset's default; H100/H200: the ring moves one slice less per pass at the
+    same port bandwidth, and is theirs. Baselines keep ring (they have no schedule)."""
+    from tspbench.projection.costmodel import default_mlp_schedule, load_preset, project
+
+    cfg = get_config("7b")
+    tsp = RunSpec.make("tsp", cfg, degree=8, seq_len=16384, dtype="bf16", recompute="full")
+    bcast = tsp.replace(mlp_schedule="broadcast")
+    for hw, best in (("mi300x", "broadcast"), ("h100", "ring"), ("h200", "ring")):
+        preset = load_preset(hw)
+        ring_s, bcast_s = (project(c, preset, ops=0)["comm_overlappable_s"] for c in (tsp, bcast))
+        assert (bcast_s < ring_s) == (best == "broadcast"), hw
+        assert default_mlp_schedule(tsp, preset).mlp_schedule == best == preset["tsp_mlp_schedule"]
+        tp = RunSpec.make("tp", cfg, degree=8, seq_len=16384)
+        assert default_mlp_schedule(tp, preset) == tp
+
+
 def test_project_check_reads_repeated_runs(tmp_path):
     """Repeated runs of a sweep: the median is the measurement, the range is reported."""
     from tspbench.projection.costmodel import check_footer, check_summary, load_preset

@@ -19,6 +19,7 @@ ARGVS = [
     ["--strategy", "fsdp_cp", "--seq-len", "64", "--degree", "2", "--max-memory", "3M"],
     ["--strategy", "tsp", "--seq-len", "64", "--overlap", "off", "--kv-bucket", "1", "--quiet"],
     ["--strategy", "sp", "--seq-len", "64", "--recompute", "full", "--dtype", "bf16"],
+    ["--strategy", "tsp", "--seq-len", "64", "--degree", "2", "--mlp-schedule", "broadcast"],
 ]
 
 
@@ -43,6 +44,22 @@ def test_names_are_asked_of_the_strategy():
     assert dp.tokens == 4 * 64 // 2  # whole sequences per rank
 
 
+def test_the_mlp_schedule_names_itself_and_is_tsp_only():
+    """A broadcast TSP run is its own cell (id, label, record); a ring one keeps the old names;
+    a strategy without an MLP schedule refuses any but the default, whoever builds its spec."""
+    argv = ["--strategy", "tsp", "--degree", "4", "--seq-len", "64"]
+    ring, bcast = spec_of(argv), spec_of([*argv, "--mlp-schedule", "broadcast"])
+    assert ring.id == "tsp.D4.g4.S64.B1.train" and ring.label == "tsp"
+    assert bcast.id == "tsp-mlp-broadcast.D4.g4.S64.B1.train"
+    assert bcast.label == "tsp (broadcast MLP)" and bcast.header("local", 4)["mlp_schedule"]
+    assert "--mlp-schedule" not in spec_of(["--strategy", "tp", "--seq-len", "64"]).to_argv()
+    for strategy in ("tp", "sp", "fsdp_cp", "dp", "single"):
+        with pytest.raises(ConfigError, match="mlp_schedule='broadcast': only strategy tsp"):
+            RunSpec.make(strategy, get_config("tiny"), seq_len=64, mlp_schedule="broadcast")
+    with pytest.raises(ConfigError, match="mlp_schedule='tree': must be one of ring, broadcast"):
+        RunSpec.make("tsp", get_config("tiny"), seq_len=64, mlp_schedule="tree")
+
+
 def test_frozen_and_keyword_only():
     spec = spec_of(ARGVS[0])
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -64,7 +81,7 @@ def test_a_bad_spec_is_refused_on_construction(argv, needle):
         spec_of(argv)
 
 
-@pytest.mark.parametrize("field", ["dtype", "mode", "recompute"])
+@pytest.mark.parametrize("field", ["dtype", "mode", "recompute", "mlp_schedule"])
 def test_a_spec_refuses_unknown_choices_whoever_builds_it(field):
     """Not only argparse: a config or a library caller cannot build a spec with a value that
     reaches a command line unchecked (e.g. a dtype of "fp32$(touch F)")."""

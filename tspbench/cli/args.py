@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tspbench.runtime.spec import parse_size
+from tspbench.runtime.spec import CHOICES, parse_size
 
 EXIT_USAGE = 2
 
@@ -67,7 +67,11 @@ def add_run_args(p: argparse.ArgumentParser, strategy: str | None = None) -> Non
         metavar="FIELD=VALUE",
         help="override a model field, e.g. --set kv_heads=4 (repeatable)",
     )
-    p.add_argument("--seq-len", type=int_in(1), required=True)
+    length = p.add_mutually_exclusive_group(required=True)
+    length.add_argument("--seq-len", type=int_in(1), help="sequence length")
+    length.add_argument(
+        "--prompt-len", dest="seq_len", type=int_in(1), help="decode, generate: --seq-len"
+    )
     p.add_argument(
         "--degree",
         type=int_in(1, 65536),
@@ -77,7 +81,19 @@ def add_run_args(p: argparse.ArgumentParser, strategy: str | None = None) -> Non
     p.add_argument("--tp", type=int_in(1, 65536), default=1, help="T (tpsp)")
     p.add_argument("--sp", type=int_in(1, 65536), default=1, help="Sigma (tpsp)")
     p.add_argument("--dp", type=int_in(1, 65536), default=1, help="model replicas")
-    p.add_argument("--mode", choices=("train", "infer"), default="train")
+    p.add_argument(
+        "--mode",
+        choices=CHOICES["mode"],
+        default="train",
+        help="infer: one forward pass; decode, generate: prefill then greedy decode steps "
+        "(docs/decode.md; decode reports per token, generate the whole generation)",
+    )
+    p.add_argument(
+        "--new-tokens",
+        type=int_in(2, 65536),
+        default=None,
+        help="decode, generate: tokens generated per sequence (default 16)",
+    )
     p.add_argument("--batch", type=int_in(1, 4096), default=1, help="micro-batch per replica")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--warmup", type=int_in(0, 1000), default=1)
@@ -100,6 +116,13 @@ def add_run_args(p: argparse.ArgumentParser, strategy: str | None = None) -> Non
         type=int_in(0, 65536),
         default=0,
         help="tsp: KV heads per attention bucket (0: whole head group)",
+    )
+    p.add_argument(
+        "--mlp-schedule",
+        choices=CHOICES["mlp_schedule"],
+        default=None,
+        help="tsp: how MLP weight slices move: ring (one neighbour per step) or broadcast (the "
+        "owner to all); default ring (project: the hardware preset's tsp_mlp_schedule)",
     )
     p.add_argument(
         "--max-memory",

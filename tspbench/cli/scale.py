@@ -125,14 +125,18 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def cmd_project(args: argparse.Namespace) -> int:
-    from tspbench.projection.costmodel import load_preset, project
+    from tspbench.projection.costmodel import default_mlp_schedule, load_preset, project
+    from tspbench.projection.decode import project_decode
 
     spec = c = _spec(args)
     preset = load_preset(args.hardware)
-    res = project(c, preset)
-    obj = {"hardware": preset["name"], "projected": True, **res}
+    if args.mlp_schedule is None:  # TSP: the preset's schedule
+        spec = c = default_mlp_schedule(c, preset)
+    res = project_decode(c, preset) if c.decoding else project(c, preset)
+    mlp = {"mlp_schedule": c.mlp_schedule} if len(c.impl.mlp_schedules) > 1 else {}
+    obj = {"hardware": preset["name"], "projected": True, **mlp, **res}
     text = (
-        f"projected on {preset['name']}: {spec.strategy} {spec.cfg.name} S={spec.seq_len} "
+        f"projected on {preset['name']}: {spec.label} {spec.cfg.name} S={spec.seq_len} "
         f"D={spec.layout.degree} dp={spec.layout.dp} {spec.mode}\n"
         + "\n".join(
             f"  {k:20s} {v:.6g}" if isinstance(v, float) else f"  {k:20s} {v}"

@@ -43,6 +43,7 @@ class Spec(Protocol):
     rc: bool  # activation recomputation in effect
     cp: int  # P: ranks that split a sequence
     tokens: int  # t
+    mlp_schedule: str  # TSP's gated MLP: ring or broadcast
 
 
 class Schedule(list[Event]):
@@ -143,15 +144,15 @@ def kv_unit(c: Spec, kvl: int) -> int:
 
 def norms_saved(c: Spec) -> int:
     """Bytes a layer's two RMSNorms keep for backward and the two normed inputs the projections
-    keep: per RMSNorm its fp32 input, 1/rms and the normalised (fp32) output."""
+    keep: per RMSNorm its input (compute dtype) and the fp32 1/rms; the weight is a parameter."""
     t, h = c.tokens, c.cfg.hidden
-    return 2 * (8 * t * h + 4 * t) + 2 * t * h * c.e
+    return 2 * (t * h * c.e + 4 * t) + 2 * t * h * c.e
 
 
 def final_norm_saved(c: Spec) -> int:
     """Bytes the final RMSNorm keeps for backward, and its output."""
     t, h = c.tokens, c.cfg.hidden
-    return 8 * t * h + 4 * t + t * h * c.e
+    return t * h * c.e + 4 * t + t * h * c.e
 
 
 def saved_per_layer(c: Spec, T: int) -> int:
@@ -188,12 +189,18 @@ def inference_working_set(c: Spec, T: int, vocab_parallel: bool) -> tuple[int, i
 
 
 def backward_transients(c: Spec, T: int) -> tuple[int, int]:
-    """Transients of a plain model's backward: at the loss, three [t, V/T] fp32 logit copies, one
-    of them saved (so two here); at a layer, its attention's gathered K/V and gradient staging
-    (context parallel: one and a half gathered K/V pairs) or its MLP's SiLU backward (three
-    [t, f/T] buffers: the temporaries and the gate gradients), whichever is larger."""
+    """Transients of a plain model's backward beyond every saved tensor: at the loss, three
+    [t, V/T] fp32 logit copies, one of them saved (so two here); at a layer, the larger of its
+    MLP's gate backward (the residual's gradient and three [t, f/T] gradients, less
+    silu(h1) * h3, which W2's backward has freed) and, context parallel, its attention's backward
+    (the residual's gradient, the attention output's gradient and its copy, and three and a half
+    gathered K/V pairs: the gather, its gradient staging, the kernel's gradients; by then the
+    MLP's saved tensors and the second norm's input and output are freed)."""
     e, t = c.e, c.tokens
-    _, kvl, fl, vl = local_dims(c.cfg, T)
+    nh, kvl, fl, vl = local_dims(c.cfg, T)
     act, kvu, logits = t * c.cfg.hidden * e, kv_unit(c, kvl), 4 * t * vl
-    mlp_t = 3 * t * fl * e
-    return 2 * logits, 2 * act + max(5 * kvu // 2 if c.cp > 1 else 0, mlp_t)
+    layer_t = act + 2 * t * fl * e
+    if c.cp > 1:
+        freed = 4 * t * fl * e + 2 * act
+        layer_t = max(layer_t, act + 2 * t * nh * c.cfg.head_dim * e + 7 * kvu // 2 - freed)
+    return 2 * logits, layer_t

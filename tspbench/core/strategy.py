@@ -18,10 +18,12 @@ import torch.utils.checkpoint
 from tspbench.core import costs, zigzag
 from tspbench.core.comm import Comm
 from tspbench.core.config import ConfigError, ModelConfig
+from tspbench.core.decode import Decoding
 from tspbench.core.grad_sync import BucketedAllReduce
 from tspbench.core.mesh import Axis, Mesh
 
 RECOMPUTE = ("none", "full")
+MLP_SCHEDULES = ("ring", "broadcast")  # TSP's gated MLP (docs/method.md section 4)
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,7 @@ class Batch:
     n_tokens: int
 
 
-class Strategy(ABC):
+class Strategy(Decoding, ABC):  # Decoding: prefill/decode_step (docs/decode.md)
     name: ClassVar[str]
     plain_attention: ClassVar[bool] = False  # PyTorch's SDPA, not the zigzag entry point
 
@@ -62,13 +64,14 @@ class Strategy(ABC):
         overlap: bool = True,
         kv_bucket: int = 0,
         dp_bucket_mb: float = 25.0,
+        mlp_schedule: str = "ring",
     ) -> None:
         if recompute not in RECOMPUTE:
             raise ConfigError(f"recompute={recompute!r}: must be one of {', '.join(RECOMPUTE)}")
         self.cfg, self.mesh, self.seed = cfg, mesh, seed
         self.dtype, self.device = dtype, torch.device(device)
         self.recompute, self.overlap, self.kv_bucket = recompute, overlap, kv_bucket
-        self.dp_bucket_mb = dp_bucket_mb
+        self.dp_bucket_mb, self.mlp_schedule = dp_bucket_mb, mlp_schedule
         self._dp_sync: BucketedAllReduce | None = None
 
     def checkpointed(self, fn, *args):
@@ -261,6 +264,7 @@ class Strategy(ABC):
     vocab_parallel_loss: ClassVar[bool] = False  # Megatron's vocabulary-parallel cross-entropy
     grad_staging_copies: ClassVar[int] = 0  # packed copies of all grads reduced after backward
     overlapped: ClassVar[frozenset[str]] = frozenset()  # collective kinds hidden behind compute
+    mlp_schedules: ClassVar[tuple[str, ...]] = ("ring",)  # TSP's: both; the rest ignore ring
 
     @classmethod
     def tensor_degree(cls, layout: Layout) -> int:
@@ -318,17 +322,8 @@ class Strategy(ABC):
 
 # Megatron's split of every reference parameter: column-parallel weights by rows (dim 0),
 # row-parallel weights (wo, w2) by columns, embedding and LM head by vocabulary rows, norms whole.
-MEGATRON_SHARD_DIM = {
-    "embed": 0,
-    "head": 0,
-    "wq": 0,
-    "wk": 0,
-    "wv": 0,
-    "wo": 1,
-    "w1": 0,
-    "w3": 0,
-    "w2": 1,
-}
+MEGATRON_SHARD_DIM = {"embed": 0, "head": 0, "wq": 0, "wk": 0, "wv": 0, "wo": 1, "w1": 0,
+                      "w3": 0, "w2": 1}  # fmt: skip
 
 
 def shard_dim(name: str) -> int | None:

@@ -55,6 +55,7 @@ SCALARS = [
     "recompute",
     "overlap",
     "kv_bucket",
+    "mlp_schedule",
     "launcher",
     "attention_backend",
     "git_commit",

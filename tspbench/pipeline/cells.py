@@ -22,7 +22,7 @@ import yaml
 from tspbench.core.config import ConfigError, get_config
 from tspbench.core.strategy import Layout
 from tspbench.runtime.registry import get_strategy
-from tspbench.runtime.spec import RunSpec, parse_size
+from tspbench.runtime.spec import RunSpec, mlp_tag, parse_size
 
 
 @dataclass(frozen=True)
@@ -194,6 +194,7 @@ def _common(config: dict, what: str) -> dict:
         "seed": config.get("seed", 0),
         "recompute": config.get("recompute", "none"),
         "max_memory": max_memory,
+        "mlp_schedule": config.get("mlp_schedule", "ring"),
         "quiet": True,
     }
 
@@ -211,10 +212,13 @@ def _check_size(config: dict, what: str) -> None:
         )
 
 
-def _filtered(sweep: dict, strategy: str, lay: Layout, gpus: int, combo: dict, why: str) -> dict:
-    """A combination that cannot run, with its reason (``combo``: seq_len, batch, mode)."""
+def _filtered(
+    sweep: dict, strategy: str, lay: Layout, gpus: int, combo: dict, why: str, run: dict
+) -> dict:
+    """A combination that cannot run, with its reason (``combo``: seq_len, batch, mode; ``run``:
+    the settings every cell shares, the MLP schedule among them)."""
     S, B, mode = combo["seq_len"], combo["batch"], combo["mode"]
-    tag = get_strategy(strategy).tag(lay)
+    tag = mlp_tag(get_strategy(strategy).tag(lay), run["mlp_schedule"])
     return {
         "strategy": strategy,
         "degree": lay.degree,
@@ -253,10 +257,14 @@ def sweep_cells(config: dict, what: str = "config") -> tuple[list[Cell], list[di
             for lay in impl.sweep_layouts(sweep["degrees"], sweep.get("tpsp", [])):
                 lay = replace(lay, dp=gpus // lay.degree)
                 combo = {"seq_len": S, "batch": B, "mode": mode}
+                # TSP's MLP schedule; the other strategies have none to choose (ring, unused)
+                mlp = common["mlp_schedule"]
+                run = {**common, "mlp_schedule": mlp if mlp in impl.mlp_schedules else "ring"}
                 try:
-                    spec = RunSpec(strategy=strategy, cfg=cfg, layout=lay, **combo, **common)
+                    spec = RunSpec(strategy=strategy, cfg=cfg, layout=lay, **combo, **run)
                 except ConfigError as e:
-                    filtered.append(_filtered(sweep, strategy, lay, gpus, combo, str(e)))
+                    why = str(e)
+                    filtered.append(_filtered(sweep, strategy, lay, gpus, combo, why, run))
                     continue
                 known = cells.get(spec.id)
                 if known is None:

@@ -253,16 +253,8 @@ def hardware_id() -> str:
     return f"cpu-{os.cpu_count()}c"
 
 
-MEASURED = (
-    "peak_mem_bytes",
-    "step_time_s",
-    "step_time_min_s",
-    "step_time_max_s",
-    "tokens_per_s",
-    "calib_gflops",
-    "tokens_per_s_per_gflops",
-    "mfu",
-)
+MEASURED = ("peak_mem_bytes", "step_time_s", "step_time_min_s", "step_time_max_s", "tokens_per_s",
+            "calib_gflops", "tokens_per_s_per_gflops", "mfu")  # fmt: skip
 
 
 def median_table(tables: list[pd.DataFrame], exact: list[str]) -> pd.DataFrame:

@@ -186,7 +186,9 @@ def memory(c: RunSpec) -> dict[str, float | str]:
     layers = L * act if c.rc else L * per_layer  # checkpointing keeps each layer's input
     head_grad = V // impl.weight_split(c.layout) * h * e
     loss_t, layer_t, end_t = impl.backward_transients(c)
-    top = per_layer if c.rc else 0  # the recomputed top layer's saved tensors
+    # the recomputed top layer's saved tensors, less its first norm's input: the layer input,
+    # which the checkpoint keeps already
+    top = per_layer - act if c.rc else 0
     crests = {
         "loss backward": rest + layers + loss_saved + loss_t + head_grad,
         "layer backward": rest + layers + top + layer_t + head_grad,

@@ -11,10 +11,12 @@ Step time of one rank (the slowest rank is the same: zigzag balances the work):
   Python dispatcher on a CPU); operations are counted on the real code under fake tensors, which
   is cheap because the count does not depend on the tensor sizes;
 - communication: every collective of :func:`tspbench.projection.analytic.schedule` costs a
-  latency plus its bus bytes over the bandwidth of its link class: the model group inside a
-  node uses the intra-node fabric (on a fully connected mesh a collective drives all links, a
-  point-to-point ring step only one; on a switch every pair sees the full bandwidth), data
-  parallelism and model groups larger than a node use the NIC;
+  latency plus its bus bytes over the bandwidth of its link class and group size
+  (:func:`fabric`): the model group inside a node uses the intra-node fabric (on a fully
+  connected mesh a collective of g ranks drives the g-1 links to its peers at once, a
+  point-to-point ring hop only one; on a switch every rank has one port of the full bandwidth;
+  a broadcast or reduce moves the whole tensor through each link it uses, as its pipelined
+  algorithm does), data parallelism and model groups larger than a node use the NIC;
 - overlap: what the implementation overlaps (TSP's weight broadcasts, ring hops and weight
   gradient reduces; the data-parallel bucketed all-reduce) hides behind compute up to the
   preset's overlap efficiency; everything else is on the critical path.
@@ -73,19 +75,51 @@ def rates(preset: dict, ranks_per_node: int) -> dict[str, float]:
             )
         return table[str(p)]
     eff = preset.get("bus_efficiency", 1.0)
-    links = preset["links"] if preset["topology"] == "full_mesh" else 1
-    link = preset["link_bandwidth"] * eff
-    coll = {"lat": preset["latency_intra_s"], "bw": link * links}
+    node = preset.get("gpus_per_node", 8)
     return {
         "gemm_flops": preset["peak_flops"] * preset["gemm_efficiency"],
         "attention_flops": preset["peak_flops"] * preset["attention_efficiency"],
         "memory_bandwidth": preset["memory_bandwidth"] * preset["memory_efficiency"],
         "op_overhead_s": preset["op_overhead_s"],
         "overlap_efficiency": preset["overlap_efficiency"],
-        **{kind: coll for kind in analytic.KINDS_COLLECTIVE},
-        "send_recv": {"lat": preset["latency_intra_s"], "bw": link},
+        **fabric(preset, node),
+        "groups": {str(g): fabric(preset, g) for g in range(2, node + 1)},
         "inter": {"lat": preset["latency_inter_s"], "bw": preset["nic_bandwidth"] * eff},
     }
+
+
+def fabric(preset: dict, size: int) -> dict[str, dict[str, float]]:
+    """A datasheet preset's intra-node (latency, bandwidth) per collective kind for a group of
+    ``size`` ranks; bandwidths in bus bytes per second (what :func:`project` divides
+    :func:`bus_bytes` by), so an algorithm that moves more than the bus bytes gets a lower one.
+
+    - ``full_mesh`` (``links`` links per GPU, one to each peer): a group reaches its peers over
+      ``p = min(links, size - 1)`` links at once. All-gather, reduce-scatter and all-reduce move
+      their bus bytes over all p. A broadcast (reduce) from (to) one owner runs as p pipelined
+      edge-disjoint rings (trees), each carrying 1/p of the tensor: the whole tensor over p
+      links, which is the bus bytes ((size-1)/size of it) at ``p * link * (size-1)/size``.
+    - ``switch`` (one port per GPU to a switch): collectives at the port's bandwidth; a broadcast
+      or reduce is pipelined along a ring, every rank receiving (sending) the whole tensor
+      through its port: ``link * (size-1)/size`` in bus bytes.
+    - a point-to-point ring hop (``send_recv``): one link, on either.
+    """
+    link = preset["link_bandwidth"] * preset.get("bus_efficiency", 1.0)
+    paths = min(preset["links"], size - 1) if preset["topology"] == "full_mesh" else 1
+    lat = preset["latency_intra_s"]
+    whole = (size - 1) / size  # bus bytes per byte of a broadcast's or reduce's tensor
+    out = {kind: {"lat": lat, "bw": paths * link} for kind in analytic.KINDS_COLLECTIVE}
+    for kind in ("broadcast", "reduce"):
+        out[kind] = {"lat": lat, "bw": paths * link * whole}
+    out["send_recv"] = {"lat": lat, "bw": link}
+    return out
+
+
+def default_mlp_schedule(c: RunSpec, preset: dict) -> RunSpec:
+    """``c`` with the preset's TSP MLP schedule (``tsp_mlp_schedule``; ring if it names none),
+    for a strategy that takes one: what ``tspbench project`` and the planner use when the user
+    names none."""
+    schedule = preset.get("tsp_mlp_schedule", "ring")
+    return c.replace(mlp_schedule=schedule) if schedule in c.impl.mlp_schedules else c
 
 
 def metric_reductions(c: RunSpec) -> list[tuple[str, int]]:
@@ -196,11 +230,13 @@ def case_of_row(row: dict) -> RunSpec:
         v = row.get(k)
         return 1 if v is None or v != v else int(v)  # NaN: not a tpsp row
 
+    mlp = row.get("mlp_schedule")
     return RunSpec.make(
         row["strategy"], cfg, degree=int(row["degree"]), tp=opt("tp"), sp=opt("sp"),
         dp=int(row["dp"]), seq_len=int(row["seq_len"]), batch=int(row["batch"]),
         mode=row["mode"], dtype=row["dtype"], recompute=row.get("recompute", "none"),
         kv_bucket=int(row.get("kv_bucket", 0) or 0),
+        mlp_schedule=mlp if isinstance(mlp, str) else "ring",  # NaN: a row without one
     )  # fmt: skip
 
 

@@ -73,6 +73,8 @@ def pipeline_config(req: Request, spec: RunSpec, models: list[str] | None = None
         config["model_overrides"] = over
     config.update(dtype=req.dtype, warmup=1, steps=3, recompute=spec.recompute, timeout=600,
                   gpu=True, gpus_per_node=node_size(req.hardware), launcher="srun")  # fmt: skip
+    if spec.mlp_schedule != "ring":
+        config["mlp_schedule"] = spec.mlp_schedule
     if hw in costmodel.presets():
         config["hardware_preset"] = hw
     config["sweeps"] = [sweep]

@@ -65,10 +65,12 @@ def reads_kv_bucket(spec: RunSpec) -> bool:
 
 
 def _spec(req: Request, strategy: str, lay: Layout, batch: int, rc: str, kvb: int) -> RunSpec:
-    return RunSpec(
+    """A candidate's run; TSP's MLP schedule is the hardware preset's (``tsp_mlp_schedule``)."""
+    spec = RunSpec(
         strategy=strategy, cfg=req.cfg, layout=lay, seq_len=req.seq_len, batch=batch,
         mode=req.mode, dtype=req.dtype, recompute=rc, kv_bucket=kvb, quiet=True,
     )  # fmt: skip
+    return costmodel.default_mlp_schedule(spec, req.hardware)
 
 
 def _batches(req: Request, lay: Layout) -> list[int] | str:

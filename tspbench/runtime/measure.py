@@ -101,6 +101,7 @@ def build_strategy(spec: RunSpec, mesh, device: torch.device, overlap: bool | No
         recompute=spec.recompute,
         overlap=spec.overlap if overlap is None else overlap,
         kv_bucket=spec.kv_bucket,
+        mlp_schedule=spec.mlp_schedule,
     )
 
 
@@ -189,8 +190,8 @@ def probe(
     """Peak memory of the first and of a steady-state step, then FLOPs in a step of their own.
 
     ``step()`` runs one step and returns (loss, gradient norm), which are returned as the
-    first step gave them, beside the measurements (tensors: fake ones stay fake). Each memory
-    probe tracks what is at rest plus every tensor the step creates (a TorchDispatchMode that
+    first step gave them, beside the measurements (tensors: fake ones stay fake). The memory
+    probes track what is at rest plus every tensor the steps create (a TorchDispatchMode that
     only records storages: it changes no kernel); on CUDA the allocator's peak of the same step
     is read as well. The
     FLOP counter runs alone in a third step (with ``also``, another counting mode, beside it),
@@ -198,20 +199,24 @@ def probe(
     the same steps."""
     peaks, device_peaks, reserved = [], [], []
     first = None
+    # one tracker across both steps: whatever the first step leaves alive (AdamW's moments, a
+    # strategy's cached tables) is still counted in the second
+    tracker = MemoryTracker(limit=limit)
+    tracker.track(*at_rest(strat, batch, opt))
     for _ in range(2):
-        tracker = MemoryTracker(limit=limit)
-        tracker.track(*at_rest(strat, batch, opt))
+        tracker.reset_peak()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         with gc_held(), tracker:
             result = step()
-        if first is None:
-            first = result
+        if first is None:  # copied outside the tracker, so the second step does not count it
+            first = tuple(None if t is None else t.detach().clone() for t in result)
+        del result
         peaks.append(tracker.peak)
         if device.type == "cuda":
             device_peaks.append(torch.cuda.max_memory_allocated(device))
             reserved.append(torch.cuda.max_memory_reserved(device))
-        del tracker
+    del tracker
     strat.mesh.counter.reset()
     with gc_held(), counter() as flops, also or nullcontext():
         step()

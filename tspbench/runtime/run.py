@@ -26,6 +26,7 @@ import torch.distributed as dist
 from tspbench.core import attention
 from tspbench.core.comm import blocked_in_collective
 from tspbench.core.config import ConfigError
+from tspbench.runtime.decode import measure_decode_rank, summarize_decode
 from tspbench.runtime.flops import device_peak
 from tspbench.runtime.guard import HUNG, RENDEZVOUS, WAITED, Guard
 from tspbench.runtime.launch import RankEnv, detect, free_port, init
@@ -152,14 +153,14 @@ def root_cause(
 
 def _measure(spec: RunSpec, device: torch.device, header: dict, beat) -> dict | None:
     """`tspbench run`: measure on every rank, summarise on rank 0."""
-    mine = measure_rank(spec, device, beat)
+    mine = (measure_decode_rank if spec.decoding else measure_rank)(spec, device, beat)
     gathered = [None] * spec.layout.world_size if dist.get_rank() == 0 else None
     with blocked_in_collective():
         dist.gather_object(mine, gathered, dst=0)
     if dist.get_rank() != 0:
         return None
     peak = device_peak(header["hardware"]["device_name"]) if device.type == "cuda" else None
-    return summarize(spec, gathered, peak)
+    return (summarize_decode if spec.decoding else summarize)(spec, gathered, peak)
 
 
 def placement(spec: RunSpec, env: RankEnv) -> dict:

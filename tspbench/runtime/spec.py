@@ -16,11 +16,19 @@ from functools import cached_property
 from typing import Any
 
 from tspbench.core.config import ConfigError, ModelConfig, get_config, parse_overrides
-from tspbench.core.strategy import Layout, Strategy
-from tspbench.runtime.registry import get_strategy
+from tspbench.core.strategy import MLP_SCHEDULES, Layout, Strategy
+from tspbench.runtime.registry import get_strategy, strategies
 
 BYTES = {"fp32": 4, "bf16": 2}
-CHOICES = {"mode": ("train", "infer"), "dtype": tuple(BYTES), "recompute": ("none", "full")}
+CHOICES = {
+    "mode": ("train", "infer", "decode", "generate"),
+    "dtype": tuple(BYTES),
+    "recompute": ("none", "full"),
+    "mlp_schedule": MLP_SCHEDULES,  # TSP's (the others take only the default, ring)
+}
+
+DECODE_MODES = ("decode", "generate")  # prefill, then one token per step (docs/decode.md)
+DEFAULT_NEW_TOKENS = 16
 
 
 def parse_size(text: str) -> int:
@@ -35,6 +43,11 @@ def parse_size(text: str) -> int:
     return value
 
 
+def mlp_tag(tag: str, mlp_schedule: str) -> str:
+    """A cell id's strategy tag with a non-default MLP schedule (ids of ring runs unchanged)."""
+    return tag if mlp_schedule == "ring" else f"{tag}-mlp-{mlp_schedule}"
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunSpec:
     """Everything that defines one run: validated on construction, before any process starts."""
@@ -44,11 +57,13 @@ class RunSpec:
     layout: Layout = Layout()
     seq_len: int
     batch: int = 1  # micro-batch of one model replica; the global batch is batch x dp
-    mode: str = "train"  # train | infer
+    mode: str = "train"  # train | infer | decode | generate
+    new_tokens: int = 0  # decode, generate: tokens generated per sequence
     dtype: str = "fp32"
     recompute: str = "none"
     overlap: bool = True
     kv_bucket: int = 0
+    mlp_schedule: str = "ring"  # TSP's gated MLP: ring or broadcast (docs/method.md section 4)
     seed: int = 0
     warmup: int = 1
     steps: int = 3
@@ -60,6 +75,27 @@ class RunSpec:
             if getattr(self, field) not in choices:
                 value = getattr(self, field)
                 raise ConfigError(f"{field}={value!r}: must be one of {', '.join(choices)}")
+        if self.mlp_schedule not in self.impl.mlp_schedules:  # a schedule (CHOICES), not theirs
+            raise ConfigError(
+                f"mlp_schedule={self.mlp_schedule!r}: only strategy tsp chooses its MLP schedule "
+                f"(got {self.strategy}: leave it ring)"
+            )
+        if self.decoding:
+            if not self.impl.decodes:
+                can = ", ".join(n for n, s in strategies().items() if s.decodes)
+                raise ConfigError(
+                    f"mode={self.mode!r}: strategy {self.strategy} has no decode path "
+                    f"(strategies that decode: {can})"
+                )
+            self.impl.validate_decode(
+                self.cfg, self.layout, self.seq_len, self.new_tokens, self.batch,
+                kv_bucket=self.kv_bucket,
+            )  # fmt: skip
+            return
+        if self.new_tokens:
+            raise ConfigError(
+                f"new_tokens={self.new_tokens}: only --mode {' or '.join(DECODE_MODES)} generates"
+            )
         self.impl.validate(
             self.cfg, self.layout, self.seq_len, self.batch, kv_bucket=self.kv_bucket
         )
@@ -93,10 +129,16 @@ class RunSpec:
             seq_len=args.seq_len,
             batch=args.batch,
             mode=args.mode,
+            new_tokens=(
+                args.new_tokens
+                if getattr(args, "new_tokens", None) is not None
+                else DEFAULT_NEW_TOKENS * (args.mode in DECODE_MODES)
+            ),
             dtype=args.dtype,
             recompute=args.recompute,
             overlap=args.overlap == "on",
             kv_bucket=args.kv_bucket,
+            mlp_schedule=getattr(args, "mlp_schedule", None) or "ring",
             seed=args.seed,
             warmup=args.warmup,
             steps=args.steps,
@@ -118,8 +160,12 @@ class RunSpec:
             if value is not None:
                 argv += [f"--{key}", str(value)]
         argv += ["--dp", str(lay.dp), "--batch", str(self.batch), "--mode", self.mode]
+        if self.decoding:
+            argv += ["--new-tokens", str(self.new_tokens)]
         argv += ["--dtype", self.dtype, "--recompute", self.recompute]
         argv += ["--overlap", "on" if self.overlap else "off", "--kv-bucket", str(self.kv_bucket)]
+        if len(self.impl.mlp_schedules) > 1:  # TSP names it (``project`` would pick the preset's)
+            argv += ["--mlp-schedule", self.mlp_schedule]
         argv += ["--seed", str(self.seed), "--warmup", str(self.warmup), "--steps", str(self.steps)]
         if self.max_memory is not None:
             argv += ["--max-memory", str(self.max_memory)]
@@ -132,16 +178,22 @@ class RunSpec:
     @property
     def label(self) -> str:
         """Strategy and factorisation as tables spell it, e.g. ``tpsp (2x2)``."""
-        return self.impl.label(self.layout)
+        label = self.impl.label(self.layout)
+        return label if self.mlp_schedule == "ring" else f"{label} ({self.mlp_schedule} MLP)"
+
+    @property
+    def tag(self) -> str:
+        """The strategy and its factorisation as cell ids spell it, and a schedule other than
+        the default: ``tsp-mlp-broadcast``."""
+        return mlp_tag(self.impl.tag(self.layout), self.mlp_schedule)
 
     @property
     def id(self) -> str:
         """The cell id: ``tag.D<degree>.g<GPUs>.S<seq>.B<batch>.<mode>``."""
         lay = self.layout
         return (
-            f"{self.impl.tag(lay)}.D{lay.degree}.g{lay.world_size}.S{self.seq_len}"
-            f".B{self.batch}.{self.mode}"
-        )
+            f"{self.tag}.D{lay.degree}.g{lay.world_size}.S{self.seq_len}.B{self.batch}.{self.mode}"
+        ) + (f".N{self.new_tokens}" if self.decoding else "")
 
     def header(self, launcher: str, world: int) -> dict[str, Any]:
         """The inputs part of a run record."""
@@ -155,6 +207,7 @@ class RunSpec:
             "dp": lay.dp,
             "world_size": world,
             "mode": self.mode,
+            **({"new_tokens": self.new_tokens} if self.decoding else {}),
             "batch": self.batch,
             "global_batch": self.batch * lay.dp,
             "dtype": self.dtype,
@@ -165,6 +218,7 @@ class RunSpec:
             "recompute": self.recompute,
             "overlap": self.overlap,
             "kv_bucket": self.kv_bucket,
+            "mlp_schedule": self.mlp_schedule,
             "model_config": dataclasses.asdict(self.cfg),
             "launcher": launcher,
         }
@@ -198,6 +252,11 @@ class RunSpec:
     @property
     def train(self) -> bool:
         return self.mode == "train"
+
+    @property
+    def decoding(self) -> bool:
+        """Prefill then decode steps (``seq_len`` is the prompt length)."""
+        return self.mode in DECODE_MODES
 
     @property
     def rc(self) -> bool:

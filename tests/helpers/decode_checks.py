@@ -1,0 +1,97 @@
+"""Rank-side decode checks (docs/decode.md): a strategy's greedy generation against the
+single-device reference model run without a cache, and its counted bytes per decode step
+against the closed form. Runs inside a spawned gloo world (see distributed.py); model groups of
+size D sit side by side as in checks.py, so rank 0 compares alone.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tests.helpers.checks import close, err, mesh_for
+from tspbench.core.config import get_config
+from tspbench.core.decode import bytes_per_step
+from tspbench.core.reference import ReferenceModel, make_batch
+from tspbench.runtime.spec import RunSpec
+
+
+def decode_spec(case: dict) -> RunSpec:
+    return RunSpec.make(
+        case["strategy"],
+        get_config("tiny", **case.get("model", {})),
+        degree=case["D"],
+        tp=case.get("tp", 1),
+        sp=case.get("sp", 1),
+        seq_len=case["P"],
+        batch=case["B"],
+        mode="generate",
+        new_tokens=case["N"],
+        seed=case.get("seed", 0),
+        **{k: case[k] for k in ("overlap", "kv_bucket", "mlp_schedule") if k in case},
+    )
+
+
+def reference_generation(cfg, tokens: torch.Tensor, n: int, seed: int) -> list[torch.Tensor]:
+    """Logits [B, V] of each of ``n`` greedy steps, every one a full forward (no cache)."""
+    ref = ReferenceModel(cfg, seed=seed)
+    out, seq = [], tokens
+    with torch.no_grad():
+        for _ in range(n):
+            logits = (ref(seq)[:, -1] @ ref.p("head").T).float()
+            out.append(logits)
+            seq = torch.cat([seq, logits.argmax(-1)[:, None]], dim=1)
+    return out
+
+
+def check_decode(case: dict) -> dict:
+    """Tokens (exact) and logits (rtol) of every step vs the reference; bytes of every decode
+    step vs the closed form (exact); the cache's bytes vs the closed form."""
+    spec = decode_spec(case)
+    world = dist.get_world_size()
+    dims = (("replica", world // spec.layout.world_size), *spec.impl.mesh_dims(spec.layout).items())
+    mesh = mesh_for(tuple(dims))
+    strat = spec.impl(
+        spec.cfg, mesh, seed=spec.seed, overlap=spec.overlap, kv_bucket=spec.kv_bucket,
+        mlp_schedule=spec.mlp_schedule,
+    )  # fmt: skip
+    tokens, _ = make_batch(spec.cfg, spec.batch, spec.seq_len, spec.seed)
+    ref = reference_generation(spec.cfg, tokens, spec.new_tokens, spec.seed)
+
+    mesh.counter.reset()
+    cache, step = strat.prefill(tokens, spec.seq_len + spec.new_tokens - 1)
+    steps, counted = [step], []
+    for _ in range(spec.new_tokens - 1):
+        mesh.counter.reset()
+        steps.append(strat.decode_step(cache, steps[-1].tokens))
+        counted.append(mesh.counter.by_kind(axes=("model", "tp", "sp")))
+    logits = [s.full_logits() for s in steps]  # gathered after counting
+    expect = bytes_per_step(spec.impl.decode_schedule(spec))
+    res = {
+        "tokens_equal": all(torch.equal(s.tokens, r.argmax(-1)) for s, r in zip(steps, ref)),
+        "logits_close": all(close(a, b, 1e-4) for a, b in zip(logits, ref)),
+        "logits_err": max(err(a, b) for a, b in zip(logits, ref)),
+        "bytes": counted,
+        "expect": expect,
+        "bytes_exact": all(c == expect for c in counted),
+        "cache_bytes": cache.nbytes(),
+        "cache_expect": spec.impl.kv_cache_bytes(spec),
+        "cache_length": cache.length,
+        "tokens": [s.tokens.tolist() for s in steps],
+    }
+    lengths: list = [None] * world
+    dist.all_gather_object(lengths, cache.length)  # uncounted: a check, not the schedule
+    res["balanced"] = max(lengths) - min(lengths) <= 1
+    res["ok"] = (
+        res["balanced"]
+        and res["tokens_equal"]
+        and res["logits_close"]
+        and res["bytes_exact"]
+        and res["cache_bytes"] == res["cache_expect"]
+    )
+    return res
+
+
+def run_decode_cases(cases: list[dict]) -> dict:
+    """Every case on every rank: {case id: result} (rank 0's results are used)."""
+    return {case["id"]: check_decode(case) for case in cases}

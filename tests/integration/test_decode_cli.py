@@ -1,0 +1,62 @@
+"""`tspbench run --mode decode|generate`: the record carries the decode metrics (schema valid),
+every strategy generates the same tokens, and the recorded bytes per decode step and cache
+bytes are the closed forms of docs/decode.md."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from tests.helpers.runner import ROOT, tspbench
+from tspbench.core.config import get_config
+from tspbench.core.decode import bytes_per_step
+from tspbench.runtime.spec import RunSpec
+
+SCHEMA = json.loads((ROOT / "tspbench/schemas/record.schema.json").read_text())
+BASE = ["--model", "tiny", "--prompt-len", "16", "--new-tokens", "5", "--batch", "2",
+        "--warmup", "0", "--steps", "2", "--quiet", "--launch", "local"]  # fmt: skip
+RUNS = {
+    "single": ["--strategy", "single", "--mode", "generate"],
+    "tsp": ["--strategy", "tsp", "--degree", "2", "--mode", "generate"],
+    "tp": ["--strategy", "tp", "--degree", "2", "--mode", "decode"],
+}
+FIELDS = ("prefill_time_s", "decode_latency_s", "decode_latency_p90_s", "decode_tokens_per_s",
+          "generated_tokens", "kv_cache_bytes", "decode_bytes_per_token")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory) -> dict[str, dict]:
+    d = tmp_path_factory.mktemp("decode")
+    out = {}
+    for name, args in RUNS.items():
+        p = tspbench("run", *BASE, *args, "--out", d / f"{name}.json")
+        assert p.returncode == 0, p.stderr[-3000:]
+        out[name] = json.loads((d / f"{name}.json").read_text())
+    return out
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_decode_record(records, name):
+    rec = records[name]
+    jsonschema.validate(rec, SCHEMA)
+    assert rec["status"] == "ok" and all(rec[f] is not None for f in FIELDS)
+    assert rec["generated_tokens"] == records["single"]["generated_tokens"]
+    assert len(rec["generated_tokens"]) == 2 and len(rec["generated_tokens"][0]) == 5
+    assert rec["decode_latency_p90_s"] >= rec["decode_latency_s"] > 0
+    spec = RunSpec.make(rec["strategy"], get_config("tiny"), degree=rec["degree"], seq_len=16,
+                        batch=2, mode=rec["mode"], new_tokens=5)  # fmt: skip
+    assert rec["decode_bytes_per_token"] == sum(
+        bytes_per_step(spec.impl.decode_schedule(spec)).values()
+    )
+    assert rec["kv_cache_bytes"] == spec.impl.kv_cache_bytes(spec)
+    assert rec["kv_cache_bytes"] < rec["peak_mem_bytes"]
+
+
+def test_decode_reports_a_step_per_token_generate_a_generation(records):
+    dec, gen = records["tp"], records["tsp"]
+    assert dec["step_time_s"] == dec["decode_latency_s"]
+    assert gen["step_time_s"] == gen["generate_time_s"] > gen["prefill_time_s"]
+    assert "broadcast" in gen["comm_bytes"]  # the prefill moves TSP's weights, decode does not
+    assert "broadcast" not in gen["decode_bytes_per_token_by_kind"]

@@ -1,0 +1,156 @@
+"""TSP decode (``docs/decode.md`` section 2): weights stay with their owners, the KV cache is
+split by sequence over the same D ranks (all heads of a rank's tokens), activations move.
+
+Prefill runs the training forward (broadcast attention, ring or broadcast MLP) and keeps, for
+every head group, the K/V of the rank's own zigzag tokens: all heads of its P/D prompt tokens.
+Per decode step and layer, with the new token's hidden state on every rank:
+
+    Q_r, K_r, V_r = owner r's heads of the new token          # rank r: head group r
+    Q, K, V = all_gather                                      # all heads, every rank
+    the owner of position pos (pos mod D) appends K, V        # round-robin: balanced
+    o_p, lse_p = attention of Q over the local cache slice    # split-K, all heads
+    o_r = merge on head owners: max all-reduce, reduce-scatter of [w o, w]
+    x += all_reduce(o_r Wo_r^T); x += all_reduce(MLP slice r)  # row-parallel outputs
+
+The embedding and head are the vocabulary shards (masked lookup and all-reduce; greedy arg max
+by an all-gather of [value, index]): no weight moves per token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tsp_impl.attention import gather_kv, merge_heads, project, split_shard
+from tsp_impl.mlp import BroadcastMLP, RingMLP
+from tsp_impl.overlap import owner_shards
+from tsp_impl.plan import TSPPlan
+from tsp_impl.vocab import VocabEmbedding
+from tspbench.core import zigzag
+from tspbench.core.attention import zigzag_fwd
+from tspbench.core.collectives import reduce_from
+from tspbench.core.comm import Comm
+from tspbench.core.config import ModelConfig
+from tspbench.core.costs import Schedule, Spec
+from tspbench.core.decode import FP32, PHASE, DecodeHooks, greedy, run_layers
+from tspbench.core.kvcache import KVCache, Step, merge_scatter, partial_attention
+from tspbench.core.layers import rms_norm
+from tspbench.core.mesh import Axis
+from tspbench.core.vocab_parallel import embedding
+
+MLP = {"ring": RingMLP, "broadcast": BroadcastMLP}
+
+
+def attention_into_cache(
+    x: torch.Tensor, w_own: torch.Tensor, plan: TSPPlan, cache: KVCache, layer: int
+) -> torch.Tensor:
+    """The broadcast-schedule attention forward (``tsp_impl/attention.py``), keeping each head
+    group's local K/V in the cache (heads of group r at [r hkv, (r+1) hkv))."""
+    y = torch.zeros_like(x)
+    n = x.shape[1]
+    for r, w in owner_shards(w_own, plan.comm, plan.overlap):
+        q, k, v = project(x, w, plan)
+        heads = slice(r * plan.hkv, (r + 1) * plan.hkv)
+        cache.k[layer][:, heads, :n] = k
+        cache.v[layer][:, heads, :n] = v
+        parts = []
+        for qs, ks in plan.buckets():
+            K, V = gather_kv(k[:, ks], v[:, ks], plan)
+            parts.append(zigzag_fwd(q[:, qs], K, V, plan.rank, plan.D)[0])
+        y += merge_heads(torch.cat(parts, dim=1)) @ split_shard(w, plan)[3]
+    return y
+
+
+def attend(cache: KVCache, comm: Comm):
+    """``attend`` of :class:`DecodeHooks`: gather the new token's q/k/v of every head group,
+    append K/V on the round-robin owner, split-K over the local slice, merge on head owners."""
+
+    def run(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        B, hq, d = q.shape
+        hkv = k.shape[1]
+        every = comm.all_gather(torch.cat([q, k, v], dim=1)[None], dim=0)  # [D, B, hq+2hkv, d]
+        every = every.transpose(0, 1)  # head group r's heads come r-th
+
+        def heads(lo: int, n: int) -> torch.Tensor:
+            return every[:, :, lo : lo + n].reshape(B, -1, d)
+
+        if cache.mine:
+            cache.write(i, heads(hq, hkv), heads(hq + hkv, hkv))
+        return merge_scatter(*partial_attention(heads(0, hq), *cache.view(i)), comm)
+
+    return run
+
+
+def layer_views(lp: dict, cfg: ModelConfig, D: int) -> dict[str, torch.Tensor]:
+    """A layer's own head group and MLP slice as reference-named (sharded) weights."""
+    d = cfg.head_dim
+    hq, hkv = cfg.heads // D * d, cfg.kv_heads // D * d
+    wq, wk, wv, wo_t = lp["attn"].split([hq, hkv, hkv, hq])
+    w1, w3, w2t = lp["mlp"].chunk(3)
+    return {
+        "attn_norm": lp["attn_norm"], "wq": wq, "wk": wk, "wv": wv, "wo": wo_t.T,
+        "mlp_norm": lp["mlp_norm"], "w1": w1, "w3": w3, "w2": w2t.T,
+    }  # fmt: skip
+
+
+class TSPDecoding:
+    """The decode methods of :class:`tsp_impl.model.TSP` (a base of it)."""
+
+    decodes = True
+
+    @classmethod
+    def validate_decode(cls, cfg, layout, prompt_len, new_tokens, batch, kv_bucket=0) -> None:
+        super().validate_decode(cfg, layout, prompt_len, new_tokens, batch)  # type: ignore[misc]
+        cls.validate(cfg, layout, prompt_len, batch, kv_bucket=kv_bucket)  # type: ignore[attr-defined]
+
+    @classmethod
+    def decode_cache_split(cls, layout) -> tuple[int, int]:
+        return layout.degree, 1  # by sequence over D, every head
+
+    @classmethod
+    def decode_schedule(cls, spec: Spec) -> Schedule:
+        """Embedding all-reduce; per layer the q/k/v all-gather, the merge's max all-reduce and
+        reduce-scatter, two all-reduces of [B, h]; the greedy all-gather (docs/decode.md s. 3)."""
+        cfg, B, e, D = spec.cfg, spec.batch, spec.e, spec.degree
+        h, kv, nh, d = cfg.hidden, cfg.kv_dim, cfg.heads, cfg.head_dim
+        ev, ax = Schedule(), Axis.MODEL
+        ev.add(PHASE, ax, "all_reduce", D, B * h * e)
+        for _ in range(cfg.layers):
+            ev.add(PHASE, ax, "all_gather", D, B * (h + 2 * kv) * e)
+            ev.add(PHASE, ax, "all_reduce", D, B * nh * FP32)
+            ev.add(PHASE, ax, "reduce_scatter", D, B * nh * (d + 1) * FP32)
+            ev.add(PHASE, ax, "all_reduce", D, B * h * e, times=2)
+        ev.add(PHASE, ax, "all_gather", D, D * B * 2 * FP32)
+        return ev
+
+    def _step(self, x: torch.Tensor) -> Step:
+        h = rms_norm(x, self.norm, self.cfg.norm_eps)
+        return greedy((h @ self.head.T).float(), self.comm)
+
+    @torch.no_grad()
+    def prefill(self, tokens: torch.Tensor, max_len: int) -> tuple[KVCache, Step]:
+        cfg, comm, eps = self.cfg, self.comm, self.cfg.norm_eps
+        D, r, (B, P) = comm.size, comm.rank, tokens.shape
+        local = zigzag.shard(tokens, D, r).to(self.device)
+        plan = self.plan(P)
+        x = VocabEmbedding.apply(local, self.embed, comm, self.overlap)
+        slots = KVCache.capacity(P, max_len, D)
+        cache = KVCache.empty(cfg.layers, B, cfg.kv_heads, slots, cfg.head_dim, x, D, r)
+        mlp = MLP[self.mlp_schedule]
+        for i, lp in enumerate(self.layers):
+            x = x + attention_into_cache(
+                rms_norm(x, lp["attn_norm"], eps), lp["attn"], plan, cache, i
+            )
+            x = x + mlp.apply(
+                rms_norm(x, lp["mlp_norm"], eps), lp["mlp"], comm, self.overlap, False
+            )
+        cache.start(P // D, P)
+        last = x[:, -1].contiguous()  # position P-1 ends chunk 2D-1: rank 0's last local token
+        return cache, self._step(comm.broadcast(last, src=0))
+
+    @torch.no_grad()
+    def decode_step(self, cache: KVCache, tokens: torch.Tensor) -> Step:
+        cfg, comm = self.cfg, self.comm
+        x = embedding(tokens.to(self.device), self.embed, comm)
+        layers = [layer_views(lp, cfg, comm.size) for lp in self.layers]
+        hooks = DecodeHooks(attend(cache, comm), exit=lambda t: reduce_from(t, comm))
+        return self._step(run_layers(cfg, layers, x, cache, hooks))
