@@ -14,8 +14,9 @@ Faithfulness notes:
   replica 0 is estimated; data-parallel replicas run the same shapes (only their batch rows
   differ), so they are not estimated again.
 - The steps are a measured run's probe steps (:func:`tspbench.runtime.measure.probe`): the first
-  step's peak (AdamW creates its state inside it), the steady-state peak of a second step, which
-  decides whether a run fits, and FLOPs (and dispatched operations) counted in a third step.
+  step's peak (AdamW creates its state inside it) and the steady-state peak of a second step,
+  which decides whether a run fits; FLOPs (and dispatched operations) are counted in the second
+  step, the FLOP counter beneath the memory tracker so that it cannot move the peak.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ def estimate_rank(
                 opt,
                 torch.device("cpu"),
                 also=ops,
+                fake=True,
             )
             return {
                 "rank": rank,

@@ -185,30 +185,38 @@ def at_rest(strat, batch, opt) -> list:
 
 
 def probe(
-    step, strat, batch, opt, device: torch.device, limit: int | None = None, also=None
-) -> tuple[dict, tuple]:
+    step, strat, batch, opt, device: torch.device, limit: int | None = None, also=None,
+    fake: bool = False,
+) -> tuple[dict, tuple]:  # fmt: skip
     """Peak memory of the first and of a steady-state step, then FLOPs in a step of their own.
 
     ``step()`` runs one step and returns (loss, gradient norm), which are returned as the
     first step gave them, beside the measurements (tensors: fake ones stay fake). The memory
     probes track what is at rest plus every tensor the steps create (a TorchDispatchMode that
     only records storages: it changes no kernel); on CUDA the allocator's peak of the same step
-    is read as well. The
-    FLOP counter runs alone in a third step (with ``also``, another counting mode, beside it),
-    after which the mesh's byte counter holds that one step's bytes. Collective: every rank runs
-    the same steps."""
+    is read as well. The FLOP counter runs alone in a third step (with ``also``, another
+    counting mode, beside it), after which the mesh's byte counter holds that one step's bytes.
+    On ``fake`` tensors, where no memory is real, the counter instead runs in the steady-state
+    step *beneath* the tracker (entered first): the temporaries of the kernels it decomposes
+    never reach the tracker, which sees exactly the ops of a step without it (one step fewer
+    per estimated rank). Collective: every rank runs the same steps."""
     peaks, device_peaks, reserved = [], [], []
     first = None
     # one tracker across both steps: whatever the first step leaves alive (AdamW's moments, a
     # strategy's cached tables) is still counted in the second
     tracker = MemoryTracker(limit=limit)
     tracker.track(*at_rest(strat, batch, opt))
-    for _ in range(2):
+    flops = counter()
+    for i in range(2):
         tracker.reset_peak()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        with gc_held(), tracker:
-            result = step()
+        counting = fake and i == 1
+        if counting:
+            strat.mesh.counter.reset()
+        with gc_held(), flops if counting else nullcontext(), tracker:
+            with also if counting and also else nullcontext():
+                result = step()
         if first is None:  # copied outside the tracker, so the second step does not count it
             first = tuple(None if t is None else t.detach().clone() for t in result)
         del result
@@ -217,9 +225,10 @@ def probe(
             device_peaks.append(torch.cuda.max_memory_allocated(device))
             reserved.append(torch.cuda.max_memory_reserved(device))
     del tracker
-    strat.mesh.counter.reset()
-    with gc_held(), counter() as flops, also or nullcontext():
-        step()
+    if not fake:
+        strat.mesh.counter.reset()
+        with gc_held(), flops, also or nullcontext():
+            step()
     out = {
         "flops": int(flops.get_total_flops()),
         "tracked_peak_first": peaks[0],
