@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.helpers.records import CPU, write_records
 from tests.helpers.runner import copy_workflow
 from tests.helpers.runner import snakemake as smk
-from tests.unit.test_figures import CPU, write_records
 
 # four sweeps that share cells: the seq sweep's S = 128 training cells are the degree sweep's
 # D = 4 column, its S = 64 cells the batch sweep's B = 1 column
@@ -63,6 +63,26 @@ REPORT = {
             "seq_lens": [128],
             "batches": [1],
             "modes": ["infer"],
+        },
+        {  # decode: the KV cache vs prompt length and tokens/s vs batch, single beside
+            "name": "decode",
+            "strategies": ["tsp", "tp"],
+            "degrees": [2],
+            "gpus": [2],
+            "seq_lens": [64, 128],
+            "batches": [1, 2],
+            "modes": ["decode"],
+            "new_tokens": [4],
+        },
+        {
+            "name": "decode",
+            "strategies": ["single"],
+            "degrees": [1],
+            "gpus": [1],
+            "seq_lens": [64, 128],
+            "batches": [1, 2],
+            "modes": ["decode"],
+            "new_tokens": [4],
         },
     ],
 }
@@ -124,6 +144,9 @@ def test_the_report_shows_every_figure_with_a_true_caption(report):
     expected = {p.name for p in (work / "plots/rep/png").glob("*.png")}
     assert expected and set(figures) == expected
     assert {"throughput_vs_gpus_infer_S128.png", "memory_vs_degree_S128.png"} <= expected
+    decode = {"kv_cache_vs_seq_B1.png", "decode_throughput_vs_batch_S64.png"}
+    assert decode <= expected
+    assert "single-device cache" in figures["kv_cache_vs_seq_B1.png"]["caption"]
     for name, e in figures.items():
         caption = e["caption"]
         assert name.removesuffix(".png") in caption, name

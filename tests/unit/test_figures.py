@@ -6,7 +6,6 @@ not fit."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import matplotlib
@@ -16,68 +15,21 @@ import yaml
 
 matplotlib.use("Agg")
 
+# the synthetic-record builder lives in tests/helpers/records.py; importers find it here too
+from tests.helpers.records import (  # noqa: E402
+    CPU,
+    GPU,
+    decode_fields,
+    fake_record,
+    summary,
+    write_records,
+)
 from tests.helpers.runner import ROOT  # noqa: E402
 
 PAPER = yaml.safe_load((ROOT / "workflows/config/paper.yaml").read_text())
 DEFAULT = yaml.safe_load((ROOT / "workflows/config/default.yaml").read_text())
-GPU = {"device_type": "cuda", "device_name": "AMD Instinct MI300X", "cpu_count": 192}
-CPU = {"device_type": "cpu", "device_name": "AMD EPYC 7763 64-Core Processor", "cpu_count": 2}
 
-
-def fake_record(cell, launcher: str = "slurm", hardware: dict | None = None) -> dict:
-    """A valid ``ok`` record of ``cell`` (record.schema.json) with plausible numbers: memory
-    grows with S x B / D, a step takes longer with more tokens, strategies differ a little."""
-    from tspbench.runtime.registry import strategies
-
-    spec, gpus = cell.spec, cell.gpus
-    header = spec.header(launcher, gpus)
-    S, B, D, dp = spec.seq_len, spec.batch, spec.layout.degree, spec.layout.dp
-    k = 1 + 0.1 * list(strategies()).index(spec.strategy)
-    train = spec.mode == "train"
-    peak = int(k * (2**26 + 2**12 * S * B / D) * (3 if train else 1))
-    step = k * 1e-5 * S * B * (3 if train else 1) / D
-    hw = {**(hardware or GPU), "device_count": gpus, "host": "node0"}
-    return {
-        **header,
-        "status": "ok",
-        "peak_mem_bytes": peak,
-        "peak_mem_bytes_per_rank": [peak] * gpus,
-        "peak_mem_bytes_first_step": peak,
-        "step_time_s": step,
-        "step_time_min_s": 0.9 * step,
-        "step_time_max_s": 1.2 * step,
-        "step_times_s": [0.9 * step, step, 1.2 * step],
-        "tokens_per_s": B * dp * S / step,
-        "comm_bytes": {"all_gather": 1e3 * S / k, "all_reduce": 2e3 * S},
-        "comm_bytes_total": 1e3 * S / k + 2e3 * S,
-        "flops_per_step": int(6e6 * S * B),
-        "param_numel_per_rank": [10**6 // D] * gpus,
-        "optimizer_numel_per_rank": [2 * 10**6 // D] * gpus,
-        "loss": 10.4,
-        "grad_norm": 1.5 if train else None,
-        "hardware": hw,
-        "versions": {"python": "3.12", "torch": "2.13.0"},
-        "git_commit": "0123abc",
-        "timestamp_utc": "2026-01-01T00:00:00+00:00",
-    }
-
-
-def write_records(cells, runs: Path, **kw) -> None:
-    runs.mkdir(parents=True, exist_ok=True)
-    for c in cells:
-        (runs / f"{c.id}.json").write_text(json.dumps(fake_record(c, **kw)))
-
-
-def summary(config: dict, tmp_path: Path, **kw) -> tuple[list, pd.DataFrame]:
-    """Every cell of ``config`` with a synthetic ok record, aggregated as the pipeline does."""
-    from tspbench.pipeline.aggregate import aggregate
-    from tspbench.pipeline.cells import sweep_cells
-
-    cells, _ = sweep_cells(config)
-    write_records(cells, tmp_path / "runs", **kw)
-    df = aggregate(cells, tmp_path / "runs")
-    assert set(df["status"]) == {"ok"}, df[df["status"] != "ok"]["error_message"].tolist()
-    return cells, df
+__all__ = ["CPU", "GPU", "decode_fields", "fake_record", "summary", "write_records"]
 
 
 def expected_tables(cell, sweep: str) -> list[tuple[str, str]]:
@@ -96,12 +48,18 @@ def expected_tables(cell, sweep: str) -> list[tuple[str, str]]:
         return [(f"{sweep}_memory", str(s.batch)), (f"{sweep}_throughput", str(s.batch))]
     if sweep == "scaling":
         return [(f"scaling_{s.mode}_S{s.seq_len}", str(cell.gpus))]
+    if sweep == "decode":
+        names = ("kv_cache_vs_seq", "decode_memory_vs_seq", "decode_latency_vs_seq")
+        return [(name, str(s.seq_len)) for name in names]
+    if sweep == "decode_batch":
+        return [("decode_throughput_vs_batch", str(s.batch))]
     raise AssertionError(f"no table known for sweep {sweep}")
 
 
 def test_every_sweep_of_paper_yaml_shows_every_one_of_its_cells(tmp_path):
     """A cell listed by two sweeps runs once and has one row, and appears in both sweeps'
     tables and figures: the D = 8 column of memory_vs_degree, the 8-GPU scaling point."""
+    from tspbench.pipeline.decode_figures import decode_plots
     from tspbench.pipeline.figures import plots, write_figures
     from tspbench.pipeline.tables import specs, write_tables
 
@@ -122,7 +80,7 @@ def test_every_sweep_of_paper_yaml_shows_every_one_of_its_cells(tmp_path):
                 assert float(shown) > 0, (c.id, sweep, name, shown)
 
     drawn: dict[str, set] = {}
-    for p in plots(df):
+    for p in [*plots(df), *decode_plots(df)]:
         for sweep in p.sweep.split("+"):
             drawn.setdefault(sweep, set()).update(p.data["cell"])
     for sweep in {s for c in cells for s in c.sweeps}:
@@ -139,6 +97,9 @@ def test_every_sweep_of_paper_yaml_shows_every_one_of_its_cells(tmp_path):
         "memory_vs_seq_infer",
         "throughput_vs_seq_infer",
         "microbatch_throughput",
+        "kv_cache_vs_seq",
+        "decode_latency_vs_seq",
+        "decode_throughput_vs_batch",
     } <= pngs
 
 
@@ -169,14 +130,15 @@ def test_inference_cells_have_memory_and_throughput_tables(tmp_path):
 
 def test_default_micro_batch_sweep_has_three_columns_and_about_the_same_cells(tmp_path):
     """The default sweep's micro-batch tables have at least three micro-batches; the sweep
-    stays about as long as before (40 cells, ~10 min on 2 cores): the B = 1 cells are the seq
-    sweep's, run once."""
+    stays about as long as before (40 cells, ~10 min on 2 cores, and 12 decode cells): the
+    B = 1 cells are the seq sweep's, run once."""
     from tspbench.pipeline.tables import specs
 
     batch = next(s for s in DEFAULT["sweeps"] if s["name"] == "batch")
     assert len(batch["batches"]) >= 3
     cells, df = summary(DEFAULT, tmp_path, launcher="local", hardware=CPU)
-    assert len(cells) <= 42
+    assert len([c for c in cells if not c.spec.decoding]) <= 42
+    assert len([c for c in cells if c.spec.decoding]) <= 12  # ~1.5 min on 2 cores
     tables = {name: t for name, _, t in specs(df)}
     for name in ("batch_memory", "batch_throughput"):
         assert len(tables[name].columns) >= 3 and "tsp" == tables[name].index[0]

@@ -5,6 +5,11 @@ Columns carry the record's key names (``strategy`` ... ``grad_norm``); ``comm_by
 is missing or unreadable still gets a row, with status ``missing`` or ``corrupt``, so tables and
 figures show it as failed instead of silently leaving it out.
 
+Decode cells (modes ``decode``, ``generate``) add ``new_tokens`` and the decode measurements
+(``DECODE``): ``prefill_time_s``, ``decode_latency_s`` ... ``decode_bytes_per_token``, and
+``generated_tokens`` as JSON text (``[[id, ...], ...]``, one list per sequence) so that runs can
+be compared; other cells leave them empty.
+
 ``sweep`` names every sweep that lists the cell, joined by ``;`` (``seq;degree``): a cell runs
 once and has one row, and :func:`per_sweep` gives it one row in each of its sweeps for the tables
 and figures.
@@ -61,9 +66,23 @@ SCALARS = [
     "git_commit",
     "timestamp_utc",
 ]
+DECODE = [  # decode, generate (docs/decode.md); the record's schema says what each one is
+    "new_tokens",
+    "prefill_time_s",
+    "decode_latency_s",
+    "decode_latency_p90_s",
+    "decode_tokens_per_s",
+    "generate_time_s",
+    "kv_cache_bytes",
+    "decode_bytes_per_token",
+    "prefill_comm_bytes",
+]
 
 
-CELL_KEYS = ("strategy", "seq_len", "degree", "tp", "sp", "dp", "batch", "mode", "world_size")
+CELL_KEYS = (
+    *("strategy", "seq_len", "degree", "tp", "sp", "dp", "batch", "mode", "new_tokens"),
+    "world_size",
+)
 # a record must have been run with its cell's inputs: one copied or left over from another cell
 # would put that cell's numbers in this row
 MATCH_KEYS = (*CELL_KEYS, "dtype", "model")
@@ -87,10 +106,10 @@ def read_record(cell: Cell, path: Path) -> tuple[dict | None, str]:
     except (OSError, ValueError, RecursionError) as e:  # ConfigError and JSON errors included
         return None, str(e) if isinstance(e, ConfigError) else f"{path}: {type(e).__name__}: {e}"
     expected = cell.spec.header("", cell.gpus)
-    for key in (k for k in MATCH_KEYS if rec.get(k) != expected[k]):
+    for key in (k for k in MATCH_KEYS if rec.get(k) != expected.get(k)):
         return (
             None,
-            f"{path}: record of {key}={rec.get(key)!r}, cell {cell.id} has {expected[key]!r}",
+            f"{path}: record of {key}={rec.get(key)!r}, cell {cell.id} has {expected.get(key)!r}",
         )
     bad = non_finite(rec)
     if bad and rec["status"] != "error":
@@ -113,7 +132,9 @@ def row(cell: Cell, path: Path) -> dict:
     rec, why = read_record(cell, path)
     if rec is None:
         return {**base, "status": "corrupt", "error_message": why}
-    out = {**base, **{k: rec.get(k) for k in SCALARS if k in rec}}
+    out = {**base, **{k: rec.get(k) for k in (*SCALARS, *DECODE) if k in rec}}
+    if rec.get("generated_tokens") is not None:
+        out["generated_tokens"] = json.dumps(rec["generated_tokens"], separators=(",", ":"))
     for kind in KINDS:
         out[f"comm_bytes_{kind}"] = (rec.get("comm_bytes") or {}).get(kind, 0.0)
     per_rank = rec.get("param_numel_per_rank") or [None]

@@ -1,4 +1,5 @@
-"""A sweep config becomes cells: one (strategy, layout, S, batch, mode) run each.
+"""A sweep config becomes cells: one (strategy, layout, S, batch, mode) run each, and for the
+decode modes (``decode``, ``generate``: ``seq_lens`` are prompt lengths) one per ``new_tokens``.
 
 Every combination a sweep lists is either a cell or a *filtered* entry that says why it cannot
 be valid (the strategy's own validation, or the world size not being a multiple of the model
@@ -7,22 +8,36 @@ group); nothing is dropped silently.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 import shlex
-import stat
-from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
-
-import yaml
 
 from tspbench.core.config import ConfigError, get_config
 from tspbench.core.strategy import Layout
-from tspbench.runtime.registry import get_strategy
-from tspbench.runtime.spec import RunSpec, mlp_tag, parse_size
+
+# the settings-file helpers lived here first; importers still find them here
+from tspbench.pipeline.configfile import check_schema, non_finite, read_yaml
+from tspbench.runtime.registry import get_strategy, strategies
+from tspbench.runtime.spec import DECODE_MODES, DEFAULT_NEW_TOKENS, RunSpec, mlp_tag, parse_size
+
+__all__ = [
+    "ROOT",
+    "SCHEMA",
+    "Cell",
+    "check_gpu_build",
+    "check_schema",
+    "check_sweep",
+    "command",
+    "load_config",
+    "new_tokens",
+    "non_finite",
+    "read_yaml",
+    "run_args",
+    "slurm_resources",
+    "sweep_cells",
+]
 
 
 @dataclass(frozen=True)
@@ -67,6 +82,46 @@ def check_sweep(i: int, sweep: dict) -> None:
                 raise ConfigError(
                     f"sweeps[{i}].gpus: {g} must be a multiple of the model group D = {D}"
                 )
+    check_decode_sweep(i, sweep)
+
+
+def new_tokens(sweep: dict, mode: str) -> list[int]:
+    """Tokens generated per sequence, one cell each: the sweep's ``new_tokens`` for a decode
+    mode (default 16, as ``tspbench run``), none (0) for train and infer."""
+    return list(sweep.get("new_tokens", [DEFAULT_NEW_TOKENS])) if mode in DECODE_MODES else [0]
+
+
+def check_decode_sweep(i: int, sweep: dict) -> None:
+    """Decode rules of a sweep (ConfigError naming the field): ``new_tokens`` only with a decode
+    mode; a sweep of decode modes only lists strategies with a decode path, and runs one model
+    group (dp = 1), so every GPU count is one of its degrees (``single``, on one rank, gets an
+    entry of its own: degrees [1], gpus [1], the same name puts it in the same figures)."""
+    modes = set(sweep["modes"])
+    if "new_tokens" in sweep and not modes & set(DECODE_MODES):
+        raise ConfigError(
+            f"sweeps[{i}].new_tokens: only modes {' and '.join(DECODE_MODES)} generate tokens "
+            f"(modes: {sweep['modes']})"
+        )
+    if not modes or not modes <= set(DECODE_MODES):  # mixed with train/infer: filtered per cell
+        return
+    cannot = [s for s in sweep["strategies"] if not strategies()[s].decodes]
+    if cannot:
+        can = ", ".join(n for n, s in strategies().items() if s.decodes)
+        raise ConfigError(
+            f"sweeps[{i}].strategies: {', '.join(cannot)} has no decode path (modes "
+            f"{sweep['modes']}); strategies that decode: {can}"
+        )
+    if "single" in sweep["strategies"] and sweep["gpus"] != [1]:
+        raise ConfigError(
+            f"sweeps[{i}].strategies: single decodes on one rank (gpus {sweep['gpus']}): give it "
+            "a sweep entry of its own with degrees [1] and gpus [1] (it may share this name)"
+        )
+    for g in sweep["gpus"]:
+        if g not in sweep["degrees"]:
+            raise ConfigError(
+                f"sweeps[{i}].gpus: {g} is not one of sweeps[{i}].degrees {sweep['degrees']}: "
+                "decode runs one model group (dp = 1), so gpus = D"
+            )
 
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,96 +132,6 @@ MAX_COMBINATIONS = 10_000
 # Slurm minutes per cell: the run rule doubles it on the retry and passes it on as --time-limit,
 # which the CLI accepts up to a week
 MAX_RUNTIME_MIN = 3 * 24 * 60
-MAX_YAML_BYTES = 2**20  # configs and tolerances are a few kB
-
-
-class _NoAliasLoader(yaml.SafeLoader):
-    """SafeLoader that refuses aliases: nine nested aliases ("billion laughs") make a tiny file
-    whose object is shared references, and anything that walks or prints it runs out of memory."""
-
-    def compose_node(self, parent: yaml.Node | None, index: object) -> yaml.Node | None:
-        if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()
-            raise ConfigError(
-                f"line {event.start_mark.line + 1}: YAML alias *{event.anchor}: aliases are not "
-                f"allowed (write the value out)"
-            )
-        return super().compose_node(parent, index)
-
-
-def read_yaml(path: str | Path, what: str) -> Any:
-    """The YAML document at ``path``, parsed without aliases; ConfigError (one line) if the file
-    cannot be read or is not YAML."""
-    try:
-        info = Path(path).stat()
-        if not stat.S_ISREG(info.st_mode):  # a FIFO would block forever, a device never end
-            raise ConfigError("not a regular file")
-        if info.st_size > MAX_YAML_BYTES:
-            raise ConfigError(f"larger than {MAX_YAML_BYTES} bytes, not a settings file")
-        return yaml.load(Path(path).read_text(), Loader=_NoAliasLoader)
-    except OSError as e:
-        raise ConfigError(f"{what} {str(path)!r}: cannot read it ({e.strerror})") from None
-    except ConfigError as e:
-        raise ConfigError(f"{what} {str(path)!r}: {e}") from None
-    except (yaml.YAMLError, RecursionError, UnicodeDecodeError) as e:
-        text = str(e).replace("\n", " ")
-        raise ConfigError(f"{what} {str(path)!r}: not valid YAML ({text})") from None
-
-
-def non_finite(obj: object) -> tuple[str, float] | None:
-    """(dotted path, value) of the first NaN or infinity in ``obj``: JSON Schema bounds never
-    refuse NaN (every comparison with it is false), so a NaN timeout passes ``minimum``.
-
-    A list or mapping met twice is a YAML alias that reached us already parsed (snakemake loads
-    ``--configfile`` itself): a ConfigError, before anything walks it exponentially often.
-    """
-    queue: deque[tuple[str, object]] = deque([("", obj)])  # breadth first: the shortest path
-    seen: set[int] = set()
-    while queue:
-        where, v = queue.popleft()
-        if isinstance(v, float) and not math.isfinite(v):
-            return where or "(top level)", v
-        if not isinstance(v, (dict, list)):
-            continue
-        if id(v) in seen:
-            raise ConfigError(f"{where}: a value used twice (a YAML alias?): write it out")
-        seen.add(id(v))
-        items = v.items() if isinstance(v, dict) else enumerate(v)
-        queue.extend((f"{where}.{k}" if where else str(k), x) for k, x in items)
-    return None
-
-
-@functools.cache
-def _validator(schema: Path) -> Any:
-    """``schema``'s validator, with integers that are ints: JSON Schema counts 2.0 as an integer,
-    and the CLI refuses "2.0" (cached: aggregate checks every record of a sweep)."""
-    import jsonschema
-
-    spec = yaml.safe_load(schema.read_text())
-    base = jsonschema.validators.validator_for(spec)
-    strict = base.TYPE_CHECKER.redefine(
-        "integer", lambda _, v: isinstance(v, int) and not isinstance(v, bool)
-    )
-    return jsonschema.validators.extend(base, type_checker=strict)(spec)
-
-
-def check_schema(obj: object, schema: Path, what: str, finite: bool = True) -> None:
-    """Validate ``obj`` against ``schema`` (strict integers; with ``finite``, no NaN or infinity
-    anywhere); ConfigError naming the field, the value and the rule, on one line."""
-    import jsonschema
-
-    try:
-        bad = non_finite(obj)
-    except ConfigError as e:
-        raise ConfigError(f"{what}: {e}") from None
-    if finite and bad:
-        raise ConfigError(f"{what}: {bad[0]}: {bad[1]!r} is not a finite number")
-    error = jsonschema.exceptions.best_match(_validator(schema).iter_errors(obj))
-    if error is not None:
-        where = ".".join(map(str, error.absolute_path)) or "(top level)"
-        message = error.message  # the value's repr, then the rule: keep both ends of a long one
-        message = message if len(message) <= 300 else f"{message[:200]} ... {message[-100:]}"
-        raise ConfigError(f"{what}: {where}: {message}")
 
 
 def load_config(path: str) -> dict:
@@ -202,7 +167,8 @@ def _common(config: dict, what: str) -> dict:
 def _check_size(config: dict, what: str) -> None:
     """Refuse a sweep too large to enumerate before enumerating it."""
     n = sum(
-        math.prod(len(s[k]) for k in ("strategies", "gpus", "seq_lens", "batches", "modes"))
+        math.prod(len(s[k]) for k in ("strategies", "gpus", "seq_lens", "batches"))
+        * sum(len(new_tokens(s, mode)) for mode in s["modes"])
         * (len(s["degrees"]) + len(s.get("tpsp", [])))
         for s in config["sweeps"]
     )
@@ -215,10 +181,12 @@ def _check_size(config: dict, what: str) -> None:
 def _filtered(
     sweep: dict, strategy: str, lay: Layout, gpus: int, combo: dict, why: str, run: dict
 ) -> dict:
-    """A combination that cannot run, with its reason (``combo``: seq_len, batch, mode; ``run``:
-    the settings every cell shares, the MLP schedule among them)."""
+    """A combination that cannot run, with its reason (``combo``: seq_len, batch, mode and, for
+    a decode mode, new_tokens; ``run``: the settings every cell shares, the MLP schedule among
+    them)."""
     S, B, mode = combo["seq_len"], combo["batch"], combo["mode"]
     tag = mlp_tag(get_strategy(strategy).tag(lay), run["mlp_schedule"])
+    n = f".N{combo['new_tokens']}" if combo.get("new_tokens") else ""
     return {
         "strategy": strategy,
         "degree": lay.degree,
@@ -227,7 +195,7 @@ def _filtered(
         "gpus": gpus,
         **combo,
         "sweep": sweep["name"],
-        "cell": f"{tag}.D{lay.degree}.g{gpus}.S{S}.B{B}.{mode}",
+        "cell": f"{tag}.D{lay.degree}.g{gpus}.S{S}.B{B}.{mode}{n}",
         "reason": why,
     }
 
@@ -252,11 +220,15 @@ def sweep_cells(config: dict, what: str = "config") -> tuple[list[Cell], list[di
         combos = itertools.product(
             sweep["strategies"], sweep["gpus"], sweep["seq_lens"], sweep["batches"], sweep["modes"]
         )
-        for strategy, gpus, S, B, mode in combos:
+        combos = (
+            (*c, n) for c in combos for n in new_tokens(sweep, c[-1])
+        )  # one cell per new_tokens of a decode mode
+        for strategy, gpus, S, B, mode, n in combos:
             impl = get_strategy(strategy)
             for lay in impl.sweep_layouts(sweep["degrees"], sweep.get("tpsp", [])):
                 lay = replace(lay, dp=gpus // lay.degree)
                 combo = {"seq_len": S, "batch": B, "mode": mode}
+                combo |= {"new_tokens": n} if n else {}
                 # TSP's MLP schedule; the other strategies have none to choose (ring, unused)
                 mlp = common["mlp_schedule"]
                 run = {**common, "mlp_schedule": mlp if mlp in impl.mlp_schedules else "ring"}

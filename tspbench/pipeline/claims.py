@@ -29,6 +29,7 @@ from tspbench.pipeline.claim_checks import (
     microbatch_rows,
     throughput_rows,
 )
+from tspbench.pipeline.decode_claims import kv_cache_rows, longest_context_rows
 
 __all__ = ["Sources", "claims_table", "write_claims"]
 
@@ -57,6 +58,10 @@ def claims_table(
             rows += competitive_rows(c, src)
         elif kind == "crossover":
             rows += crossover_rows(c, cfg)
+        elif kind == "kv_cache":
+            rows += kv_cache_rows(c, cfg, src)
+        elif kind == "longest_context":
+            rows += longest_context_rows(c, cfg, src)
         else:
             rows.append(Row(c["claim"], "?", "", "not checkable here", f"unknown kind {kind!r}"))
     return pd.DataFrame([r.__dict__ for r in rows])

@@ -6,7 +6,8 @@ Failed cells are never left out quietly: a cell whose status is not ``ok`` is dr
 cross at the top of its axis, labelled OOM or failed. Every strategy keeps one colour, marker
 and dash style across all figures, legends list strategies in the registry's order (TSP first)
 and TSP is drawn last, on top, so a line it shares with another stays visible. Throughput carries
-the timed steps' min-max as error bars; the axis says GPUs or CPU ranks as the records do.
+the timed steps' min-max as error bars; the axis says GPUs or CPU ranks as the records do. The
+decode figures (KV cache, latency, tokens/s vs batch) are drawn by ``decode_figures``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import seaborn as sns  # noqa: E402
 from matplotlib import ticker  # noqa: E402
 
 from tspbench.pipeline.aggregate import per_sweep  # noqa: E402
+from tspbench.pipeline.decode_figures import write_decode_figures  # noqa: E402
 from tspbench.pipeline.plotting import (  # noqa: E402
     draw_lines,
     failed_markers,
@@ -298,4 +300,4 @@ def write_figures(df: pd.DataFrame, out_dir: Path, note: str = "") -> list[Path]
         else:
             fig = line(p, colors, marks, note, foot)
         out += save(fig, out_dir / p.name)
-    return out
+    return out + write_decode_figures(df, out_dir, colors, marks, note, foot)

@@ -23,6 +23,7 @@ from matplotlib.ticker import NullLocator
 from tspbench.core.config import get_config
 from tspbench.core.strategy import Layout
 from tspbench.pipeline.plotting import draw_lines, legend, log_ticks, palette, save, styles
+from tspbench.pipeline.projected_decode import write_decode_report
 from tspbench.pipeline.tables import label_order
 from tspbench.projection.analytic import memory
 from tspbench.projection.costmodel import load_preset, project
@@ -332,6 +333,8 @@ def write_report(cfg: dict, estimates: Path, out: Path, plots: Path, command: st
         )
         _log_x(ax, d.batch, str)
         _legend(ax, d, oom)
+    if "decode" in cfg:  # serving: KV cache per GPU, longest prompt per memory budget
+        write_decode_report(cfg, out, plots, note)
 
 
 def load(path: str) -> dict[str, Any]:

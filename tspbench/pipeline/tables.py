@@ -1,29 +1,54 @@
 """Paper-style tables (Markdown, LaTeX and HTML) from the aggregate table.
 
 Each table is a pivot (strategy x sequence length, or x GPUs, or x micro-batch, or x D) of one
-sweep; a cell listed by several sweeps counts in each (:func:`per_sweep`). Rows follow the
-strategy registry's order (TSP first), the same order as the figures' legends. A cell that did
-not produce a number says why: ``OOM``, ``failed`` (error, missing or corrupt record). The
-hardware and the unit of parallelism (GPUs or CPU ranks) come from the records, never from a
-constant.
+sweep (the decode tables, :mod:`decode_tables`, of the decode cells); a cell listed by several
+sweeps counts in each (:func:`per_sweep`). Rows follow the strategy registry's order (TSP
+first), the same order as the figures' legends. A cell that did not produce a number says why:
+``OOM``, ``failed`` (error, missing or corrupt record). The hardware and the unit of parallelism
+(GPUs or CPU ranks) come from the records, never from a constant.
 """
 
 from __future__ import annotations
 
 import html
-import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pandas as pd
 
 from tspbench.core.config import ConfigError, get_config
 from tspbench.pipeline.aggregate import per_sweep
-from tspbench.runtime.record import write_atomic
-from tspbench.runtime.registry import strategies
+from tspbench.pipeline.decode_tables import decode_specs
 
-MARK = {"oom": "OOM", "error": "failed", "missing": "failed", "corrupt": "failed"}
-ORDER = list(strategies())  # the registry's order: TSP first
+# what tables and figures share lives in labels; importers find it here too
+from tspbench.pipeline.labels import (
+    GPU_NAME,
+    MARK,
+    ORDER,
+    device,
+    groups,
+    hardware,
+    label_order,
+    mem_unit,
+    pivot,
+)
+from tspbench.runtime.record import write_atomic
+
+__all__ = [
+    "GPU_NAME",
+    "MARK",
+    "ORDER",
+    "device",
+    "forward",
+    "groups",
+    "hardware",
+    "label_order",
+    "mem_unit",
+    "pivot",
+    "report_labels",
+    "specs",
+    "write_tables",
+]
+
 # LaTeX's special characters in running text (pandas escapes cells, never the caption)
 LATEX = {
     "\\": r"\textbackslash{}",
@@ -37,8 +62,6 @@ LATEX = {
     "~": r"\textasciitilde{}",
     "^": r"\textasciicircum{}",
 }
-# device names torch reports for GPUs (CUDA and ROCm); a CPU run's name is the CPU model's
-GPU_NAME = re.compile(r"NVIDIA|Tesla|GeForce|Quadro|Instinct|Radeon|\bMI\d{3}|\bGPU\b", re.I)
 STYLE = (
     "body{font-family:sans-serif;font-size:14px;margin:1em}"
     "table{border-collapse:collapse}th,td{border:1px solid #bbb;padding:3px 8px;text-align:right}"
@@ -52,58 +75,6 @@ def latex_text(text: str) -> str:
     return "".join(LATEX.get(ch, ch) for ch in " ".join(text.splitlines()))
 
 
-def label_order(labels) -> list[str]:
-    """Strategy labels in the registry's order (TSP first), factorisations in numeric order
-    within a strategy (``tpsp 2x4`` before ``tpsp 4x2``); unknown labels last."""
-
-    def key(label: str) -> tuple:
-        name = label.split(" ")[0]
-        rank = ORDER.index(name) if name in ORDER else len(ORDER)
-        return (rank, [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", label)])
-
-    return sorted({str(x) for x in labels}, key=key)
-
-
-def mem_unit(df: pd.DataFrame) -> tuple[str, float]:
-    peak = df["peak_mem_bytes"].max() if "peak_mem_bytes" in df else 0
-    return ("GiB", 2**30) if peak and peak > 10 * 2**30 else ("MiB", 2**20)
-
-
-def _ok(df: pd.DataFrame) -> pd.DataFrame:
-    return df[df["status"] == "ok"] if "status" in df else df
-
-
-def device(df: pd.DataFrame) -> tuple[str, str]:
-    """(one, many) of what a rank ran on, from the records: ``("GPU", "GPUs")``,
-    ``("CPU rank", "CPU ranks")``, or ``("rank", "ranks")`` when the records do not say or
-    disagree (``device_type`` where the summary has it, else the device's name)."""
-    ok = _ok(df)
-    kinds = set(ok["device_type"].dropna().astype(str)) if "device_type" in ok else set()
-    if not kinds and "device_name" in ok:
-        names = ok["device_name"].dropna().astype(str)
-        kinds = {"cuda" if GPU_NAME.search(n) else "cpu" for n in names}
-    if kinds == {"cuda"}:
-        return "GPU", "GPUs"
-    if kinds == {"cpu"}:
-        return "CPU rank", "CPU ranks"
-    return "rank", "ranks"
-
-
-def hardware(df: pd.DataFrame) -> str:
-    """What the records say they ran on, e.g. ``AMD EPYC, 2 CPUs (CPU ranks)`` or
-    ``NVIDIA H100 80GB HBM3 (GPUs)``; ``unknown hardware ...`` when none says."""
-    ok = _ok(df)
-    names = sorted(set(ok["device_name"].dropna().astype(str))) if "device_name" in ok else []
-    if not names:
-        return "unknown hardware (no record names it)"
-    one, many = device(df)
-    cores = ""
-    if one == "CPU rank" and "cpu_count" in ok and ok["cpu_count"].notna().any():
-        n = sorted({int(c) for c in ok["cpu_count"].dropna()})
-        cores = f", {'/'.join(map(str, n))} CPU{'s' if n != [1] else ''}"
-    return f"{', '.join(names)}{cores} ({many})"
-
-
 def report_labels(summary: str | Path, kind: str, name: str) -> dict[str, str]:
     """The Snakemake report's labels of one table or figure: its name and the hardware its
     sweep's records ran on (read when the report is made, so true for every config)."""
@@ -112,31 +83,6 @@ def report_labels(summary: str | Path, kind: str, name: str) -> dict[str, str]:
     except (OSError, ValueError):
         where = "unknown (no readable summary)"
     return {kind: name, "hardware": where.replace("{", "(").replace("}", ")")}
-
-
-def _cell(row: pd.Series, value: str, fmt: str) -> str:
-    if row["status"] != "ok":
-        return MARK.get(row["status"], "failed")
-    return fmt.format(row[value])
-
-
-def pivot(df: pd.DataFrame, index: str, column: str, value: str, fmt: str) -> pd.DataFrame:
-    """Rows ``index`` (strategy labels, in :func:`label_order`), columns ``column`` (sorted),
-    each entry the formatted value or why there is none; ``-`` where the sweep has no cell."""
-    shown = df.assign(shown=[_cell(r, value, fmt) for _, r in df.iterrows()])
-    table = shown.pivot_table(index=index, columns=column, values="shown", aggfunc="first")
-    table = table.reindex(label_order(table.index))
-    table.columns = [str(c) for c in table.columns]
-    table.index.name = "strategy" if index == "label" else index
-    return table.fillna("-")
-
-
-def groups(df: pd.DataFrame, key: str, tag: str) -> Iterator[tuple[str, object, pd.DataFrame]]:
-    """(name suffix, value, rows) per value of ``key``; the suffix (``_D4``) only when there
-    are several values, so one table per value and names stay short in the usual case."""
-    values = sorted(df[key].dropna().unique())
-    for v in values:
-        yield (f"_{tag}{v}" if len(values) > 1 else ""), v, df[df[key] == v]
 
 
 def forward(df: pd.DataFrame) -> pd.DataFrame:
@@ -268,7 +214,7 @@ def specs(df: pd.DataFrame) -> list[tuple[str, str, pd.DataFrame]]:
                 pivot(part, "label", "degree", "peak", "{:.2f}"),
             )
         )
-    return out
+    return out + decode_specs(df, one, unit, scale)  # decode, generate (decode_tables)
 
 
 def failures(df: pd.DataFrame) -> pd.DataFrame:

@@ -1,0 +1,89 @@
+"""Synthetic run records (record.schema.json, status ok) for the table and figure tests: a
+builder of one cell's record with plausible numbers, decode fields for the decode modes, and the
+aggregate table of a whole config made from them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+
+GPU = {"device_type": "cuda", "device_name": "AMD Instinct MI300X", "cpu_count": 192}
+CPU = {"device_type": "cpu", "device_name": "AMD EPYC 7763 64-Core Processor", "cpu_count": 2}
+
+
+def fake_record(cell, launcher: str = "slurm", hardware: dict | None = None) -> dict:
+    """A valid ``ok`` record of ``cell`` (record.schema.json) with plausible numbers: memory
+    grows with S x B / D, a step takes longer with more tokens, strategies differ a little."""
+    from tspbench.runtime.registry import strategies
+
+    spec, gpus = cell.spec, cell.gpus
+    header = spec.header(launcher, gpus)
+    S, B, D, dp = spec.seq_len, spec.batch, spec.layout.degree, spec.layout.dp
+    k = 1 + 0.1 * list(strategies()).index(spec.strategy)
+    train = spec.mode == "train"
+    peak = int(k * (2**26 + 2**12 * S * B / D) * (3 if train else 1))
+    step = k * 1e-5 * S * B * (3 if train else 1) / D
+    hw = {**(hardware or GPU), "device_count": gpus, "host": "node0"}
+    return {
+        **header,
+        "status": "ok",
+        "peak_mem_bytes": peak,
+        "peak_mem_bytes_per_rank": [peak] * gpus,
+        "peak_mem_bytes_first_step": peak,
+        "step_time_s": step,
+        "step_time_min_s": 0.9 * step,
+        "step_time_max_s": 1.2 * step,
+        "step_times_s": [0.9 * step, step, 1.2 * step],
+        "tokens_per_s": B * dp * S / step,
+        "comm_bytes": {"all_gather": 1e3 * S / k, "all_reduce": 2e3 * S},
+        "comm_bytes_total": 1e3 * S / k + 2e3 * S,
+        "flops_per_step": int(6e6 * S * B),
+        "param_numel_per_rank": [10**6 // D] * gpus,
+        "optimizer_numel_per_rank": [2 * 10**6 // D] * gpus,
+        "loss": 10.4,
+        "grad_norm": 1.5 if train else None,
+        "hardware": hw,
+        "versions": {"python": "3.12", "torch": "2.13.0"},
+        "git_commit": "0123abc",
+        "timestamp_utc": "2026-01-01T00:00:00+00:00",
+        **(decode_fields(spec, k) if spec.decoding else {}),
+    }
+
+
+def decode_fields(spec, k: float) -> dict:
+    """A decode record's own fields: the cache of the closed form, a latency growing with the
+    prompt and the batch, the same generated tokens for every strategy."""
+    latency = k * 1e-3 * (1 + spec.seq_len * spec.batch / 1e4)
+    return {
+        "new_tokens": spec.new_tokens,
+        "kv_cache_bytes": spec.impl.kv_cache_bytes(spec),
+        "prefill_time_s": 10 * latency,
+        "decode_latency_s": latency,
+        "decode_latency_p90_s": 1.3 * latency,
+        "decode_tokens_per_s": spec.batch / latency,
+        "generate_time_s": 10 * latency + (spec.new_tokens - 1) * latency,
+        "generated_tokens": [[7] * spec.new_tokens for _ in range(spec.batch)],
+        "decode_bytes_per_token": 1e3 * k * spec.batch,
+        "prefill_comm_bytes": 1e4 * spec.seq_len,
+        "loss": None,
+    }
+
+
+def write_records(cells, runs: Path, **kw) -> None:
+    runs.mkdir(parents=True, exist_ok=True)
+    for c in cells:
+        (runs / f"{c.id}.json").write_text(json.dumps(fake_record(c, **kw)))
+
+
+def summary(config: dict, tmp_path: Path, **kw) -> tuple[list, pd.DataFrame]:
+    """Every cell of ``config`` with a synthetic ok record, aggregated as the pipeline does."""
+    from tspbench.pipeline.aggregate import aggregate
+    from tspbench.pipeline.cells import sweep_cells
+
+    cells, _ = sweep_cells(config)
+    write_records(cells, tmp_path / "runs", **kw)
+    df = aggregate(cells, tmp_path / "runs")
+    assert set(df["status"]) == {"ok"}, df[df["status"] != "ok"]["error_message"].tolist()
+    return cells, df
