@@ -8,6 +8,14 @@ all-gathered again when the backward reaches the unit; the gradient is reduce-sc
 the shards (summed: the ranks share sequences, so sums, not averages, are wanted). Tokens are
 zigzag over the same D ranks with K/V all-gather attention, exactly as in SP.
 
+With ``overlap`` on (the default), as FSDP2 does by default: before unit i runs, unit i+1's
+all-gather is issued asynchronously (at most one prefetched unit alive besides the one in use);
+when the backward regathers unit i (or, under recomputation, re-runs it), unit i-1's gather
+starts; and each unit's gradient reduce-scatter is issued asynchronously and finished when the
+next one is issued (one in flight), the last in ``finish_grads``, which assigns the gradients.
+With ``overlap`` off every collective is waited for at once. The K/V all-gathers are blocking
+either way (docs/method.md section 8: what Megatron's all-gather context parallelism does too).
+
 Written plainly rather than with FSDP2's ``fully_shard`` so that its traffic goes through the
 same counted collectives as every other strategy (FSDP2's collectives bypass them) and the
 gradient reduction is an explicit sum.
@@ -18,13 +26,14 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch.autograd.graph import saved_tensors_hooks
 
 from tspbench.core import costs, zigzag
-from tspbench.core.comm import Comm
+from tspbench.core.comm import Pending
 from tspbench.core.config import ModelConfig
 from tspbench.core.context_parallel import context_parallel_hooks, zigzag_rope
 from tspbench.core.layers import rms_norm, transformer_layer
@@ -61,15 +70,15 @@ class GatherUnit(torch.autograd.Function):
     """All-gather a unit forward; reduce-scatter its gradient backward (and drop the regather)."""
 
     @staticmethod
-    def forward(ctx, shard, comm: Comm, owner: FSDPCP, unit: int):  # type: ignore[override]
-        ctx.meta = (comm, owner, unit)
-        return comm.all_gather(shard, dim=0)
+    def forward(ctx, shard, owner: FSDPCP, unit: int):  # type: ignore[override]
+        ctx.meta = (owner, unit)
+        return owner.gather(unit)
 
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
-        comm, owner, unit = ctx.meta
+        owner, unit = ctx.meta
         owner.regathered.pop(unit, None)
-        return comm.reduce_scatter(g, dim=0), None, None, None
+        return owner.reduce_grad(unit, g), None, None
 
 
 class FSDPCP(Strategy):
@@ -96,30 +105,62 @@ class FSDPCP(Strategy):
         return -(-max(cfg.vocab * cfg.hidden + cfg.hidden, costs.layer_numel(cfg)) // layout.degree)
 
     @classmethod
+    def unit_bytes(cls, spec: costs.Spec) -> tuple[int, int, int]:
+        """Bytes of the gathered (padded) units: the embedding; one layer; final norm + head."""
+        D, e = spec.degree, spec.e
+        u0, ul, un = (-(-u // D) * D * e for u in cls.unit_numels(spec.cfg))
+        return u0, ul, un
+
+    @classmethod
     def schedule(cls, spec: costs.Spec) -> costs.Schedule:
-        """Context parallelism's K/V gathers; every unit gathered before it runs (forward, and
-        again in backward), its gradient reduce-scattered."""
-        D, e, L = spec.degree, spec.e, spec.cfg.layers
+        """Context parallelism's K/V gathers (blocking); every unit gathered before it runs
+        (forward, and again in backward), its gradient reduce-scattered. Overlapped, with
+        ``overlap``: every gather but the first of a pass was issued before the unit ahead of it
+        ran; every reduce-scatter but the last drains while the next unit's backward runs."""
+        D, L, ov = spec.degree, spec.cfg.layers, spec.overlap
         ev = costs.context_parallel(spec, Axis.MODEL, D)
-        u0, ul, un = (-(-u // D) * D * e for u in cls.unit_numels(spec.cfg))  # padded units
-        ev.add("forward", Axis.MODEL, "all_gather", D, u0)
-        ev.add("forward", Axis.MODEL, "all_gather", D, ul, L)
-        ev.add("forward", Axis.MODEL, "all_gather", D, un)
+        u0, ul, un = cls.unit_bytes(spec)
+        ev.add("forward", Axis.MODEL, "all_gather", D, u0)  # waited for at once
+        ev.add("forward", Axis.MODEL, "all_gather", D, ul, L, overlapped=ov)
+        ev.add("forward", Axis.MODEL, "all_gather", D, un, overlapped=ov)
         if spec.train:  # layers: regathered (or recomputed) in backward; embedding never
-            ev.add("backward", Axis.MODEL, "all_gather", D, ul, L)
-            if not spec.rc:  # under recompute the head unit keeps its gathered weights
+            # under recompute the head unit keeps its gathered weights, so the top layer's
+            # recompute starts the backward's gathers, waited for at once
+            ev.add(
+                "backward", Axis.MODEL, "all_gather", D, ul, L, overlapped=ov, exposed=int(spec.rc)
+            )
+            if not spec.rc:  # the head unit's regather starts them
                 ev.add("backward", Axis.MODEL, "all_gather", D, un)
-            ev.add("backward", Axis.MODEL, "reduce_scatter", D, u0)
-            ev.add("backward", Axis.MODEL, "reduce_scatter", D, ul, L)
-            ev.add("backward", Axis.MODEL, "reduce_scatter", D, un)
+            ev.add("backward", Axis.MODEL, "reduce_scatter", D, u0)  # the last: finish_grads
+            ev.add("backward", Axis.MODEL, "reduce_scatter", D, ul, L, overlapped=ov)
+            ev.add("backward", Axis.MODEL, "reduce_scatter", D, un, overlapped=ov)
         return ev
 
     @classmethod
     def inference_working_set(cls, spec: costs.Spec) -> tuple[int, int]:
-        """The plain model's, and the gathered unit in use."""
+        """The plain model's, and the gathered unit in use; with ``overlap`` a layer also has the
+        next unit's gather in flight (the top layer's: the head unit)."""
         layer, loss = super().inference_working_set(spec)
         cfg, e = spec.cfg, spec.e
-        return layer + costs.layer_numel(cfg) * e, loss + (cfg.vocab * cfg.hidden + cfg.hidden) * e
+        _, ul, un = cls.unit_bytes(spec)
+        layer += costs.layer_numel(cfg) * e + (max(ul, un) if spec.overlap else 0)
+        return layer, loss + (cfg.vocab * cfg.hidden + cfg.hidden) * e
+
+    @classmethod
+    def backward_transients(cls, spec: costs.Spec) -> tuple[int, int, int]:
+        """The plain model's; with ``overlap``, a layer's backward also has the layer below's
+        gather in flight and the gradient of the unit above still reduce-scattering (its shard,
+        then in flight, is the gradient it would hold already). At the top layer that unit is the
+        head; below, a layer, once the layer above's saved tensors (under recomputation its
+        input) are freed."""
+        loss_t, layer_t, end_t = super().backward_transients(spec)
+        if spec.overlap and spec.cfg.layers > 1:
+            _, ul, un = cls.unit_bytes(spec)
+            freed = spec.tokens * spec.cfg.hidden * spec.e if spec.rc else cls.saved_per_layer(spec)
+            layer_t += ul + max(un, ul - freed)
+        elif spec.overlap:
+            layer_t += cls.unit_bytes(spec)[2]
+        return loss_t, layer_t, end_t
 
     @classmethod
     def metric_reductions(cls, layout: Layout, train: bool) -> tuple[int, int]:
@@ -146,17 +187,63 @@ class FSDPCP(Strategy):
                 Unit(names, [shapes[n] for n in names], self.to_param(flat.chunk(D)[r]))
             )
         self.regathered: dict[int, torch.Tensor] = {}
+        self.prefetched: dict[int, Pending] = {}  # at most one unit's gather in flight
+        self.reducing: list[tuple[int, torch.Tensor, Pending]] = []  # (unit, gradient, its RS)
 
     # -- the FSDP mechanics ---------------------------------------------------------------------
+    reduce_scatters_in_flight: ClassVar[int] = 1  # FSDP2's: the next waits for the previous
+
+    def gather(self, unit: int) -> torch.Tensor:
+        """Unit ``unit``'s weights, gathered: its prefetch, or gathered now. With ``overlap`` the
+        next unit of this pass starts gathering before this one is used: forward the one above;
+        in backward (a regather, or a recompute) the one below, down to the first layer (the
+        embedding saves no weight: it is never regathered)."""
+        pending = self.prefetched.pop(unit, None)
+        shard = self.units[unit].shard
+        flat = pending.wait() if pending is not None else self.comm.all_gather(shard, dim=0)
+        backward = torch._C._current_graph_task_id() != -1  # inside the autograd engine
+        nxt = unit - 1 if backward else unit + 1
+        if self.overlap and int(backward) <= nxt < len(self.units) and nxt not in self.prefetched:
+            self.prefetched[nxt] = self.comm.all_gather(self.units[nxt].shard, dim=0, async_op=True)
+        return flat
+
     def _regather(self, unit: int) -> torch.Tensor:
         if unit not in self.regathered:
             with torch.no_grad():
-                self.regathered[unit] = self.comm.all_gather(self.units[unit].shard, dim=0)
+                self.regathered[unit] = self.gather(unit)
         return self.regathered[unit]
+
+    def reduce_grad(self, unit: int, g: torch.Tensor) -> torch.Tensor | None:
+        """Unit ``unit``'s gradient summed and scattered to the shards: returned (overlap off), or
+        issued asynchronously once the previous one is done, and assigned when finished."""
+        if not self.overlap:
+            return self.comm.reduce_scatter(g, dim=0)
+        self.finish_reduces(keep=self.reduce_scatters_in_flight - 1)
+        self.reducing.append((unit, g, self.comm.reduce_scatter(g, dim=0, async_op=True)))
+        return None
+
+    def finish_reduces(self, keep: int = 0) -> None:
+        """Wait for the oldest reduce-scatters until ``keep`` are in flight; accumulate their
+        results into the shards' gradients (as autograd would) and hand each to the
+        data-parallel reducer (whose hook only autograd's accumulation fires)."""
+        while len(self.reducing) > keep:
+            unit, g, pending = self.reducing.pop(0)
+            grad, shard = pending.wait(), self.units[unit].shard
+            del g  # the full gradient lives until its reduce-scatter is done
+            if shard.grad is None:
+                shard.grad = grad
+            else:
+                shard.grad += grad
+            if self._dp_sync is not None:
+                self._dp_sync.grad_ready(shard)
+
+    def finish_grads(self) -> None:
+        self.finish_reduces()  # the last reduce-scatter; then the data-parallel sums
+        super().finish_grads()
 
     def run_unit(self, unit: int, fn, *args):
         """Gather unit ``unit``, run ``fn(weights, *args)``; save no gathered weight."""
-        flat = GatherUnit.apply(self.units[unit].shard, self.comm, self, unit)
+        flat = GatherUnit.apply(self.units[unit].shard, self, unit)
         if self.recompute == "full" and torch.is_grad_enabled():
             # Under activation checkpointing the layer keeps only its input, and its recompute
             # gathers the unit again: the hooks below would only shadow the checkpoint's own.

@@ -33,42 +33,50 @@ def schedule(c: Spec) -> Schedule:
     """Every shard of every weight is broadcast by its owner (attention, embedding, LM head; the
     MLP's with ``mlp_schedule = broadcast``) or passed around the ring (the MLP's); one head
     group's K/V are all-gathered along the sequence. In backward the weights come again, and
-    their gradients are reduced to their owners (the ring's accumulators travel behind them)."""
+    their gradients are reduced to their owners (the ring's accumulators travel behind them).
+
+    Overlapped (``ov``: with ``overlap`` on), as the code does it (tsp_impl/overlap.py, mlp.py):
+    each broadcast loop prefetches shard r+1 while shard r computes (its first broadcast is
+    waited for at once); every ring hop is in flight during a step's GEMMs but the backward's
+    last accumulator hop; a weight-gradient reduce drains while the next gradient computes (its
+    last is waited for at once; attention's and the vocabulary's even with overlap off). K/V
+    gathers, their reduce-scatters and the norms' all-reduce are blocking."""
     cfg, B, S, e, D = c.cfg, c.batch, c.seq_len, c.e, c.degree
     h, kv, f, V, L = cfg.hidden, cfg.kv_dim, cfg.ffn, cfg.vocab, cfg.layers
     wa, wm, wv = (2 * h + 2 * kv) * h // D * e, 3 * f * h // D * e, V // D * h * e
     kv_full = 2 * B * S * kv // D * e  # one head group's K and V over the whole sequence
     ev, M = Schedule(), Axis.MODEL
-    ring = c.mlp_schedule == "ring"
+    ring, ov = c.mlp_schedule == "ring", c.overlap
 
     def layer_fwd(phase: str) -> None:
-        ev.add(phase, M, "broadcast", D, wa, D)
+        ev.add(phase, M, "broadcast", D, wa, D, overlapped=ov, exposed=1)
         ev.add(phase, M, "all_gather", D, kv_full, D)
         if ring:
-            ev.add(phase, M, "send_recv", D, wm, D - 1)
+            ev.add(phase, M, "send_recv", D, wm, D - 1, overlapped=ov)
         else:
-            ev.add(phase, M, "broadcast", D, wm, D)
+            ev.add(phase, M, "broadcast", D, wm, D, overlapped=ov, exposed=1)
 
-    ev.add("forward", M, "broadcast", D, wv, D)  # embedding shards
+    ev.add("forward", M, "broadcast", D, wv, D, overlapped=ov, exposed=1)  # embedding shards
     for _ in range(L):
         layer_fwd("forward")
-    ev.add("forward", M, "broadcast", D, wv, D)  # LM head shards
+    ev.add("forward", M, "broadcast", D, wv, D, overlapped=ov, exposed=1)  # LM head shards
     if c.train:
-        ev.add("backward", M, "broadcast", D, wv, D)
-        ev.add("backward", M, "reduce", D, wv, D)
+        ev.add("backward", M, "broadcast", D, wv, D, overlapped=ov, exposed=1)
+        ev.add("backward", M, "reduce", D, wv, D, overlapped=True, exposed=1)
         for _ in range(L):
             if c.rc:
                 layer_fwd("backward")
-            ev.add("backward", M, "broadcast", D, wa, D)
+            ev.add("backward", M, "broadcast", D, wa, D, overlapped=ov, exposed=1)
             ev.add("backward", M, "all_gather", D, kv_full, D)
             ev.add("backward", M, "reduce_scatter", D, kv_full, D)
-            ev.add("backward", M, "reduce", D, wa, D)
+            ev.add("backward", M, "reduce", D, wa, D, overlapped=True, exposed=1)
             if ring:  # D-1 slice hops, D accumulator hops
-                ev.add("backward", M, "send_recv", D, wm, 2 * D - 1)
+                ev.add("backward", M, "send_recv", D, wm, 2 * D - 1, overlapped=ov, exposed=1)
             else:
-                ev.add("backward", M, "broadcast", D, wm, D)
-                ev.add("backward", M, "reduce", D, wm, D)
-        ev.add("backward", M, "reduce", D, wv, D)  # embedding grad, owner by owner
+                ev.add("backward", M, "broadcast", D, wm, D, overlapped=ov, exposed=1)
+                ev.add("backward", M, "reduce", D, wm, D, overlapped=ov, exposed=1)
+        # embedding grad, owner by owner
+        ev.add("backward", M, "reduce", D, wv, D, overlapped=True, exposed=1)
         ev.add("backward", M, "all_reduce", D, costs.norm_numel(cfg) * e)  # norm grads
     return ev
 

@@ -39,7 +39,7 @@ class TSP(TSPDecoding, Strategy):  # decode: tsp_impl/decode.py
     # -- closed-form costs (tsp_impl/costs.py) ---------------------------------------------------
     loss_head_passes = 4  # the loss recomputes its logits shard by shard in backward
     recompute_skips_w2 = False  # the custom layers save at their very end
-    overlapped = frozenset({"broadcast", "send_recv", "reduce"})  # by the shards' prefetch
+
     mlp_schedules = MLP_SCHEDULES
 
     @classmethod

@@ -1,7 +1,8 @@
 """Every strategy equals the single-device reference: loss, hidden states, all gradients, and the
 weights after three AdamW steps (fp32: rtol 1e-4; bf16: see checks.BF16_TOL), at D in {1, 2, 4}
 (tpsp at (T, Sigma) in {(2,1), (1,2), (2,2)}), MHA and GQA, batch 1 and 2; TSP with either MLP
-schedule (ring, broadcast).
+schedule (ring, broadcast); FSDP+CP with its overlap (prefetch, asynchronous reduce-scatters)
+on and off.
 
 One 4-rank gloo world runs every case (side-by-side model groups when D < 4).
 """
@@ -129,6 +130,12 @@ def _cases() -> list[dict]:
             "overlap": False,
         }
     )
+    # FSDP+CP: its prefetch and asynchronous reduce-scatters are on above (the default, as in
+    # fsdp_cp-D4-gqa-B2 and fsdp_cp-recompute); here off, with and without recomputation
+    for rc in ("none", "full"):
+        cases.append({"id": f"fsdp_cp-D4-overlap0-{rc}", "strategy": "fsdp_cp", "D": 4,
+                      "S": 32, "B": 2, "recompute": rc, "overlap": False,
+                      "model": MODELS["gqa"]})  # fmt: skip
     return cases
 
 

@@ -109,7 +109,8 @@ def add_run_args(p: argparse.ArgumentParser, strategy: str | None = None) -> Non
         "--overlap",
         choices=("on", "off"),
         default="on",
-        help="tsp: prefetch the next weight shard while computing (off: measure it)",
+        help="tsp, fsdp_cp: prefetch the next weight shard (unit) and drain gradient "
+        "reductions while computing (off: measure it)",
     )
     p.add_argument(
         "--kv-bucket",

@@ -23,7 +23,24 @@ from typing import Any, Protocol
 from tspbench.core.config import ModelConfig
 
 FP32 = 4
-Event = tuple[str, str, str, int, float]  # (phase, axis, kind, group size, full tensor bytes)
+
+
+class Event(tuple):
+    """One collective of a schedule: ``(phase, axis, kind, group size, full tensor bytes)``, as it
+    unpacks, and ``overlapped``: whether the implementation hides it behind compute (issued
+    asynchronously ahead of, or drained behind, work that does not wait for it: a prefetched
+    weight, a reduction finished one step later). The cost model hides exactly the overlapped
+    events (docs/projection.md). The flag rides beside the five fields (code that unpacks five
+    keeps working) and takes no part in comparisons."""
+
+    overlapped: bool
+
+    def __new__(
+        cls, phase: str, axis: str, kind: str, size: int, nbytes: float, overlapped: bool = False
+    ) -> Event:
+        ev = super().__new__(cls, (phase, axis, kind, size, float(nbytes)))
+        ev.overlapped = overlapped
+        return ev
 
 
 class Spec(Protocol):
@@ -44,15 +61,29 @@ class Spec(Protocol):
     cp: int  # P: ranks that split a sequence
     tokens: int  # t
     mlp_schedule: str  # TSP's gated MLP: ring or broadcast
+    overlap: bool  # communication overlapped with compute where the implementation can
 
 
 class Schedule(list[Event]):
     """The collectives one rank issues in a step, in the order it issues them."""
 
     def add(
-        self, phase: str, axis: str, kind: str, size: int, nbytes: float, times: int = 1
+        self,
+        phase: str,
+        axis: str,
+        kind: str,
+        size: int,
+        nbytes: float,
+        times: int = 1,
+        overlapped: bool = False,
+        exposed: int = 0,
     ) -> None:
-        self.extend([(phase, axis, kind, size, float(nbytes))] * times)
+        """``times`` events; ``overlapped``: the implementation hides them behind compute, all
+        but ``exposed`` of them (a prefetch loop's first transfer and a drain's last have nothing
+        to hide behind: they are waited for at once)."""
+        hidden = max(times - exposed, 0) if overlapped else 0
+        self.extend([Event(phase, axis, kind, size, nbytes)] * (times - hidden))
+        self.extend([Event(phase, axis, kind, size, nbytes, True)] * hidden)
 
 
 def phases(c: Spec) -> tuple[str, ...]:

@@ -33,10 +33,18 @@ class BucketedAllReduce:
             p.register_post_accumulate_grad_hook(self._on_grad)
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
+        if p.grad is None:  # autograd passed no gradient: the strategy assigns it later
+            return
         i = self.bucket_of[id(p)]
         self.ready[i] += 1
         if self.ready[i] == len(self.buckets[i]):
             self._launch(i)
+
+    def grad_ready(self, p: torch.nn.Parameter) -> None:
+        """Count ``p``'s gradient as final, as the hook does: for a strategy that assigns a
+        gradient itself rather than through autograd's accumulation (FSDP+CP, whose
+        asynchronous reduce-scatters finish after their autograd node returned none)."""
+        self._on_grad(p)
 
     def _launch(self, i: int) -> None:
         flat = torch.cat([p.grad.flatten() for p in self.buckets[i]])

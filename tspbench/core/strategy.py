@@ -263,7 +263,6 @@ class Strategy(Decoding, ABC):  # Decoding: prefill/decode_step (docs/decode.md)
     # that saves a tensor: in a plain autograd layer, before the final W2 GEMM
     vocab_parallel_loss: ClassVar[bool] = False  # Megatron's vocabulary-parallel cross-entropy
     grad_staging_copies: ClassVar[int] = 0  # packed copies of all grads reduced after backward
-    overlapped: ClassVar[frozenset[str]] = frozenset()  # collective kinds hidden behind compute
     mlp_schedules: ClassVar[tuple[str, ...]] = ("ring",)  # TSP's: both; the rest ignore ring
 
     @classmethod

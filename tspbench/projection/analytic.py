@@ -45,7 +45,8 @@ def schedule(c: RunSpec) -> list[Event]:
     the strategy's model group's, then the gradient all-reduce over data-parallel replicas."""
     ev = Schedule(c.impl.schedule(c))
     if c.train and c.dp > 1:
-        ev.add(Axis.DP, Axis.DP, "all_reduce", c.dp, param_numel(c) * c.e)
+        # DDP-style buckets, each issued while the backward goes on (tspbench/core/grad_sync.py)
+        ev.add(Axis.DP, Axis.DP, "all_reduce", c.dp, param_numel(c) * c.e, overlapped=True)
     return ev
 
 

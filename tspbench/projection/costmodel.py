@@ -17,9 +17,13 @@ Step time of one rank (the slowest rank is the same: zigzag balances the work):
   point-to-point ring hop only one; on a switch every rank has one port of the full bandwidth;
   a broadcast or reduce moves the whole tensor through each link it uses, as its pipelined
   algorithm does), data parallelism and model groups larger than a node use the NIC;
-- overlap: what the implementation overlaps (TSP's weight broadcasts, ring hops and weight
-  gradient reduces; the data-parallel bucketed all-reduce) hides behind compute up to the
-  preset's overlap efficiency; everything else is on the critical path.
+- overlap: the events the strategy's schedule marks ``overlapped`` (what its code issues
+  asynchronously ahead of, or drains behind, compute that does not wait for them: TSP's
+  prefetched weight broadcasts, ring hops and drained weight-gradient reduces; FSDP+CP's
+  prefetched unit all-gathers and drained gradient reduce-scatters; the data-parallel bucketed
+  all-reduce) hide behind compute up to the preset's overlap efficiency; everything else (K/V
+  all-gathers, tensor parallelism's all-reduces, the first transfer of a prefetch loop) is on
+  the critical path.
 Presets: :data:`PRESETS` (datasheets, with sources) or a file written by ``tspbench calibrate``.
 """
 
@@ -182,16 +186,16 @@ def project(c: RunSpec, preset: dict, ops: int | None = None) -> dict[str, Any]:
     compute += elem / r["memory_bandwidth"]
     ops = count_ops(c) if ops is None else ops
     dispatch = ops * r["op_overhead_s"]
-    overlappable = c.impl.overlapped  # what the implementation hides (TSP: by its prefetch)
     crit = ovl = 0.0
-    for phase, axis, kind, size, nbytes in analytic.schedule(c):
+    for ev in analytic.schedule(c):
+        _, axis, kind, size, nbytes = ev
         if size <= 1:
             continue
         inter = axis == Axis.DP and world > per_node or axis != Axis.DP and c.degree > per_node
         # a calibrated preset may hold fits per group size (groups of 2 in a 4-rank node...)
         link = r["inter"] if inter else r.get("groups", {}).get(str(size), r)[kind]
         t = link["lat"] + bus_bytes(kind, nbytes, size) / link["bw"]
-        if phase == Axis.DP or kind in overlappable:
+        if ev.overlapped:  # what the implementation hides, as its schedule says
             ovl += t
         else:
             crit += t
@@ -252,6 +256,8 @@ def check_summary(paths: list[str], preset: dict):
     runs = []
     for path in paths:
         df = pd.read_csv(path)
+        if "mode" in df.columns:  # decode cells are projected by projection/decode.py
+            df = df[~df["mode"].isin(["decode", "generate"])]
         runs.append(df[df["status"] == "ok"].drop_duplicates("cell").set_index("cell"))
     cells = [c for c in runs[0].index if all(c in r.index for r in runs[1:])]
     rows = []

@@ -54,6 +54,8 @@ def check(
     runs = []
     for path in summaries:
         df = pd.read_csv(path)
+        if "mode" in df.columns:  # decode cells are projected by projection/decode.py
+            df = df[~df["mode"].isin(["decode", "generate"])]
         runs.append(df[df["status"] == "ok"].drop_duplicates("cell").set_index("cell"))
     cells = [c for c in runs[0].index if all(c in r.index for r in runs[1:])]
     ops = OpsCache(cache_dir(cache))
