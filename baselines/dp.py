@@ -10,9 +10,9 @@ import torch.nn.functional as F
 
 from tspbench.core import costs
 from tspbench.core.config import ConfigError, ModelConfig
-from tspbench.core.decode import DecodeHooks, greedy, local_attend, prefill_layers, run_layers
+from tspbench.core.decode import DecodeHooks, head_step, local_attend, prefill_layers, run_layers
 from tspbench.core.kvcache import KVCache, Step
-from tspbench.core.layers import LayerHooks, rms_norm, rope_tables
+from tspbench.core.layers import LayerHooks, rope_tables
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.reference import LAYER_PARAMS, ReferenceModel
 from tspbench.core.strategy import Batch, Layout, Strategy
@@ -123,8 +123,7 @@ class Single(DP):
         ]
 
     def _step(self, x: torch.Tensor) -> Step:
-        h = rms_norm(x, self.model.p("norm"), self.cfg.norm_eps)
-        return greedy((h @ self.model.p("head").T).float())
+        return head_step(x, self.model.p("norm"), self.model.p("head"), self.cfg.norm_eps)
 
     @torch.no_grad()
     def prefill(self, tokens: torch.Tensor, max_len: int) -> tuple[KVCache, Step]:

@@ -15,8 +15,9 @@ from tspbench.core.config import ModelConfig
 from tspbench.core.context_parallel import context_parallel_hooks, zigzag_rope
 from tspbench.core.decode import (
     DecodeHooks,
-    greedy,
+    head_step,
     merge_events,
+    named_layers,
     prefill_layers,
     run_layers,
     split_attend,
@@ -120,12 +121,11 @@ class SP(Strategy):
         return ev
 
     def _layers(self) -> list[dict]:
-        p = self.params
-        return [{k: p[f"layers.{i}.{k}"] for k in LAYER_PARAMS} for i in range(self.cfg.layers)]
+        return named_layers(self.params, self.cfg.layers)
 
     def _step(self, x: torch.Tensor) -> Step:
-        h = rms_norm(x, self.params["norm"], self.cfg.norm_eps)
-        return greedy((h @ self.params["head"].T).float())
+        p = self.params
+        return head_step(x, p["norm"], p["head"], self.cfg.norm_eps)
 
     @torch.no_grad()
     def prefill(self, tokens: torch.Tensor, max_len: int) -> tuple[KVCache, Step]:

@@ -17,11 +17,12 @@ from tspbench.core.config import ModelConfig
 from tspbench.core.decode import (
     DecodeHooks,
     check_kv_split,
-    greedy,
+    head_step,
     kv_heads_local,
     local_attend,
     megatron_events,
     megatron_param,
+    named_layers,
     prefill_layers,
     run_layers,
 )
@@ -134,12 +135,11 @@ class TP(Strategy):
         return ev
 
     def _layers(self) -> list[dict]:
-        p = self.params
-        return [{k: p[f"layers.{i}.{k}"] for k in LAYER_PARAMS} for i in range(self.cfg.layers)]
+        return named_layers(self.params, self.cfg.layers)
 
     def _step(self, x: torch.Tensor) -> Step:
-        h = rms_norm(x, self.params["norm"], self.cfg.norm_eps)
-        return greedy((h @ self.params["head"].T).float(), self.comm)
+        p = self.params
+        return head_step(x, p["norm"], p["head"], self.cfg.norm_eps, self.comm)
 
     @torch.no_grad()
     def prefill(self, tokens: torch.Tensor, max_len: int) -> tuple[KVCache, Step]:

@@ -20,6 +20,7 @@ from tspbench.core.comm import Comm
 from tspbench.core.config import ConfigError, ModelConfig
 from tspbench.core.kvcache import KVCache, Step, partial_attention
 from tspbench.core.layers import LayerHooks, apply_rope, rms_norm, rope_tables, transformer_layer
+from tspbench.core.reference import LAYER_PARAMS
 
 FP32 = 4
 
@@ -233,6 +234,18 @@ def prefill_layers(
 
 
 # -- greedy choice --------------------------------------------------------------------------------
+def named_layers(params: dict[str, torch.Tensor], n_layers: int) -> list[dict]:
+    """Per layer, its reference-named parameters without the ``layers.i.`` prefix."""
+    return [{k: params[f"layers.{i}.{k}"] for k in LAYER_PARAMS} for i in range(n_layers)]
+
+
+def head_step(
+    x: torch.Tensor, norm: torch.Tensor, head: torch.Tensor, eps: float, comm: Comm | None = None
+) -> Step:
+    """The final norm, the (vocabulary-split over ``comm``) head and the greedy choice."""
+    return greedy((rms_norm(x, norm, eps) @ head.T).float(), comm)
+
+
 def greedy(logits: torch.Tensor, comm: Comm | None = None) -> Step:
     """The arg max over the vocabulary of fp32 logits [B, V_local] (block ``comm.rank`` of a
     vocabulary split over ``comm``): one all-gather of [value, index] pairs, ties to the
