@@ -68,19 +68,28 @@ def _refs(t: torch.Tensor) -> tuple[int, int]:
     return t._use_count(), torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
-def _settle(resting: Sequence[tuple[torch.Tensor, tuple[int, int]]], timeout: float = 1.0) -> None:
-    """Wait until gloo's worker thread has let go of a finished collective's buffers.
+def _wait_all(works: Sequence[dist.Work]) -> None:
+    for w in works:  # (in a function of its own, so no loop variable outlives the wait)
+        w.wait()
 
-    Gloo marks a collective complete *before* its worker thread drops the work's tensors, so a
-    buffer the step frees right after ``wait()`` could outlive its last use by a scheduler tick,
-    and the CPU memory tracker would count it at random (seen over 15 repeats of tiny D=4
-    inference steps: peaks +7% for tp, +16% for tsp, +30% for sp, on some ranks in some runs).
-    Each buffer's reference counts are back to what they were before the collective once the
-    worker is done; usually they already are, and this costs one check. Bounded: after
-    ``timeout`` s it stops waiting (memory accounting only, never correctness)."""
+
+def _settle(held: Sequence[torch.Tensor], works: list, timeout: float = 1.0) -> None:
+    """Drop finished works and wait until gloo's worker thread has let go of them too.
+
+    Gloo marks a collective complete *before* its worker thread drops the work, so a buffer the
+    step frees right after ``wait()`` could outlive its last use by a scheduler tick, and the CPU
+    memory tracker would count it at random (seen over 15 repeats of tiny D=4 inference steps:
+    peaks +7% for tp, +16% for tsp, +30% for sp, on some ranks in some runs; and in CI, +0.2% on
+    a GQA TSP training step). A gloo work holds references to its buffers (``held``: those
+    whose counts rose when it was issued) until it is destroyed, and nothing else changes them
+    while we wait here: so once our last reference to the works is gone, each buffer's counts
+    fall as soon as the worker's is gone too. Usually it already is, and this costs one check.
+    Bounded: after ``timeout`` s it stops waiting (memory accounting only, never correctness)."""
+    alive = [(t, _refs(t)) for t in held]
+    works.clear()
     deadline = None
-    for t, rest in resting:
-        while any(n > r for n, r in zip(_refs(t), rest)):
+    for t, counts in alive:
+        while not any(n < c for n, c in zip(_refs(t), counts)):
             deadline = deadline or time.monotonic() + timeout
             if time.monotonic() > deadline:
                 return
@@ -112,11 +121,11 @@ class Pending:
         self,
         work: dist.Work | list[dist.Work] | None,
         finish: Callable[[], object],
-        resting: Sequence[tuple[torch.Tensor, tuple[int, int]]] = (),
+        held: Sequence[torch.Tensor] = (),
     ):
         self._work = work if isinstance(work, list) else ([work] if work is not None else [])
         self._finish = finish
-        self._resting = resting
+        self._held = held
 
     @classmethod
     def ready(cls, value: object) -> Pending:
@@ -126,10 +135,9 @@ class Pending:
     def wait(self):
         work, self._work = self._work, []  # the work objects hold the buffers too: let go
         with blocked_in_collective():
-            while work:
-                work.pop(0).wait()
-        _settle(self._resting)
-        self._resting = ()
+            _wait_all(work)
+        _settle(self._held, work)
+        self._held = ()
         return self._finish()
 
 
@@ -171,23 +179,26 @@ class Comm:
         self.counter.add(self.axis, kind, bus_bytes(kind, n, self.size))
         return True
 
-    def _issue(
-        self, op: Callable, args: tuple, finish, async_op: bool, owned=(), caller=(), flat=False
-    ):
+    def _issue(self, op: Callable, args: tuple, finish, async_op: bool, flat: bool = False):
         """Issue ``op(*args)`` on this group (``flat``: on 1-D views of ``args``) and return its
-        result (or :class:`Pending`).
+        result (or :class:`Pending`). The views are temporaries, so no frame of ours keeps the
+        buffers alive."""
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
 
-        On gloo, the buffers' reference counts are taken first for :func:`_settle`: the
-        buffers this Comm allocated (``owned``) always, the caller's only for a blocking call
-        (during an async one the caller may take references of its own). The work object is
-        handed straight to :class:`Pending` and the views are temporaries, so no frame of ours
-        keeps its buffers alive.
-        """
-        rest = []
-        if self._gloo:
-            rest = [(t, _refs(t)) for t in [*owned, *([] if async_op else caller)]]
-        work = op(*[a.view(-1) for a in args] if flat else args, group=self.group, async_op=True)
-        pending, work = Pending(work, finish, rest), None  # wait() drops the last reference
+        def start():
+            return op(*[a.view(-1) for a in tensors] if flat else args, group=self.group,
+                      async_op=True)  # fmt: skip
+
+        return self._pending(start, finish, async_op, tensors)
+
+    def _pending(self, start: Callable, finish, async_op: bool, buffers: Sequence[torch.Tensor]):
+        """Start a work and wrap it; on gloo, note the references it holds to ``buffers`` for
+        :func:`_settle`. The work object goes straight to :class:`Pending`, whose ``wait()``
+        drops the last reference to it."""
+        before = [_refs(t) for t in buffers] if self._gloo else []
+        pending = Pending(start(), finish)
+        if self._gloo:  # the buffers the work took references to
+            pending._held = [t for t, b in zip(buffers, before) if _refs(t) != b]
         return pending if async_op else pending.wait()
 
     @staticmethod
@@ -201,13 +212,13 @@ class Comm:
             if self.skip and self.rank != src:
                 t.zero_()
             return self._ret(None, lambda: t, async_op)
-        return self._issue(dist.broadcast, (t, self.ranks[src]), lambda: t, async_op, caller=(t,))
+        return self._issue(dist.broadcast, (t, self.ranks[src]), lambda: t, async_op)
 
     def reduce(self, t: torch.Tensor, dst: int, async_op: bool = False):
         """Sum ``t`` into group-rank ``dst``'s ``t`` (other ranks' ``t`` is scratch afterwards)."""
         if not self._start("reduce", "reduce", t, t, dst=dst):
             return self._ret(None, lambda: t, async_op)
-        return self._issue(dist.reduce, (t, self.ranks[dst]), lambda: t, async_op, caller=(t,))
+        return self._issue(dist.reduce, (t, self.ranks[dst]), lambda: t, async_op)
 
     def all_reduce(
         self,
@@ -219,7 +230,7 @@ class Comm:
         if not self._start("all_reduce", "all_reduce", t, t, op=op):
             return self._ret(None, lambda: t, async_op)
         reduce = functools.partial(dist.all_reduce, op=op)
-        return self._issue(reduce, (t,), lambda: t, async_op, caller=(t,))
+        return self._issue(reduce, (t,), lambda: t, async_op)
 
     def all_gather(self, t: torch.Tensor, dim: int, async_op: bool = False):
         """Concatenate every rank's ``t`` along ``dim`` in group-rank order."""
@@ -235,11 +246,7 @@ class Comm:
             out.zero_()
             return self._ret(None, finish, async_op)
 
-        owned = (out, tc) if tc is not t else (out,)
-        args = (out, tc)
-        return self._issue(
-            dist.all_gather_single, args, finish, async_op, owned, caller=(tc,), flat=True
-        )
+        return self._issue(dist.all_gather_single, (out, tc), finish, async_op, flat=True)
 
     def reduce_scatter(self, t: torch.Tensor, dim: int, async_op: bool = False):
         """Sum over the group, then keep block ``rank`` of ``size`` equal blocks along ``dim``."""
@@ -252,10 +259,8 @@ class Comm:
         stacked = t.unflatten(dim, (self.size, n)).movedim(dim, 0).contiguous()
         out = t.new_empty(stacked.shape[1:])
 
-        owned = (out, stacked) if stacked._base is None else (out,)  # a copy, or t's view
-        args = (out, stacked)
         return self._issue(
-            dist.reduce_scatter_single, args, lambda: out, async_op, owned, (stacked,), flat=True
+            dist.reduce_scatter_single, (out, stacked), lambda: out, async_op, flat=True
         )
 
     def ring_exchange(self, send: torch.Tensor, recv: torch.Tensor, async_op: bool = False):
@@ -264,11 +269,14 @@ class Comm:
             recv.copy_(send)
             return self._ret(None, lambda: recv, async_op)
         nxt, prv = self.ranks[(self.rank + 1) % self.size], self.ranks[(self.rank - 1) % self.size]
+        send = send.contiguous()
         ops = [
-            dist.P2POp(dist.isend, send.contiguous(), nxt, group=self.group),
+            dist.P2POp(dist.isend, send, nxt, group=self.group),
             dist.P2POp(dist.irecv, recv, prv, group=self.group),
         ]
-        return self._ret(dist.batch_isend_irecv(ops), lambda: recv, async_op)
+        return self._pending(
+            lambda: dist.batch_isend_irecv(ops), lambda: recv, async_op, (send, recv)
+        )
 
     def replay(self, method: str, shape: tuple[int, ...], dtype: torch.dtype, kw: dict) -> None:
         """Issue one traced collective again, synchronously, on fresh buffers of its shape."""
