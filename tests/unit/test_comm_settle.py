@@ -27,7 +27,8 @@ def _in_flight(t: torch.Tensor, lag: float) -> tuple[Pending, tuple[int, int]]:
     """A pretend collective on ``t`` whose worker drops the work ``lag`` s after it is issued."""
     before = _refs(t)
     worker = [_Work(t)]
-    pending = Pending(list(worker), lambda: t, held=[t])
+    rose = tuple(n > b for n, b in zip(_refs(t), before))  # (a view holds its base and storage)
+    pending = Pending(list(worker), lambda: t, held=[(t, rose)])
     threading.Thread(target=lambda: (time.sleep(lag), worker.clear())).start()
     return pending, before
 

@@ -73,23 +73,27 @@ def _wait_all(works: Sequence[dist.Work]) -> None:
         w.wait()
 
 
-def _settle(held: Sequence[torch.Tensor], works: list, timeout: float = 1.0) -> None:
+def _settle(
+    held: Sequence[tuple[torch.Tensor, tuple[bool, bool]]], works: list, timeout: float = 1.0
+) -> None:
     """Drop finished works and wait until gloo's worker thread has let go of them too.
 
     Gloo marks a collective complete *before* its worker thread drops the work, so a buffer the
     step frees right after ``wait()`` could outlive its last use by a scheduler tick, and the CPU
     memory tracker would count it at random (seen over 15 repeats of tiny D=4 inference steps:
     peaks +7% for tp, +16% for tsp, +30% for sp, on some ranks in some runs; and in CI, +0.2% on
-    a GQA TSP training step). A gloo work holds references to its buffers (``held``: those
-    whose counts rose when it was issued) until it is destroyed, and nothing else changes them
-    while we wait here: so once our last reference to the works is gone, each buffer's counts
-    fall as soon as the worker's is gone too. Usually it already is, and this costs one check.
-    Bounded: after ``timeout`` s it stops waiting (memory accounting only, never correctness)."""
-    alive = [(t, _refs(t)) for t in held]
+    a GQA TSP training step). A gloo work holds references to its buffers until it is destroyed
+    (``held``: each buffer with the counts, of :func:`_refs`, that rose when the work was
+    issued), and nothing else changes them while we wait here: so once our last reference to
+    the works is gone, every one of those counts falls as soon as the worker's is gone too (all
+    of them: a destruction in progress on the worker thread releases them one by one). Usually
+    it already is gone, and this costs one check. Bounded: after ``timeout`` s it stops waiting
+    (memory accounting only, never correctness)."""
+    alive = [(t, rose, _refs(t)) for t, rose in held]
     works.clear()
     deadline = None
-    for t, counts in alive:
-        while not any(n < c for n, c in zip(_refs(t), counts)):
+    for t, rose, counts in alive:
+        while not all(n < c for n, c, r in zip(_refs(t), counts, rose) if r):
             deadline = deadline or time.monotonic() + timeout
             if time.monotonic() > deadline:
                 return
@@ -121,7 +125,7 @@ class Pending:
         self,
         work: dist.Work | list[dist.Work] | None,
         finish: Callable[[], object],
-        held: Sequence[torch.Tensor] = (),
+        held: Sequence[tuple[torch.Tensor, tuple[bool, bool]]] = (),
     ):
         self._work = work if isinstance(work, list) else ([work] if work is not None else [])
         self._finish = finish
@@ -197,8 +201,11 @@ class Comm:
         drops the last reference to it."""
         before = [_refs(t) for t in buffers] if self._gloo else []
         pending = Pending(start(), finish)
-        if self._gloo:  # the buffers the work took references to
-            pending._held = [t for t, b in zip(buffers, before) if _refs(t) != b]
+        if self._gloo:  # the buffers the work took references to, and which counts rose
+            rose = [
+                (t, tuple(n > b for n, b in zip(_refs(t), was))) for t, was in zip(buffers, before)
+            ]
+            pending._held = [(t, r) for t, r in rose if any(r)]
         return pending if async_op else pending.wait()
 
     @staticmethod
