@@ -15,7 +15,7 @@ from tspbench.core.kvcache import KVCache, Step
 from tspbench.core.layers import LayerHooks, rope_tables
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.reference import LAYER_PARAMS, ReferenceModel
-from tspbench.core.strategy import Batch, Layout, Strategy
+from tspbench.core.strategy import Batch, Layout, Strategy, grad_sq_sum
 
 
 class DP(Strategy):
@@ -75,7 +75,7 @@ class DP(Strategy):
         self.all_reduce_grads(self.parameters(), self.comm)
 
     def grad_sq_norm(self) -> torch.Tensor:
-        return sum(p.grad.float().pow(2).sum() for p in self.parameters())
+        return grad_sq_sum(self.parameters())
 
     def hidden(self, batch: Batch) -> torch.Tensor:
         with torch.no_grad():

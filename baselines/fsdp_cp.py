@@ -39,7 +39,7 @@ from tspbench.core.context_parallel import context_parallel_hooks, zigzag_rope
 from tspbench.core.layers import rms_norm, transformer_layer
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.reference import LAYER_PARAMS, param_shapes
-from tspbench.core.strategy import Batch, Layout, Strategy
+from tspbench.core.strategy import Batch, Layout, Strategy, grad_sq_sum
 
 
 @dataclass
@@ -295,9 +295,7 @@ class FSDPCP(Strategy):
         return [u.shard for u in self.units]
 
     def grad_sq_norm(self) -> torch.Tensor:
-        return self.comm.all_reduce_metric(
-            sum(p.grad.float().pow(2).sum() for p in self.parameters())
-        )
+        return self.comm.all_reduce_metric(grad_sq_sum(self.parameters()))
 
     def hidden(self, batch: Batch) -> torch.Tensor:
         with torch.no_grad():

@@ -26,7 +26,7 @@ from tspbench.core.kvcache import KVCache, Step, merge_all
 from tspbench.core.layers import rms_norm, transformer_layer
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.reference import LAYER_PARAMS, param_shapes
-from tspbench.core.strategy import Batch, Layout, Strategy
+from tspbench.core.strategy import Batch, Layout, Strategy, grad_sq_sum
 
 
 class SP(Strategy):
@@ -90,7 +90,7 @@ class SP(Strategy):
         self.all_reduce_grads(self.parameters(), self.comm)
 
     def grad_sq_norm(self) -> torch.Tensor:
-        return sum(p.grad.float().pow(2).sum() for p in self.parameters())
+        return grad_sq_sum(self.parameters())
 
     def hidden(self, batch: Batch) -> torch.Tensor:
         with torch.no_grad():

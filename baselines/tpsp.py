@@ -32,7 +32,14 @@ from tspbench.core.kvcache import KVCache, Step, merge_all
 from tspbench.core.layers import rms_norm, transformer_layer
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.reference import LAYER_PARAMS, param_shapes
-from tspbench.core.strategy import Batch, Layout, Strategy, gather_named, shard_dim
+from tspbench.core.strategy import (
+    Batch,
+    Layout,
+    Strategy,
+    gather_named,
+    grad_sq_sum,
+    shard_dim,
+)
 from tspbench.core.vocab_parallel import cross_entropy_sum, embedding
 
 
@@ -142,10 +149,9 @@ class TPSP(Strategy):
         self.all_reduce_grads(self.parameters(), self.sp)
 
     def grad_sq_norm(self) -> torch.Tensor:
-        sq = {True: torch.zeros(()), False: torch.zeros(())}
-        for n, p in self.params.items():
-            sq[shard_dim(n) is not None] += p.grad.float().pow(2).sum().cpu()
-        return self.tp.all_reduce_metric(sq[True]) + sq[False]
+        sharded = [p for n, p in self.params.items() if shard_dim(n) is not None]
+        replicated = [p for n, p in self.params.items() if shard_dim(n) is None]
+        return self.tp.all_reduce_metric(grad_sq_sum(sharded)) + grad_sq_sum(replicated)
 
     def hidden(self, batch: Batch) -> torch.Tensor:
         with torch.no_grad():

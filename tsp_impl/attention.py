@@ -6,129 +6,180 @@ tensor W_p = [Wq_p; Wk_p; Wv_p; Wo_p^T] (rows of width h) so one broadcast moves
 Forward, identical loop order on every rank:
     for r in 0..D-1:                          # W_{r+1}'s broadcast is in flight meanwhile
         W_r = broadcast(owner r)
-        Q, K_p, V_p = X_p W_r                 # local tokens, head group r, RoPE at global positions
+        [Q K_p V_p] = X_p [Wq_r; Wk_r; Wv_r]^T  # one GEMM; RoPE on Q, K at global positions
         for each bucket of KV heads:          # bounds the gathered K/V buffer
             K, V = all_gather(K_p, V_p) along the sequence, in global order
             A = causal attention of the local query chunks over K, V
         Y_p += A Wo_r                         # local accumulation: no all-reduce
-Saved per head group: local Q, K_p, V_p, A and the log-sum-exp (all S/D tokens long); the
-full-sequence K/V is *not* saved.
+Saved per head group: local [Q K_p V_p] (one tensor), A and the log-sum-exp (all S/D tokens
+long); the full-sequence K/V is *not* saved.
 
 Backward, same loop (W_{r+1}'s broadcast in flight, dW_{r-1}'s reduce still draining):
     W_r = broadcast(owner r) again; K, V = all_gather(K_p, V_p) again (per bucket)
     dA = dY_p Wo_r^T; dWo_r = A^T dY_p
     dQ, dK, dV = attention backward           # dK, dV span the whole sequence
     dK_p, dV_p = reduce_scatter(dK, dV)       # back to the token owners
-    dX_p += dQ Wq_r + dK_p Wk_r + dV_p Wv_r; dW{q,k,v}_r = d{Q,K_p,V_p}^T X_p
+    dX_p += [dQ dK_p dV_p] [Wq_r; Wk_r; Wv_r]; dW{q,k,v}_r = [dQ dK_p dV_p]^T X_p   # one GEMM each
     reduce(packed dW_r -> owner r)            # async; each weight gradient ends on its owner
+
+Packing, so that a head group costs few kernel launches: Q, K, V are one GEMM into one
+[B, S/D, hq + 2 hkv, d] tensor, RoPE rotates its Q and K heads in place in one multiply-and-sum
+(``rotate``), K and V travel as one [S/D, 2, B, b, d] tensor (sequence outermost, so the gathered
+buffer needs no reshuffle beyond the one index_select into global order), the chunks' dK and dV
+are scatter-added into the gathered-order buffer the reduce-scatter takes (two index_add_ calls),
+[dQ dK_p dV_p] is one tensor for the dX and dW GEMMs, and the layer's residual input starts the
+accumulation of Y (the Function returns residual + attention).
 """
 
 from __future__ import annotations
 
 import torch
 
+from tsp_impl.ops import accumulate
 from tsp_impl.overlap import owner_shards
 from tsp_impl.plan import TSPPlan
-from tspbench.core.attention import zigzag_bwd, zigzag_fwd
-from tspbench.core.layers import apply_rope
+from tspbench.core.attention import causal_bwd, causal_fwd
 
 
-def split_shard(w: torch.Tensor, plan: TSPPlan):
-    """(Wq_r, Wk_r, Wv_r, Wo_r^T) views of a packed head-group shard."""
-    d = plan.cfg.head_dim
-    return w.split([plan.hq * d, plan.hkv * d, plan.hkv * d, plan.hq * d], dim=0)
+def qkv_rows(plan: TSPPlan) -> int:
+    """Rows of [Wq_r; Wk_r; Wv_r] in a packed shard (the rest is Wo_r^T)."""
+    return (plan.hq + 2 * plan.hkv) * plan.cfg.head_dim
 
 
-def project(x: torch.Tensor, w: torch.Tensor, plan: TSPPlan):
-    """Local tokens' Q, K, V for one head group, as [B, heads, S/D, d], RoPE applied."""
-    wq, wk, wv, _ = split_shard(w, plan)
-    B, S_loc, _ = x.shape
-    d = plan.cfg.head_dim
+def rotate(t: torch.Tensor, table: torch.Tensor) -> None:
+    """RoPE in place on ``t`` [B, L, heads, d] (a view of the packed projection): every pair
+    (x_i, x_{i+d/2}) times its 2x2 rotation ``table`` [L, 1, 2, 2, d/2], one broadcast multiply
+    and one sum (the arithmetic of x cos + rotate_half(x) sin)."""
+    pairs = t.unflatten(-1, (2, -1))
+    torch.sum(pairs.unsqueeze(-3) * table, dim=-2, out=pairs)
 
-    def heads(t: torch.Tensor, n: int) -> torch.Tensor:
-        return t.view(B, S_loc, n, d).transpose(1, 2)
 
-    q = apply_rope(heads(x @ wq.T, plan.hq), plan.cos, plan.sin)
-    k = apply_rope(heads(x @ wk.T, plan.hkv), plan.cos, plan.sin)
-    return q, k, heads(x @ wv.T, plan.hkv)
+def project(x: torch.Tensor, w: torch.Tensor, plan: TSPPlan) -> torch.Tensor:
+    """Local tokens' [Q | K | V] for one head group: [B, S/D, hq + 2 hkv, d], RoPE applied."""
+    B, n, h = x.shape
+    qkv = (x.view(B * n, h) @ w[: qkv_rows(plan)].T).view(B, n, -1, plan.cfg.head_dim)
+    rotate(qkv[:, :, : plan.hq + plan.hkv], plan.rot)
+    return qkv
+
+
+def heads(qkv: torch.Tensor, plan: TSPPlan, ks: slice):
+    """[B, heads, S/D, d] views of Q (the query heads of KV heads ``ks``), K and V."""
+    hq, hkv, g = plan.hq, plan.hkv, plan.hq // plan.hkv
+    q = qkv[:, :, ks.start * g : ks.stop * g]
+    k = qkv[:, :, hq + ks.start : hq + ks.stop]
+    v = qkv[:, :, hq + hkv + ks.start : hq + hkv + ks.stop]
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
 
 def gather_kv(k: torch.Tensor, v: torch.Tensor, plan: TSPPlan):
-    """All-gather local K/V along the sequence and put them in global order."""
-    kv = plan.comm.all_gather(torch.stack([k, v]), dim=3)
-    kv = kv.index_select(3, plan.to_global)
-    return kv[0], kv[1]
+    """All-gather local K/V [B, b, S/D, d] along the sequence: [B, b, S, d] views in global
+    order (of one [S, 2, B, b, d] buffer)."""
+    packed = [k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3)]  # [S/D, B, b, d] views
+    kv = plan.comm.all_gather(torch.stack(packed, dim=1), dim=0).index_select(0, plan.to_global)
+    return kv[:, 0].permute(1, 2, 0, 3), kv[:, 1].permute(1, 2, 0, 3)
 
 
-def scatter_kv_grad(dk: torch.Tensor, dv: torch.Tensor, plan: TSPPlan):
-    """Reduce-scatter full-sequence dK/dV back to the ranks that own those tokens."""
-    dkv = torch.stack([dk, dv]).index_select(3, plan.to_gathered)
-    dkv = plan.comm.reduce_scatter(dkv, dim=3)
-    return dkv[0], dkv[1]
+def scatter_kv_grad(dks: list[torch.Tensor], dvs: list[torch.Tensor], plan: TSPPlan):
+    """Sum the chunks' dK/dV (each over its keys' prefix of the sequence) into one gathered-order
+    [S, 2, B, b, d] buffer and reduce-scatter it back to the token owners: [S/D, 2, B, b, d].
+    The rows of ``plan.dkv_index`` come in two sources, each at most one head group's K/V over
+    the sequence: the chunks' dK, dV but the last chunk's dV (concatenated), then that dV.
+    Consumes the lists (their tensors are freed once concatenated)."""
+    parts = [x for dk, dv in zip(dks[:-1], dvs[:-1]) for x in (dk, dv)] + [dks[-1]]
+    src, last = torch.cat(parts, dim=2), dvs[-1]  # [B, b, rows, d]
+    dks.clear(), dvs.clear()
+    del parts
+    B, b, _, d = src.shape
+    full = src.new_zeros((plan.seq_len, 2, B, b, d))
+    rows = full.view(-1, B, b, d)
+    n = src.shape[2]
+    rows.index_add_(0, plan.dkv_index[:n], src.permute(2, 0, 1, 3))
+    del src
+    rows.index_add_(0, plan.dkv_index[n:], last.permute(2, 0, 1, 3))
+    del last
+    return plan.comm.reduce_scatter(full, dim=0)
 
 
-def merge_heads(t: torch.Tensor) -> torch.Tensor:
-    """[B, heads, S, d] -> [B, S, heads*d]."""
-    return t.transpose(1, 2).flatten(2)
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: TSPPlan):
+    """Zigzag causal attention of the local queries [B, b', S/D, d] over the gathered K/V:
+    ([B, S/D, b', d] output, the chunks' log-sum-exps)."""
+    outs, lses = [], []
+    for lo, hi, n in plan.chunks:
+        o, lse = causal_fwd(q[:, :, lo:hi], k[:, :, :n], v[:, :, :n])
+        outs.append(o.transpose(1, 2))
+        lses.append(lse)
+    return torch.cat(outs, dim=1), lses
 
 
 class BroadcastAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w_own: torch.Tensor, plan: TSPPlan, grad: bool):  # type: ignore[override]
+    def forward(ctx, res, x: torch.Tensor, w_own: torch.Tensor, plan: TSPPlan, grad: bool):  # type: ignore[override]
+        """res + attention(x): the residual ``res`` starts the accumulation of Y."""
         save = grad and any(ctx.needs_input_grad)  # (needs_input_grad ignores no_grad)
-        y = torch.zeros_like(x)
+        B, n, h = x.shape
+        y, lses = None, []
         saved: list[torch.Tensor] = []
         for _, w in owner_shards(w_own, plan.comm, plan.overlap):
-            q, k, v = project(x, w, plan)
+            qkv = project(x, w, plan)
             parts, lses = [], []
-            for qs, ks in plan.buckets():
-                K, V = gather_kv(k[:, ks], v[:, ks], plan)
-                a, lse = zigzag_fwd(q[:, qs], K, V, plan.rank, plan.D)
+            for _, ks in plan.buckets():
+                q, k, v = heads(qkv, plan, ks)
+                a, lse = attend(q, *gather_kv(k, v, plan), plan)
                 parts.append(a)
                 lses += lse
-            a = torch.cat(parts, dim=1)
-            y += merge_heads(a) @ split_shard(w, plan)[3]
+            a = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+            y = accumulate(y, a.view(B * n, -1), w[qkv_rows(plan) :], res.view(B * n, h))
             if save:
-                saved += [q, k, v, a, *lses]
+                saved += [qkv, a, *lses]
         ctx.plan = plan
         ctx.n_lse = len(lses)
         if save:
             ctx.save_for_backward(x, w_own, *saved)
-        return y
+        return y.view(B, n, h)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
         plan: TSPPlan = ctx.plan
         x, w_own, *saved = ctx.saved_tensors
-        per, n_chunks = 4 + ctx.n_lse, ctx.n_lse // len(plan.buckets())
-        dx = torch.zeros_like(x)
-        dw_own, reducing = None, None
-        dy2, x2 = dy.flatten(0, 1), x.flatten(0, 1)
+        B, n, h = x.shape
+        per, n_chunks, rows = 2 + ctx.n_lse, len(plan.chunks), qkv_rows(plan)
+        dx, dw_own, reducing = None, None, None
+        x2, dy2 = x.view(B * n, h), dy.reshape(B * n, h)
         for r, w in owner_shards(w_own, plan.comm, plan.overlap):
-            q, k, v, a, *lses = saved[r * per : (r + 1) * per]
-            wq, wk, wv, wo_t = split_shard(w, plan)
-            a_flat = merge_heads(a)
-            da = (dy @ wo_t.T).view(a_flat.shape).unflatten(2, (plan.hq, -1)).transpose(1, 2)
-            dwo_t = a_flat.flatten(0, 1).T @ dy2
-            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+            qkv, a, *lses = saved[r * per : (r + 1) * per]
+            da = (dy2 @ w[rows:].T).view(a.shape)
+            dqs, dks, dvs = [], [], []
             for i, (qs, ks) in enumerate(plan.buckets()):
-                K, V = gather_kv(k[:, ks], v[:, ks], plan)
+                q, k, v = heads(qkv, plan, ks)
+                K, V = gather_kv(k, v, plan)
                 lse = lses[i * n_chunks : (i + 1) * n_chunks]
-                dq[:, qs], dK, dV = zigzag_bwd(
-                    da[:, qs].contiguous(), q[:, qs], K, V, a[:, qs], lse, plan.rank, plan.D
-                )
-                dk[:, ks], dv[:, ks] = scatter_kv_grad(dK, dV, plan)
-            dq = merge_heads(apply_rope(dq, plan.cos, -plan.sin))
-            dk = merge_heads(apply_rope(dk, plan.cos, -plan.sin))
-            dv = merge_heads(dv)
-            dx += dq @ wq + dk @ wk + dv @ wv
-            dw = torch.cat(
-                [dq.flatten(0, 1).T @ x2, dk.flatten(0, 1).T @ x2, dv.flatten(0, 1).T @ x2, dwo_t]
-            )
+                dq, dk, dv = [], [], []
+                for (lo, hi, m), l_c in zip(plan.chunks, lse):
+                    g = causal_bwd(
+                        da[:, lo:hi, qs].transpose(1, 2), q[:, :, lo:hi], K[:, :, :m],
+                        V[:, :, :m], a[:, lo:hi, qs].transpose(1, 2), l_c,
+                    )  # fmt: skip
+                    dq.append(g[0].transpose(1, 2))
+                    dk.append(g[1])
+                    dv.append(g[2])
+                del K, V, g
+                dqs.append(torch.cat(dq, dim=1))
+                dkv = scatter_kv_grad(dk, dv, plan).permute(2, 0, 1, 3, 4)  # [B, S/D, 2, b, d]
+                dks.append(dkv[:, :, 0])
+                dvs.append(dkv[:, :, 1])
+                del dq, dk, dv, dkv
+            dqkv = torch.cat(dqs + dks + dvs, dim=2)  # [B, S/D, hq + 2 hkv, d]
+            del dqs, dks, dvs
+            rotate(dqkv[:, :, : plan.hq + plan.hkv], plan.rot_inv)
+            dqkv = dqkv.view(B * n, rows)
+            dx = accumulate(dx, dqkv, w[:rows])
+            dw = torch.empty_like(w_own)  # packed like W_r: written by its two GEMMs
+            torch.mm(dqkv.T, x2, out=dw[:rows])
+            torch.mm(a.view(B * n, -1).T, dy2, out=dw[rows:])  # dWo_r^T
             if reducing is not None:  # at most one gradient reduce in flight
                 reducing.wait()
             reducing = plan.comm.reduce(dw, dst=r, async_op=True)
             if r == plan.rank:
                 dw_own = dw
         reducing.wait()
-        return dx, dw_own, None, None
+        return dy, dx.view(B, n, h), dw_own, None, None

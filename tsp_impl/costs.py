@@ -82,15 +82,15 @@ def schedule(c: Spec) -> Schedule:
 
 
 def saved_per_layer(c: Spec) -> int:
-    """Bytes one layer keeps for backward: the norms' and, per head group, local Q, K_p, V_p, A,
-    lse; per MLP slice h1, h3."""
+    """Bytes one layer keeps for backward: the norms' and, per head group, the local [Q K_p V_p]
+    (one tensor), A and the lse; per MLP slice [h1 h3] (one tensor)."""
     cfg, e, t = c.cfg, c.e, c.tokens
     h, kv, f = cfg.hidden, cfg.kv_dim, cfg.ffn
     return costs.norms_saved(c) + (2 * t * h + 2 * t * kv + 2 * t * f) * e + 4 * t * cfg.heads
 
 
 def saved_loss(c: Spec) -> int:
-    """The final norm's, and the online log-sum-exp: the logits are recomputed."""
+    """The final norm's, and the log-sum-exp: the logits are recomputed."""
     return costs.final_norm_saved(c) + 4 * c.tokens
 
 
@@ -101,52 +101,74 @@ def _units(c: Spec) -> tuple[int, int, int]:
     return act, costs.kv_unit(c, cfg.kv_dim // D), 4 * c.tokens * (cfg.vocab // D)
 
 
+def plan_tables(c: Spec) -> int:
+    """The plan's tables, built in the first step and kept (tsp_impl/plan.py): the RoPE
+    rotations [S/D, 2, 2, d/2], the int32 gather order [S] and gradient scatter rows (2 (S + c),
+    c = S/2D; 2S at D = 1)."""
+    S, D = c.seq_len, c.degree
+    rows = 2 * S if D == 1 else 2 * (S + S // (2 * D))
+    return 2 * S // D * c.cfg.head_dim * c.e + 4 * S + 4 * rows
+
+
 def inference_working_set(c: Spec) -> tuple[int, int]:
-    """(layer, loss): x, normed x, Y; this and the previous attention shard (and its Q, K, V, A:
-    loop locals); the K/V gather stages three copies of a head group's K/V (stacked, gathered,
-    reordered). The loss: a shard's logits, three copies, and the head shard in use and in
-    flight."""
+    """(layer, loss), with the plan's tables. The layer: the larger of
+    - attention, at the K/V gather of a head group r > 0: the layer input, its normed copy and
+      Y; this attention shard and the next; the group's [Q K V] and the previous group's A (loop
+      locals); the gathered K/V and its copy in global order;
+    - MLP, at a slice s > 0: the layer input, x + attention, its normed copy, Y; the previous
+      slice's [h1 h3] (a loop local), this one's and its gate; this slice and the next;
+    at D = 1 there is no previous group or slice, no Y yet and no shard in flight.
+    The loss: a shard's logits in x's dtype and in fp32, the head shard in use and in flight."""
     cfg, e, t, D = c.cfg, c.e, c.tokens, c.degree
     h, kv, vl = cfg.hidden, cfg.kv_dim, cfg.vocab // D
     act, kv_unit, logits = _units(c)
-    wa = (2 * h + 2 * kv) * h // D * e
-    layer = 3 * act + 2 * wa + t * (3 * h + 4 * kv) // D * e
-    if D > 1:
-        layer += 3 * kv_unit + 2 * t * kv // D * e
-    return layer, 2 * act + 3 * logits + 2 * vl * h * e
+    wa, sl, tf = (2 * h + 2 * kv) * h // D * e, 3 * cfg.ffn // D * h * e, t * cfg.ffn // D * e
+    many = int(D > 1)
+    attn = (2 + many) * act + t * (h + 2 * kv) // D * e + 2 * kv_unit
+    attn += many * (2 * wa + t * h // D * e)
+    mlp = 4 * act + (3 + 2 * many) * tf + many * 2 * sl
+    loss = 2 * act + logits + t * vl * e + 2 * vl * h * e
+    return max(attn, mlp) + plan_tables(c), loss + plan_tables(c)
 
 
 def backward_transients(c: Spec) -> tuple[int, int, int]:
-    """At the loss: one vocabulary shard's recomputed logits, three copies, and the head shard
-    and its gradient in flight; at a layer: four copies of one head group's K/V over the sequence
-    (the gather and its gradient staging, 3.5 pairs), or the MLP's SiLU backward with its slices
-    in flight (:func:`mlp_t`); at the end: the embedding gradient, one owner's [V/D, h] filling
-    and one in flight, and a masked copy of dx."""
-    cfg, e, D = c.cfg, c.e, c.degree
+    """With the plan's tables: at the loss, one vocabulary shard's recomputed logits (in x's
+    dtype and two fp32 copies), and the head shard and its gradient in flight; at a layer: the
+    MLP's SiLU backward with its slices in flight (:func:`mlp_t`), or the attention's: the
+    gathered K/V of a head group, the chunks' dK/dV and dA, less the top layer's MLP saved
+    tensors (counted among the saved, freed by then). On CPU the longer chunk's kernel call is
+    split at the diagonal and its dK/dV concatenated: two more copies of its keys' K/V. At the
+    end: the embedding gradient, one owner's [V/D, h] filling and one in flight, and a masked
+    copy of dx."""
+    cfg, e, D, t = c.cfg, c.e, c.degree, c.tokens
     h, vl = cfg.hidden, cfg.vocab // D
     act, kv_unit, logits = _units(c)
-    loss_t = 3 * logits + act + 2 * vl * h * e
-    layer_t = 2 * act + max(7 * kv_unit // 2, mlp_t(c))
-    return loss_t, layer_t, 2 * vl * h * e + act
+    tables = plan_tables(c)
+    loss_t = 2 * logits + t * vl * e + act + 2 * vl * h * e
+    kv = 2 * kv_unit if D == 1 else 3 * kv_unit + kv_unit // (2 * D)
+    attn_t = kv + t * h // D * e - 2 * t * cfg.ffn * e
+    layer_t = 2 * act + max(attn_t, mlp_t(c))
+    return loss_t + tables, layer_t + tables, 2 * vl * h * e + act + tables
 
 
 def mlp_t(c: Spec) -> int:
     """The MLP backward's crest beyond dX and dY: [t, f/D] buffers and slice-sized ones (a
-    weight slice or a packed slice gradient, 3 f h e / D).
+    weight slice or a packed slice gradient, 3 f h e / D), on rank 0.
 
-    Ring: six [t, f/D] buffers (the previous step's are freed only as the next step's replace
-    them) and five slices: the one in use and the one arriving, the accumulator being computed,
-    the one arriving and the one leaving. Broadcast: the SiLU backward of one slice, whose
-    buffers are freed before the next (six [t, f/D] while forming dh1: silu(h1), dG, dG * h3
-    and silu'(h1)'s three temporaries; four with the gradient's two slices: its three parts and
-    their concatenation), with the slice in use and the next in flight (two slices alive), the
-    previous gradient still reducing, and the owner's own gradient kept until the end: at most
-    six slices in all (rank 0 from D = 4 on; D + 2 below).
+    The SiLU backward of a slice holds five [t, f/D] buffers (dG, silu(h1), h3 silu'(h1) and
+    their concatenation [dh1 dh3], two wide), then three ([dh1 dh3] and the gate) while the
+    gradient GEMMs write the packed slice gradient. Ring: the slice in use and the one arriving,
+    and three accumulators taking turns (the one to compute into, the one arriving, the one
+    leaving): min(D + 1, 5) slices. Broadcast: the slice in use and the next in flight, the
+    previous gradient still reducing and the owner's own kept until the end: min(D, 4) slices,
+    and one more, the gradient being written. At D = 1 only that gradient.
     """
     cfg, e, t, D = c.cfg, c.e, c.tokens, c.degree
     fl = cfg.ffn // D
     tf, sl = t * fl * e, 3 * fl * cfg.hidden * e
+    if D == 1:
+        return max(5 * tf, 3 * tf + sl)
     if c.mlp_schedule == "ring":
-        return 6 * tf + 5 * sl
-    n = min(D + 2, 6)
-    return max(6 * tf + (n - 2) * sl, 4 * tf + n * sl)
+        return 5 * tf + min(D + 1, 5) * sl
+    n = min(D, 4)
+    return max(5 * tf + n * sl, 3 * tf + (n + 1) * sl)

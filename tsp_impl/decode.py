@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import torch
 
-from tsp_impl.attention import gather_kv, merge_heads, project, split_shard
+from tsp_impl import attention as tsp_attention
+from tsp_impl.attention import gather_kv, heads, project, qkv_rows
 from tsp_impl.mlp import BroadcastMLP, RingMLP
+from tsp_impl.ops import accumulate
 from tsp_impl.overlap import owner_shards
 from tsp_impl.plan import TSPPlan
 from tsp_impl.vocab import VocabEmbedding
 from tspbench.core import zigzag
-from tspbench.core.attention import zigzag_fwd
 from tspbench.core.collectives import reduce_from
 from tspbench.core.comm import Comm
 from tspbench.core.config import ModelConfig
@@ -45,19 +46,20 @@ def attention_into_cache(
 ) -> torch.Tensor:
     """The broadcast-schedule attention forward (``tsp_impl/attention.py``), keeping each head
     group's local K/V in the cache (heads of group r at [r hkv, (r+1) hkv))."""
-    y = torch.zeros_like(x)
-    n = x.shape[1]
+    B, n, h = x.shape
+    y = None
     for r, w in owner_shards(w_own, plan.comm, plan.overlap):
-        q, k, v = project(x, w, plan)
-        heads = slice(r * plan.hkv, (r + 1) * plan.hkv)
-        cache.k[layer][:, heads, :n] = k
-        cache.v[layer][:, heads, :n] = v
+        qkv = project(x, w, plan)
+        _, k, v = heads(qkv, plan, slice(0, plan.hkv))
+        group = slice(r * plan.hkv, (r + 1) * plan.hkv)
+        cache.k[layer][:, group, :n] = k
+        cache.v[layer][:, group, :n] = v
         parts = []
-        for qs, ks in plan.buckets():
-            K, V = gather_kv(k[:, ks], v[:, ks], plan)
-            parts.append(zigzag_fwd(q[:, qs], K, V, plan.rank, plan.D)[0])
-        y += merge_heads(torch.cat(parts, dim=1)) @ split_shard(w, plan)[3]
-    return y
+        for _, ks in plan.buckets():
+            q, k, v = heads(qkv, plan, ks)
+            parts.append(tsp_attention.attend(q, *gather_kv(k, v, plan), plan)[0])
+        y = accumulate(y, torch.cat(parts, dim=2).view(B * n, -1), w[qkv_rows(plan) :])
+    return y.view(B, n, h)
 
 
 def attend(cache: KVCache, comm: Comm):
@@ -140,9 +142,7 @@ class TSPDecoding:
             x = x + attention_into_cache(
                 rms_norm(x, lp["attn_norm"], eps), lp["attn"], plan, cache, i
             )
-            x = x + mlp.apply(
-                rms_norm(x, lp["mlp_norm"], eps), lp["mlp"], comm, self.overlap, False
-            )
+            x = mlp.apply(x, rms_norm(x, lp["mlp_norm"], eps), lp["mlp"], comm, self.overlap, False)
         cache.start(P // D, P)
         last = x[:, -1].contiguous()  # position P-1 ends chunk 2D-1: rank 0's last local token
         return cache, self._step(comm.broadcast(last, src=0))

@@ -32,6 +32,15 @@ MLP weights and Wm/D one slice:
 With recompute = full the forward's bytes come once more in backward. With overlap off, every
 transfer is waited for as soon as it is issued (the broadcast of the next slice starts after the
 step's compute).
+
+Packing: W1_s and W3_s are adjacent rows of the slice, so h1 and h3 are one GEMM into one
+[t, 2f/D] tensor (saved as is), and in backward [dh1 dh3] is one tensor, so dX and the
+[dW1; dW3] rows are one GEMM each; the packed gradient is written in place by its GEMMs. The
+layer's residual input starts the accumulation of Y (the Functions return residual + MLP). With
+overlap, received slices alternate between two buffers and the ring's accumulators take turns in
+three, so the steps allocate no buffers. In a recomputed forward (``recompute``) only h1, h3 are
+needed: the SiLU gate and the W2 GEMM are skipped, as autograd's recompute of a plain layer skips
+them.
 """
 
 from __future__ import annotations
@@ -39,110 +48,131 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tsp_impl.ops import accumulate
 from tsp_impl.overlap import owner_shards
 from tspbench.core.comm import Comm, Pending
-from tspbench.core.layers import silu_grad
-
-
-def split_slice(w: torch.Tensor):
-    """(W1_s, W3_s, W2_s^T) views of a packed slice."""
-    return w.chunk(3, dim=0)
 
 
 def ring(w_own: torch.Tensor, comm: Comm, overlap: bool):
     """Yield (t, slice held at step t) for t = 0..D-1; with overlap the next hop is in flight
-    while the caller computes (at most two slices alive: the one in use, the one arriving)."""
+    while the caller computes (two slices alive: the one in use, the one arriving, received into
+    two buffers in turn: the one arriving never is the one being sent)."""
+    slots: list[torch.Tensor | None] = [None, None]
+
+    def buffer(t: int) -> torch.Tensor:
+        if not overlap:
+            return torch.empty_like(w_own)
+        if slots[t % 2] is None:
+            slots[t % 2] = torch.empty_like(w_own)
+        return slots[t % 2]
+
     cur = w_own
     for t in range(comm.size):
         last = t + 1 == comm.size
-        nxt = None if last or not overlap else comm.ring_exchange(cur, torch.empty_like(cur), True)
+        nxt = None if last or not overlap else comm.ring_exchange(cur, buffer(t), True)
         yield t, cur
         if not last:
-            cur = (nxt or comm.ring_exchange(cur, torch.empty_like(cur), True)).wait()
+            cur = (nxt or comm.ring_exchange(cur, buffer(t), True)).wait()
 
 
-def slice_grad(dx, x, dy, w, h1, h3) -> torch.Tensor:
-    """The SiLU-gated backward of one slice ``w`` on this rank's tokens: adds their dX into
-    ``dx`` and returns their contribution to the packed dW of the slice. Its [t, f/D] buffers are
-    freed on return, before the caller waits on any transfer."""
-    w1, w3, w2t = split_slice(w)
-    x2, dy2 = x.flatten(0, 1), dy.flatten(0, 1)
+def slice_fwd(y, x2, w, recompute: bool, res):
+    """h13 = X [W1_s; W3_s]^T ([t, 2f/D], what backward needs) and, unless recomputing,
+    y + (silu(h1) * h3) W2_s (y None: the residual ``res`` + ...)."""
+    n = w.shape[0] // 3
+    h13 = x2 @ w[: 2 * n].T
+    if not recompute:
+        y = accumulate(y, F.silu(h13[:, :n]).mul_(h13[:, n:]), w[2 * n :], res)
+    return y, h13
+
+
+def slice_bwd(dx, dy2, w, h13):
+    """The SiLU-gated backward of one slice ``w`` on this rank's tokens: dX (accumulated into
+    ``dx``), dh = [dh1 dh3] [t, 2f/D] and g = silu(h1) * h3 for the packed gradient."""
+    n = w.shape[0] // 3
+    h1, h3 = h13[:, :n], h13[:, n:]
+    dg = dy2 @ w[2 * n :].T
     s = F.silu(h1)
-    dg = dy @ w2t.T
-    dh1, dh3 = dg * h3 * silu_grad(h1), dg * s
-    dx += dh1 @ w1 + dh3 @ w3
-    return torch.cat(
-        [dh1.flatten(0, 1).T @ x2, dh3.flatten(0, 1).T @ x2, (s * h3).flatten(0, 1).T @ dy2]
-    )
+    dh = torch.cat([torch.ops.aten.silu_backward(h3, h1), s], dim=1)  # [h3 silu'(h1), silu(h1)]
+    dh.view(-1, 2, n).mul_(dg.unsqueeze(1))
+    del dg
+    return accumulate(dx, dh, w[: 2 * n]), dh, s.mul_(h3)
+
+
+def slice_grad(out, dh, g, x2, dy2) -> torch.Tensor:
+    """Write the packed [dh^T X; g^T dY] (= [dW1; dW3; dW2^T]) into ``out``."""
+    n = g.shape[1]
+    torch.mm(dh.T, x2, out=out[: 2 * n])
+    torch.mm(g.T, dy2, out=out[2 * n :])
+    return out
+
+
+def mlp_fwd(ctx, res, x, w_own, shards, save: bool, recompute: bool) -> torch.Tensor:
+    """res + MLP(x) for either schedule over ``shards`` (its (step, slice) iterator)."""
+    B, n, h = x.shape
+    x2, y, saved = x.view(B * n, h), None, []
+    for _, w in shards:
+        y, h13 = slice_fwd(y, x2, w, recompute, res.view(B * n, h))
+        if save:
+            saved.append(h13)
+    if save:
+        ctx.save_for_backward(x, w_own, *saved)
+    # recomputing, the output is never used (autograd stops once the saved tensors are back)
+    return torch.empty_like(x) if recompute else y.view(B, n, h)
 
 
 class RingMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w_own: torch.Tensor, comm: Comm, overlap: bool, grad: bool):  # type: ignore[override]
+    def forward(ctx, res, x, w_own, comm: Comm, overlap: bool, grad: bool, recompute: bool = False):  # type: ignore[override]
         save = grad and any(ctx.needs_input_grad)  # (needs_input_grad ignores no_grad)
-        y = torch.zeros_like(x)
-        saved = []
-        for _, w in ring(w_own, comm, overlap):
-            w1, w3, w2t = split_slice(w)
-            h1, h3 = x @ w1.T, x @ w3.T
-            y += (F.silu(h1) * h3) @ w2t
-            if save:
-                saved += [h1, h3]
         ctx.comm, ctx.overlap = comm, overlap
-        if save:
-            ctx.save_for_backward(x, w_own, *saved)
-        return y
+        return mlp_fwd(ctx, res, x, w_own, ring(w_own, comm, overlap), save, recompute)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
         comm: Comm = ctx.comm
         x, w_own, *saved = ctx.saved_tensors
-        dx = torch.zeros_like(x)
-        x2, dy2 = x.flatten(0, 1), dy.flatten(0, 1)
-        arriving = None  # the accumulator for the slice held now, in flight from rank p-1
+        B, n, h = x.shape
+        x2, dy2 = x.view(B * n, h), dy.reshape(B * n, h)
+        # the accumulator for the slice held now (in flight from rank p-1), the one sent last,
+        # and, with overlap, accumulator buffers free for reuse: three take turns (the one being
+        # computed, the one arriving, the one leaving), so the steps allocate none
+        arriving, sent, spare = None, None, []
+        dx = None
         for t, w in ring(w_own, comm, ctx.overlap):
-            w1, w3, w2t = split_slice(w)
-            h1, h3 = saved[2 * t], saved[2 * t + 1]
-            s = F.silu(h1)
-            dg = dy @ w2t.T
-            dh1, dh3 = dg * h3 * silu_grad(h1), dg * s
-            dx += dh1 @ w1 + dh3 @ w3
-            acc = torch.cat(
-                [dh1.flatten(0, 1).T @ x2, dh3.flatten(0, 1).T @ x2, (s * h3).flatten(0, 1).T @ dy2]
-            )
-            if arriving is not None:
-                acc += arriving.wait()
-            arriving = comm.ring_exchange(acc, torch.empty_like(acc), async_op=True)
+            dx, dh, g = slice_bwd(dx, dy2, w, saved[t])
+            acc = slice_grad(spare.pop() if spare else torch.empty_like(w_own), dh, g, x2, dy2)
+            del dh, g
+            if arriving is not None:  # add the accumulator that came for this slice
+                arrived = arriving.wait()  # (the exchange that sent `sent` is done too)
+                acc += arrived
+                spare += [arrived, sent] if ctx.overlap else []
+                del arrived
+            recv = spare.pop() if spare else torch.empty_like(acc)
+            arriving, sent = comm.ring_exchange(acc, recv, async_op=True), acc
+            del acc, recv
             if not ctx.overlap:
-                arriving = Pending.ready(arriving.wait())
-        return dx, arriving.wait(), None, None, None
+                arriving, sent = Pending.ready(arriving.wait()), None
+        return dy, dx.view(B, n, h), arriving.wait(), None, None, None, None
 
 
 class BroadcastMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w_own: torch.Tensor, comm: Comm, overlap: bool, grad: bool):  # type: ignore[override]
+    def forward(ctx, res, x, w_own, comm: Comm, overlap: bool, grad: bool, recompute: bool = False):  # type: ignore[override]
         save = grad and any(ctx.needs_input_grad)  # (needs_input_grad ignores no_grad)
-        y = torch.zeros_like(x)
-        saved = []
-        for _, w in owner_shards(w_own, comm, overlap):
-            w1, w3, w2t = split_slice(w)
-            h1, h3 = x @ w1.T, x @ w3.T
-            y += (F.silu(h1) * h3) @ w2t
-            if save:
-                saved += [h1, h3]
         ctx.comm, ctx.overlap = comm, overlap
-        if save:
-            ctx.save_for_backward(x, w_own, *saved)
-        return y
+        return mlp_fwd(ctx, res, x, w_own, owner_shards(w_own, comm, overlap), save, recompute)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
         comm: Comm = ctx.comm
         x, w_own, *saved = ctx.saved_tensors
-        dx = torch.zeros_like(x)
-        dw_own, reducing = None, None
+        B, n, h = x.shape
+        x2, dy2 = x.view(B * n, h), dy.reshape(B * n, h)
+        dx, dw_own, reducing = None, None, None
         for s, w in owner_shards(w_own, comm, ctx.overlap):
-            dw = slice_grad(dx, x, dy, w, saved[2 * s], saved[2 * s + 1])
+            dx, dh, g = slice_bwd(dx, dy2, w, saved[s])
+            dw = slice_grad(torch.empty_like(w_own), dh, g, x2, dy2)  # this rank's tokens' part
+            del dh, g
             if reducing is not None:  # at most one gradient reduce in flight
                 reducing.wait()
             reducing = comm.reduce(dw, dst=s, async_op=True)
@@ -151,4 +181,4 @@ class BroadcastMLP(torch.autograd.Function):
             if s == comm.rank:
                 dw_own = dw
         reducing.wait()
-        return dx, dw_own, None, None, None
+        return dy, dx.view(B, n, h), dw_own, None, None, None, None

@@ -11,6 +11,8 @@ Tokens: zigzag chunks r and 2D-1-r of every sequence; RoPE at the tokens' global
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from tsp_impl import costs
@@ -24,7 +26,7 @@ from tspbench.core.config import ConfigError, ModelConfig
 from tspbench.core.costs import Schedule, Spec
 from tspbench.core.layers import rms_norm
 from tspbench.core.mesh import Axis, Mesh
-from tspbench.core.strategy import MLP_SCHEDULES, Batch, Layout, Strategy
+from tspbench.core.strategy import MLP_SCHEDULES, Batch, Layout, Strategy, grad_sq_sum
 
 MLP = {"ring": RingMLP, "broadcast": BroadcastMLP}
 
@@ -38,8 +40,7 @@ class TSP(TSPDecoding, Strategy):  # decode: tsp_impl/decode.py
 
     # -- closed-form costs (tsp_impl/costs.py) ---------------------------------------------------
     loss_head_passes = 4  # the loss recomputes its logits shard by shard in backward
-    recompute_skips_w2 = False  # the custom layers save at their very end
-
+    recompute_skips_w2 = True  # the MLP's recomputed forward skips its gate and W2 (mlp.py)
     mlp_schedules = MLP_SCHEDULES
 
     @classmethod
@@ -128,6 +129,7 @@ class TSP(TSPDecoding, Strategy):  # decode: tsp_impl/decode.py
                 }
             )
         self._plans: dict[int, TSPPlan] = {}
+        self.recomputing = False  # set while backward recomputes a layer (checkpointed)
 
     def plan(self, seq_len: int) -> TSPPlan:
         if seq_len not in self._plans:
@@ -147,16 +149,37 @@ class TSP(TSPDecoding, Strategy):  # decode: tsp_impl/decode.py
 
         def block(x: torch.Tensor, lp: dict) -> torch.Tensor:
             grad = torch.is_grad_enabled()  # inference keeps nothing for a backward
-            x = x + BroadcastAttention.apply(
-                rms_norm(x, lp["attn_norm"], eps), lp["attn"], plan, grad
-            )
+            # residuals ride in the output GEMMs: x + attention(norm(x)), then x + MLP(norm(x))
+            x = BroadcastAttention.apply(
+                x, rms_norm(x, lp["attn_norm"], eps), lp["attn"], plan, grad
+            )  # (the normed input is a temporary: inference frees it after the attention)
             mlp_in = rms_norm(x, lp["mlp_norm"], eps)
             mlp = MLP[self.mlp_schedule]
-            return x + mlp.apply(mlp_in, lp["mlp"], self.comm, self.overlap, grad)
+            return mlp.apply(x, mlp_in, lp["mlp"], self.comm, self.overlap, grad, self.recomputing)
 
         for lp in self.layers:
             x = self.checkpointed(block, x, lp)
         return rms_norm(x, self.norm, eps)
+
+    def checkpointed(self, fn, *args):
+        """As :meth:`Strategy.checkpointed`, with ``self.recomputing`` set while backward
+        recomputes the layer: the MLP then computes only what it saves (its output is not used)."""
+        if self.recompute == "full" and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(
+                fn, *args, use_reentrant=False, context_fn=self._recompute_contexts
+            )
+        return fn(*args)
+
+    def _recompute_contexts(self):
+        @contextlib.contextmanager
+        def recomputing():
+            self.recomputing = True
+            try:
+                yield
+            finally:
+                self.recomputing = False
+
+        return contextlib.nullcontext(), recomputing()
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         h = self.hidden_local(batch)
@@ -180,9 +203,9 @@ class TSP(TSPDecoding, Strategy):  # decode: tsp_impl/decode.py
         self.all_reduce_grads(self.replicated(), self.comm)
 
     def grad_sq_norm(self) -> torch.Tensor:
-        sq = sum(p.grad.float().pow(2).sum() for p in self.sharded())
-        rep = sum(p.grad.float().pow(2).sum() for p in self.replicated())
-        return self.comm.all_reduce_metric(sq) + rep
+        return self.comm.all_reduce_metric(grad_sq_sum(self.sharded())) + grad_sq_sum(
+            self.replicated()
+        )
 
     # -- checking -------------------------------------------------------------------------------
     def hidden(self, batch: Batch) -> torch.Tensor:

@@ -35,10 +35,22 @@ def prefetched(
 
 
 def owner_shards(w_own: torch.Tensor, comm: Comm, overlap: bool = True):
-    """Yield (r, owner r's shard) for r = 0..D-1 by broadcast, the next one in flight."""
+    """Yield (r, owner r's shard) for r = 0..D-1 by broadcast, the next one in flight.
+
+    With overlap, the shards are received into two buffers used in turn (double buffering:
+    shard r+1 arrives in the one shard r-1 was in, which step r-1's compute is done with), so a
+    pass allocates two buffers, not D-1. Without overlap each shard gets a fresh buffer, freed
+    after its step: only the one in use is alive."""
+    slots: list[torch.Tensor | None] = [None, None]
+
+    def buffer(r: int) -> torch.Tensor:
+        if not overlap:
+            return torch.empty_like(w_own)
+        if slots[r % 2] is None:  # shards r and r+1 are never in the same buffer
+            slots[r % 2] = torch.empty_like(w_own)
+        return slots[r % 2]
 
     def start(r: int) -> Pending:
-        w = w_own if r == comm.rank else torch.empty_like(w_own)
-        return comm.broadcast(w, src=r, async_op=True)
+        return comm.broadcast(w_own if r == comm.rank else buffer(r), src=r, async_op=True)
 
     return prefetched(comm.size, start, overlap)

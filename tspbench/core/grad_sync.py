@@ -61,7 +61,8 @@ class BucketedAllReduce:
         for i, bucket in enumerate(self.buckets):
             flat, work = self.pending[i]
             work.wait()
-            for p, f in zip(bucket, flat.split([p.numel() for p in bucket])):
-                p.grad.copy_(f.view_as(p.grad))
+            grads = [p.grad for p in bucket]
+            parts = flat.split([g.numel() for g in grads])
+            torch._foreach_copy_(grads, [f.view_as(g) for g, f in zip(grads, parts)])
         self.ready = [0] * len(self.buckets)
         self.pending = [None] * len(self.buckets)

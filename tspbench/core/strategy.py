@@ -151,13 +151,14 @@ class Strategy(Decoding, ABC):  # Decoding: prefill/decode_step (docs/decode.md)
 
     @staticmethod
     def all_reduce_grads(params: list[torch.nn.Parameter], comm: Comm) -> None:
-        """Sum the gradients of ``params`` over ``comm`` in one packed all-reduce."""
+        """Sum the gradients of ``params`` over ``comm`` in one packed all-reduce, unpacked by
+        one multi-tensor copy."""
         grads = [p.grad for p in params if p.grad is not None]
         if comm.size == 1 or not grads:
             return
         flat = comm.all_reduce(torch.cat([g.flatten() for g in grads]))
-        for g, f in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(f.view_as(g))
+        parts = flat.split([g.numel() for g in grads])
+        torch._foreach_copy_(grads, [f.view_as(g) for g, f in zip(grads, parts)])
 
     def zigzag_batch(self, tokens: torch.Tensor, labels: torch.Tensor, comm: Comm) -> Batch:
         """This replica's micro-batch, this rank's zigzag chunks of every sequence."""
@@ -323,6 +324,15 @@ class Strategy(Decoding, ABC):  # Decoding: prefill/decode_step (docs/decode.md)
 # row-parallel weights (wo, w2) by columns, embedding and LM head by vocabulary rows, norms whole.
 MEGATRON_SHARD_DIM = {"embed": 0, "head": 0, "wq": 0, "wk": 0, "wv": 0, "wo": 1, "w1": 0,
                       "w3": 0, "w2": 1}  # fmt: skip
+
+
+def grad_sq_sum(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """Sum of the squared gradient elements of ``params``, in fp32, by one multi-tensor norm (as
+    ``clip_grad_norm_`` computes it): every strategy uses it, so none pays per-tensor kernels."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
 
 
 def shard_dim(name: str) -> int | None:
