@@ -131,6 +131,7 @@ class BroadcastAttention(torch.autograd.Function):
             y = accumulate(y, a.view(B * n, -1), w[qkv_rows(plan) :], res.view(B * n, h))
             if save:
                 saved += [qkv, a, *lses]
+            del qkv, a, parts  # (not alive while the next head group's are computed)
         ctx.plan = plan
         ctx.n_lse = len(lses)
         if save:

@@ -113,10 +113,10 @@ def plan_tables(c: Spec) -> int:
 def inference_working_set(c: Spec) -> tuple[int, int]:
     """(layer, loss), with the plan's tables. The layer: the larger of
     - attention, at the K/V gather of a head group r > 0: the layer input, its normed copy and
-      Y; this attention shard and the next; the group's [Q K V] and the previous group's A (loop
-      locals); the gathered K/V and its copy in global order;
-    - MLP, at a slice s > 0: the layer input, x + attention, its normed copy, Y; the previous
-      slice's [h1 h3] (a loop local), this one's and its gate; this slice and the next;
+      Y; this attention shard and the next; the group's [Q K V]; the gathered K/V and its copy
+      in global order (the previous group's tensors are freed by then);
+    - MLP, at a slice s > 0: the layer input, x + attention, its normed copy, Y; this slice's
+      [h1 h3] and its gate; this slice and the next;
     at D = 1 there is no previous group or slice, no Y yet and no shard in flight.
     The loss: a shard's logits in x's dtype and in fp32, the head shard in use and in flight."""
     cfg, e, t, D = c.cfg, c.e, c.tokens, c.degree
@@ -125,8 +125,8 @@ def inference_working_set(c: Spec) -> tuple[int, int]:
     wa, sl, tf = (2 * h + 2 * kv) * h // D * e, 3 * cfg.ffn // D * h * e, t * cfg.ffn // D * e
     many = int(D > 1)
     attn = (2 + many) * act + t * (h + 2 * kv) // D * e + 2 * kv_unit
-    attn += many * (2 * wa + t * h // D * e)
-    mlp = 4 * act + (3 + 2 * many) * tf + many * 2 * sl
+    attn += many * 2 * wa
+    mlp = 4 * act + 3 * tf + many * 2 * sl
     loss = 2 * act + logits + t * vl * e + 2 * vl * h * e
     return max(attn, mlp) + plan_tables(c), loss + plan_tables(c)
 

@@ -114,6 +114,7 @@ def mlp_fwd(ctx, res, x, w_own, shards, save: bool, recompute: bool) -> torch.Te
         y, h13 = slice_fwd(y, x2, w, recompute, res.view(B * n, h))
         if save:
             saved.append(h13)
+        del h13  # (not alive while the next slice's is computed)
     if save:
         ctx.save_for_backward(x, w_own, *saved)
     # recomputing, the output is never used (autograd stops once the saved tensors are back)
