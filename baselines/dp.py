@@ -14,8 +14,9 @@ from tspbench.core.decode import DecodeHooks, head_step, local_attend, prefill_l
 from tspbench.core.kvcache import KVCache, Step
 from tspbench.core.layers import LayerHooks, rope_tables
 from tspbench.core.mesh import Axis, Mesh
+from tspbench.core.optim import grad_sq_sum
 from tspbench.core.reference import LAYER_PARAMS, ReferenceModel
-from tspbench.core.strategy import Batch, Layout, Strategy, grad_sq_sum
+from tspbench.core.strategy import Batch, Layout, Strategy
 
 
 class DP(Strategy):

@@ -38,8 +38,9 @@ from tspbench.core.config import ModelConfig
 from tspbench.core.context_parallel import context_parallel_hooks, zigzag_rope
 from tspbench.core.layers import rms_norm, transformer_layer
 from tspbench.core.mesh import Axis, Mesh
+from tspbench.core.optim import grad_sq_sum
 from tspbench.core.reference import LAYER_PARAMS, param_shapes
-from tspbench.core.strategy import Batch, Layout, Strategy, grad_sq_sum
+from tspbench.core.strategy import Batch, Layout, Strategy
 
 
 @dataclass

@@ -25,8 +25,9 @@ from tspbench.core.decode import (
 from tspbench.core.kvcache import KVCache, Step, merge_all
 from tspbench.core.layers import rms_norm, transformer_layer
 from tspbench.core.mesh import Axis, Mesh
+from tspbench.core.optim import grad_sq_sum
 from tspbench.core.reference import LAYER_PARAMS, param_shapes
-from tspbench.core.strategy import Batch, Layout, Strategy, grad_sq_sum
+from tspbench.core.strategy import Batch, Layout, Strategy
 
 
 class SP(Strategy):

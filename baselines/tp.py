@@ -29,13 +29,13 @@ from tspbench.core.decode import (
 from tspbench.core.kvcache import KVCache, Step
 from tspbench.core.layers import LayerHooks, rms_norm, rope_tables, transformer_layer
 from tspbench.core.mesh import Axis, Mesh
+from tspbench.core.optim import grad_sq_sum
 from tspbench.core.reference import LAYER_PARAMS, param_shapes
 from tspbench.core.strategy import (
     Batch,
     Layout,
     Strategy,
     gather_named,
-    grad_sq_sum,
     shard_dim,
 )
 from tspbench.core.vocab_parallel import cross_entropy_sum, embedding

@@ -26,7 +26,8 @@ from tspbench.core.config import ConfigError, ModelConfig
 from tspbench.core.costs import Schedule, Spec
 from tspbench.core.layers import rms_norm
 from tspbench.core.mesh import Axis, Mesh
-from tspbench.core.strategy import MLP_SCHEDULES, Batch, Layout, Strategy, grad_sq_sum
+from tspbench.core.optim import grad_sq_sum
+from tspbench.core.strategy import MLP_SCHEDULES, Batch, Layout, Strategy
 
 MLP = {"ring": RingMLP, "broadcast": BroadcastMLP}
 

@@ -46,3 +46,12 @@ class AdamW:
         """Elements of optimizer state (moments, plus fp32 masters when params are not fp32)."""
         n = sum(t.numel() for s in self.inner.state.values() for t in s.values() if t.dim())
         return n + sum(m.numel() for p, m in zip(self.params, self.masters) if m is not p)
+
+
+def grad_sq_sum(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """Sum of the squared gradient elements of ``params``, in fp32, by one multi-tensor norm (as
+    ``clip_grad_norm_`` computes it): every strategy uses it, so none pays per-tensor kernels."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()

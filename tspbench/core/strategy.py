@@ -326,15 +326,6 @@ MEGATRON_SHARD_DIM = {"embed": 0, "head": 0, "wq": 0, "wk": 0, "wv": 0, "wo": 1,
                       "w3": 0, "w2": 1}  # fmt: skip
 
 
-def grad_sq_sum(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    """Sum of the squared gradient elements of ``params``, in fp32, by one multi-tensor norm (as
-    ``clip_grad_norm_`` computes it): every strategy uses it, so none pays per-tensor kernels."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return torch.zeros(())
-    return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
-
-
 def shard_dim(name: str) -> int | None:
     """Megatron shard dim of a reference-named parameter (None: replicated)."""
     return MEGATRON_SHARD_DIM.get(name.rsplit(".", 1)[-1])
