@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from tsp_impl.ops import accumulate
-from tsp_impl.overlap import owner_shards
+from tsp_impl.overlap import owner_shards, receive_buffers
 from tspbench.core.comm import Comm, Pending
 
 
@@ -57,15 +57,7 @@ def ring(w_own: torch.Tensor, comm: Comm, overlap: bool):
     """Yield (t, slice held at step t) for t = 0..D-1; with overlap the next hop is in flight
     while the caller computes (two slices alive: the one in use, the one arriving, received into
     two buffers in turn: the one arriving never is the one being sent)."""
-    slots: list[torch.Tensor | None] = [None, None]
-
-    def buffer(t: int) -> torch.Tensor:
-        if not overlap:
-            return torch.empty_like(w_own)
-        if slots[t % 2] is None:
-            slots[t % 2] = torch.empty_like(w_own)
-        return slots[t % 2]
-
+    buffer = receive_buffers(w_own, overlap)
     cur = w_own
     for t in range(comm.size):
         last = t + 1 == comm.size

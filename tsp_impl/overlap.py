@@ -34,6 +34,22 @@ def prefetched(
             pending = start(i + 1)
 
 
+def receive_buffers(like: torch.Tensor, overlap: bool) -> Callable[[int], torch.Tensor]:
+    """``buffer(i)``: where transfer i lands. With overlap, two buffers like ``like`` used in
+    turn (transfers i and i+1 are never in the same one, and i-1's is done with by then);
+    without, a fresh buffer each time (freed once used)."""
+    slots: list[torch.Tensor | None] = [None, None]
+
+    def buffer(i: int) -> torch.Tensor:
+        if not overlap:
+            return torch.empty_like(like)
+        if slots[i % 2] is None:
+            slots[i % 2] = torch.empty_like(like)
+        return slots[i % 2]
+
+    return buffer
+
+
 def owner_shards(w_own: torch.Tensor, comm: Comm, overlap: bool = True):
     """Yield (r, owner r's shard) for r = 0..D-1 by broadcast, the next one in flight.
 
@@ -41,14 +57,7 @@ def owner_shards(w_own: torch.Tensor, comm: Comm, overlap: bool = True):
     shard r+1 arrives in the one shard r-1 was in, which step r-1's compute is done with), so a
     pass allocates two buffers, not D-1. Without overlap each shard gets a fresh buffer, freed
     after its step: only the one in use is alive."""
-    slots: list[torch.Tensor | None] = [None, None]
-
-    def buffer(r: int) -> torch.Tensor:
-        if not overlap:
-            return torch.empty_like(w_own)
-        if slots[r % 2] is None:  # shards r and r+1 are never in the same buffer
-            slots[r % 2] = torch.empty_like(w_own)
-        return slots[r % 2]
+    buffer = receive_buffers(w_own, overlap)
 
     def start(r: int) -> Pending:
         return comm.broadcast(w_own if r == comm.rank else buffer(r), src=r, async_op=True)
