@@ -12,6 +12,7 @@ import pytest
 from tests.helpers.runner import ROOT, tspbench
 from tspbench.core.config import get_config
 from tspbench.core.decode import bytes_per_step
+from tspbench.projection.estimate import estimate
 from tspbench.runtime.spec import RunSpec
 
 SCHEMA = json.loads((ROOT / "tspbench/schemas/record.schema.json").read_text())
@@ -37,6 +38,11 @@ def records(tmp_path_factory) -> dict[str, dict]:
     return out
 
 
+def _spec(rec: dict) -> RunSpec:
+    return RunSpec.make(rec["strategy"], get_config("tiny"), degree=rec["degree"], seq_len=16,
+                        batch=2, mode=rec["mode"], new_tokens=5)  # fmt: skip
+
+
 @pytest.mark.parametrize("name", RUNS)
 def test_decode_record(records, name):
     rec = records[name]
@@ -45,8 +51,7 @@ def test_decode_record(records, name):
     assert rec["generated_tokens"] == records["single"]["generated_tokens"]
     assert len(rec["generated_tokens"]) == 2 and len(rec["generated_tokens"][0]) == 5
     assert rec["decode_latency_p90_s"] >= rec["decode_latency_s"] > 0
-    spec = RunSpec.make(rec["strategy"], get_config("tiny"), degree=rec["degree"], seq_len=16,
-                        batch=2, mode=rec["mode"], new_tokens=5)  # fmt: skip
+    spec = _spec(rec)
     assert rec["decode_bytes_per_token"] == sum(
         bytes_per_step(spec.impl.decode_schedule(spec)).values()
     )
@@ -60,3 +65,16 @@ def test_decode_reports_a_step_per_token_generate_a_generation(records):
     assert gen["step_time_s"] == gen["generate_time_s"] > gen["prefill_time_s"]
     assert "broadcast" in gen["comm_bytes"]  # the prefill moves TSP's weights, decode does not
     assert "broadcast" not in gen["decode_bytes_per_token_by_kind"]
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_fake_estimate_is_the_measured_decode_run(records, name):
+    """`tspbench estimate --mode decode|generate` runs the same generation on fake tensors (the
+    CPU kernel, as the run used): every rank's peak, cache, bytes and FLOPs are the record's."""
+    rec = records[name]
+    est = estimate(_spec(rec), None, "cpu_flash")
+    keys = ("peak_mem_bytes_per_rank", "kv_cache_bytes_per_rank", "flops_per_rank",
+            "decode_bytes_per_token_per_rank", "comm_bytes_per_rank",
+            "prefill_comm_bytes")  # fmt: skip
+    for key in keys:
+        assert est[key] == rec[key], key

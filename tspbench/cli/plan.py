@@ -50,6 +50,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         memory_cap=None if args.memory_cap is None else args.memory_cap * GiB,
         max_degree=args.max_degree,
         mode=args.mode,
+        new_tokens=args.new_tokens,
         dtype=args.dtype,
         global_batch=args.global_batch,
         max_batch=args.max_batch,
@@ -109,7 +110,11 @@ def add_parsers(sub) -> None:
         "--model", required=True, help="preset (7b, llama3-8b, ...) or a Hugging Face config.json"
     )
     p.add_argument("--hardware", default="mi300x", help="mi300x, h100, h200 or a calibrated .json")
-    p.add_argument("--seq-len", type=int_in(1), required=True)
+    length = p.add_mutually_exclusive_group(required=True)
+    length.add_argument("--seq-len", type=int_in(1), help="sequence length")
+    length.add_argument(
+        "--prompt-len", dest="seq_len", type=int_in(1), help="decode, generate: --seq-len"
+    )
     p.add_argument("--gpus", type=int_in(1, 65536), required=True, help="G, GPUs in all")
     p.add_argument(
         "--global-batch",
@@ -117,7 +122,19 @@ def add_parsers(sub) -> None:
         default=None,
         help="sequences per step: micro-batch = global batch / dp (default: micro-batches 1..16)",
     )
-    p.add_argument("--mode", choices=("train", "infer"), default="train")
+    p.add_argument(
+        "--mode",
+        choices=("train", "infer", "decode", "generate"),
+        default="train",
+        help="decode: rank by generated tokens/s of the G GPUs, each model group serving its "
+        "own batch (docs/decode.md); generate: prefill and decode together",
+    )
+    p.add_argument(
+        "--new-tokens",
+        type=int_in(2, 2**20),
+        default=None,
+        help="decode, generate: tokens generated per sequence (default 16)",
+    )
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument(
         "--memory-cap", type=gib, default=None, help="GiB per GPU (default: the hardware's memory)"

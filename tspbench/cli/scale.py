@@ -43,13 +43,25 @@ def _provenance() -> dict[str, Any]:
     }
 
 
+def _analytic(c: RunSpec) -> tuple[dict, dict, dict]:
+    """Memory, bytes by (phase, kind) and FLOPs of ``c`` in closed form; a decode run's
+    memory is the decode model's, its bytes the prefill's plus one decode step's, its FLOPs
+    the prefill's (docs/decode.md)."""
+    from tspbench.projection import analytic, decode
+
+    if not c.decoding:
+        return analytic.memory(c), analytic.comm_bytes(c), analytic.flop_parts(c)
+    pre = decode.prefill_spec(c)
+    comm = {("prefill", k): b for (_, k), b in analytic.comm_bytes(pre).items()}
+    comm.update({("decode step", k): b for k, b in decode.bytes_per_token(c).items()})
+    return decode.memory(c), comm, analytic.flop_parts(pre)
+
+
 def cmd_model(args: argparse.Namespace) -> int:
     from tspbench.projection import analytic
 
     c = _spec(args)
-    mem = analytic.memory(c)
-    comm = analytic.comm_bytes(c)
-    fl = analytic.flop_parts(c)
+    mem, comm, fl = _analytic(c)
     obj = {
         "case": c.header("none", c.layout.world_size),
         "memory_bytes": mem,
@@ -65,7 +77,8 @@ def cmd_model(args: argparse.Namespace) -> int:
     lines.append("bytes per step and rank (MiB), by phase/kind:")
     for (p, k), b in sorted(comm.items()):
         lines.append(f"  {p + '/' + k:28s} {b / 2**20:12.3f}")
-    lines.append(f"FLOPs per rank: GEMM {fl['gemm']:.4g}, attention {fl['attention']:.4g}")
+    what = "prefill FLOPs" if c.decoding else "FLOPs"
+    lines.append(f"{what} per rank: GEMM {fl['gemm']:.4g}, attention {fl['attention']:.4g}")
     _emit(args, obj, "\n".join(lines))
     return 0
 
@@ -83,13 +96,12 @@ def _ranks(text: str, degree: int) -> list[int] | None:
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    from tspbench.projection import analytic
     from tspbench.projection.estimate import estimate
 
     spec = c = _spec(args)
     ranks = _ranks(args.ranks, spec.layout.degree)
     est = estimate(spec, ranks, args.kernel)
-    ana = analytic.memory(c)
+    ana = _analytic(c)[0]
     limit = args.device_memory * GiB
     obj = {
         "strategy": spec.strategy,
@@ -120,6 +132,12 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         f"{est['comm_bytes_total'] / GiB:.3f} GiB communicated per step and rank; "
         f"estimated in {est['estimate_s']:.1f} s"
     )
+    if spec.decoding:
+        text += (
+            f"\n  KV cache {est['kv_cache_bytes'] / GiB:.3f} GiB per GPU; "
+            f"{est['decode_bytes_per_token'] / 2**20:.4f} MiB per decode step and rank, "
+            f"{est['prefill_comm_bytes'] / GiB:.3f} GiB in the prefill"
+        )
     _emit(args, obj, text)
     return 0
 

@@ -69,8 +69,9 @@ def memory(c: RunSpec) -> dict[str, Any]:
     }
 
 
-def project_decode(c: RunSpec, preset: dict) -> dict[str, Any]:
-    """Projected prefill time, decode latency per token and its parts for one rank of ``c``."""
+def project_decode(c: RunSpec, preset: dict, prefill_ops: int | None = None) -> dict[str, Any]:
+    """Projected prefill time, decode latency per token and its parts for one rank of ``c``;
+    ``prefill_ops``: the prefill's dispatched operations (default: counted on fake tensors)."""
     per_node = preset.get("gpus_per_node", 8)
     r = rates(preset, min(c.degree, per_node))
     cfg, B, e = c.cfg, c.batch, c.e
@@ -89,7 +90,7 @@ def project_decode(c: RunSpec, preset: dict) -> dict[str, Any]:
         link = r["inter"] if inter else r.get("groups", {}).get(str(size), r)[kind]
         comm += link["lat"] + bus_bytes(kind, nbytes, size) / link["bw"]
     latency = max(memory_s, compute_s) + comm
-    prefill = project(prefill_spec(c), preset)["step_time_s"]
+    prefill = project(prefill_spec(c), preset, ops=prefill_ops)["step_time_s"]
     mem = memory(c)
     return {
         "prefill_time_s": prefill,

@@ -35,7 +35,9 @@ from tspbench.core.memory import MemoryTracker
 from tspbench.core.mesh import Axis, build_mesh
 from tspbench.core.optim import AdamW
 from tspbench.core.reference import make_batch
-from tspbench.runtime.measure import at_rest, build_strategy, one_step, probe
+from tspbench.runtime.decode import generation
+from tspbench.runtime.flops import counter
+from tspbench.runtime.measure import at_rest, build_strategy, gc_held, one_step, probe
 from tspbench.runtime.registry import get_strategy
 from tspbench.runtime.spec import RunSpec
 
@@ -74,6 +76,8 @@ def estimate_rank(
         mesh = build_mesh(get_strategy(spec.strategy).mesh_dims(spec.layout))
         with FakeTensorMode(), attention.forced(kernel):
             strat = build_strategy(spec, mesh, torch.device("cpu"))
+            if spec.decoding:
+                return {"rank": rank, **_decode_rank(spec, strat, mesh, count_ops)}
             tokens, labels = make_batch(spec.cfg, spec.batch * spec.layout.dp, spec.seq_len, 0)
             batch = strat.shard_batch(tokens, labels)
             del tokens, labels
@@ -107,13 +111,58 @@ def estimate_rank(
         dist.destroy_process_group()
 
 
+def _decode_rank(spec: RunSpec, strat, mesh, count_ops: bool) -> dict[str, Any]:
+    """One generation as a measured decode run's probe (:mod:`tspbench.runtime.decode`), its
+    FLOP counter beneath the memory tracker (entered first, so it cannot move the peak). Bytes
+    and FLOPs are the record's: per decode step for ``decode``, per generation for
+    ``generate``; operations are the decode steps' (per step)."""
+    tokens, _ = make_batch(spec.cfg, spec.batch, spec.seq_len, spec.seed)
+    n = spec.new_tokens
+    tracker = MemoryTracker()
+    tracker.track(strat.parameters(), tokens)
+    at_rest_bytes = tracker.live
+    flops = counter()
+    with torch.no_grad(), gc_held(), flops, tracker:
+        g = generation(strat, tokens, n, torch.device("cpu"), mesh, flops)
+    prefill_b, decode_b = g["prefill_bytes"], {k: b / (n - 1) for k, b in g["decode_bytes"].items()}
+    decode_flops = (int(flops.get_total_flops()) - g["prefill_flops"]) / (n - 1)
+    if spec.mode == "decode":
+        comm, step_flops = decode_b, decode_flops
+    else:
+        comm = {k: prefill_b.get(k, 0.0) + (n - 1) * decode_b.get(k, 0.0)
+                for k in {*prefill_b, *decode_b}}  # fmt: skip
+        step_flops = g["prefill_flops"] + (n - 1) * decode_flops
+    ops = None
+    if count_ops:  # one decode step, after the generation above filled the cache
+        cache, last = g["cache"], g["tokens"][:, -1]
+        with torch.no_grad(), OpCounter() as counted:
+            strat.decode_step(cache, last)
+        ops = counted.n
+    return {
+        "at_rest_bytes": at_rest_bytes,
+        "peak_first_bytes": tracker.peak,
+        "peak_bytes": tracker.peak,
+        "flops": int(step_flops),
+        "comm_by_kind": comm,
+        "comm_by_axis": {},
+        "param_numel": strat.local_numel(),
+        "optimizer_numel": 0,
+        "ops": ops,
+        "kv_cache_bytes": g["cache"].nbytes(),
+        "prefill_bytes": sum(prefill_b.values()),
+        "decode_bytes_per_token": sum(decode_b.values()),
+        "prefill_flops": g["prefill_flops"],
+        "decode_flops": decode_flops,
+    }
+
+
 def estimate(spec: RunSpec, ranks: list[int] | None = None, kernel: str = "fused") -> dict:
     """Estimate every rank of replica 0 (or ``ranks``); the record's measurement part."""
     t0 = time.perf_counter()
     ranks = list(range(spec.layout.degree)) if ranks is None else ranks
     per = [estimate_rank(spec, r, kernel) for r in ranks]
     worst = max(per, key=lambda p: p["peak_bytes"])
-    return {
+    out = {
         "estimated_ranks": ranks,
         "kernel": kernel,
         "peak_mem_bytes": worst["peak_bytes"],
@@ -129,3 +178,12 @@ def estimate(spec: RunSpec, ranks: list[int] | None = None, kernel: str = "fused
         "optimizer_numel_per_rank": [p["optimizer_numel"] for p in per],
         "estimate_s": time.perf_counter() - t0,
     }
+    if spec.decoding:  # the decode record's fields (docs/decode.md)
+        out.update(
+            kv_cache_bytes=max(p["kv_cache_bytes"] for p in per),
+            kv_cache_bytes_per_rank=[p["kv_cache_bytes"] for p in per],
+            decode_bytes_per_token=per[0]["decode_bytes_per_token"],
+            decode_bytes_per_token_per_rank=[p["decode_bytes_per_token"] for p in per],
+            prefill_comm_bytes=per[0]["prefill_bytes"],
+        )
+    return out

@@ -37,7 +37,7 @@ def run_lines(req: Request, spec: RunSpec, out: str = "runs/plan.json") -> dict[
     ``srun`` line for the cluster."""
     import shlex
 
-    G, node = req.gpus, node_size(req.hardware)
+    G, node = spec.layout.world_size, node_size(req.hardware)  # decode: one model group
     argv = [*run_argv(spec), "--device", "cuda", "--out", out]
     if G <= node:
         run = ["tspbench", "run", *argv, "--launch", "local", "--nproc", str(G)]
@@ -66,7 +66,10 @@ def pipeline_config(req: Request, spec: RunSpec, models: list[str] | None = None
     sweep: dict[str, Any] = {"name": "plan", "strategies": [spec.strategy], "degrees": [lay.degree]}
     if impl.factors(lay)["tp"] is not None:
         sweep["tpsp"] = [[lay.tp, lay.sp]]
-    sweep.update(gpus=[req.gpus], seq_lens=[req.seq_len], batches=[spec.batch], modes=[req.mode])
+    sweep.update(gpus=[lay.world_size], seq_lens=[req.seq_len], batches=[spec.batch],
+                 modes=[req.mode])  # fmt: skip
+    if spec.decoding:
+        sweep["new_tokens"] = [spec.new_tokens]
     hw = req.hardware.get("name")
     config: dict[str, Any] = {"name": f"plan-{base}-S{req.seq_len}-g{req.gpus}", "model": base}
     if over:
@@ -79,6 +82,8 @@ def pipeline_config(req: Request, spec: RunSpec, models: list[str] | None = None
         config["hardware_preset"] = hw
     config["sweeps"] = [sweep]
     head = f"# tspbench plan: {spec.label} D={lay.degree} dp={lay.dp} B={spec.batch}"
+    if spec.decoding and req.gpus > lay.world_size:
+        head += f" (one of {req.gpus // lay.world_size} model groups that serve apart)"
     if spec.kv_bucket:
         head += f"\n# kv_bucket={spec.kv_bucket}: no sweep key; pass --kv-bucket to tspbench run"
     return head + "\n" + yaml.safe_dump(config, sort_keys=False, default_flow_style=None)

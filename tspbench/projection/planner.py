@@ -11,6 +11,13 @@ cap; the cost model (:func:`tspbench.projection.costmodel.project`) projects ste
 and MFU. A D=1 group of every multi-rank strategy is the single-device model: only the one-rank
 strategy (``single``) stands for it.
 
+Serving (``--mode decode`` or ``generate``, ``docs/decode.md``): the strategies with a decode
+path, each model group a run of its own (dp = 1) and the G / D groups serving apart, each its
+own batch; memory is the decode model's (the prefill with its cache, or a decode step) and the
+projection :func:`tspbench.projection.decode.project_decode`'s, tokens/s the generated tokens
+of all groups. Decode steps are charged no dispatch, so ``decode`` counts nothing; ``generate``
+counts its prefill's operations.
+
 Dispatch time needs the operations the real code issues (counted on fake tensors: seconds per
 configuration). They depend on the strategy, its group, recomputation, bucket, mode, dtype and
 model, never on S, the micro-batch or dp, so each configuration is counted once and kept on disk
@@ -32,7 +39,7 @@ import time
 
 from tspbench.core.config import ConfigError
 from tspbench.core.strategy import Layout, Strategy
-from tspbench.projection import analytic, costmodel
+from tspbench.projection import analytic, costmodel, decode
 from tspbench.projection.plancache import OpsCache, cache_dir, estimate_peak
 from tspbench.projection.plantypes import (
     MAX_BATCH,
@@ -65,12 +72,41 @@ def reads_kv_bucket(spec: RunSpec) -> bool:
 
 
 def _spec(req: Request, strategy: str, lay: Layout, batch: int, rc: str, kvb: int) -> RunSpec:
-    """A candidate's run; TSP's MLP schedule is the hardware preset's (``tsp_mlp_schedule``)."""
+    """A candidate's run; TSP's MLP schedule is the hardware preset's (``tsp_mlp_schedule``).
+    A decode run is one model group: its dp copies serve apart, each its own batch."""
+    if req.new_tokens:
+        lay = dataclasses.replace(lay, dp=1)
     spec = RunSpec(
         strategy=strategy, cfg=req.cfg, layout=lay, seq_len=req.seq_len, batch=batch,
-        mode=req.mode, dtype=req.dtype, recompute=rc, kv_bucket=kvb, quiet=True,
+        mode=req.mode, new_tokens=req.new_tokens, dtype=req.dtype, recompute=rc, kv_bucket=kvb,
+        quiet=True,
     )  # fmt: skip
     return costmodel.default_mlp_schedule(spec, req.hardware)
+
+
+def peak_of(spec: RunSpec) -> float:
+    """Peak bytes per GPU in closed form: the steady training step, the forward pass, or a
+    generation (its prefill with the cache, or a decode step: docs/decode.md)."""
+    return float((decode.memory if spec.decoding else analytic.memory)(spec)["peak"])
+
+
+def project_of(spec: RunSpec, preset: dict, dp: int, ops: int | None) -> dict:
+    """The cost model's projection; for a decode run (``ops``: its prefill's operations), the
+    step is a decode step (``decode``: latency per token) or a generation (``generate``), and
+    tokens/s counts the tokens that ``dp`` independent copies generate."""
+    if not spec.decoding:
+        return costmodel.project(spec, preset, ops=ops)
+    r = decode.project_decode(spec, preset, prefill_ops=ops)
+    one = spec.mode == "decode"
+    step = r["decode_latency_s"] if one else r["generate_time_s"]
+    made = spec.batch * (1 if one else spec.new_tokens)
+    return r | {"step_time_s": step, "tokens_per_s": dp * made / step, "mfu": None}
+
+
+def ops_spec(spec: RunSpec) -> RunSpec:
+    """The run whose operations the projection charges: a decode run's prefill (decode steps
+    are charged no dispatch: docs/decode.md)."""
+    return decode.prefill_spec(spec) if spec.decoding else spec
 
 
 def _batches(req: Request, lay: Layout) -> list[int] | str:
@@ -137,9 +173,9 @@ def enumerate_configs(req: Request) -> tuple[list[Config], list[dict]]:
 
 # -- deciding -------------------------------------------------------------------------------------
 def count_config(conf: Config, ops: OpsCache, preset: dict) -> None:
-    conf.ops = ops.get(conf.valid[0].spec)
+    conf.ops = ops.get(ops_spec(conf.valid[0].spec))
     for c in conf.valid:
-        c.proj = costmodel.project(c.spec, preset, ops=conf.ops)
+        c.proj = project_of(c.spec, preset, c.layout.dp, conf.ops)
 
 
 def rank(configs: list[Config]) -> list[Row]:
@@ -196,9 +232,11 @@ def plan(
     t1 = time.perf_counter()
     for conf in configs:
         for c in conf.valid:
-            c.peak = float(analytic.memory(c.spec)["peak"])
+            c.peak = peak_of(c.spec)
             c.fits = c.peak <= req.memory_cap
-            c.bound = costmodel.project(c.spec, req.hardware, ops=0)
+            c.bound = project_of(c.spec, req.hardware, c.layout.dp, 0)
+            if req.mode == "decode":  # no dispatch charged: the bound is the projection
+                c.proj = c.bound
     t2 = time.perf_counter()
     ops = ops or OpsCache(root)
     if exact:

@@ -16,6 +16,7 @@ from tspbench.projection.plantypes import Candidate, Plan, Request, node_size
 from tspbench.runtime.registry import strategies
 
 GiB = 2**30
+STEP = {"train": "step s", "infer": "step s", "decode": "s/token", "generate": "gen s"}
 
 
 def describe(cfg: ModelConfig) -> str:
@@ -28,6 +29,10 @@ def describe(cfg: ModelConfig) -> str:
 def candidate_dict(c: Candidate, req: Request) -> dict[str, Any]:
     lay, r = c.layout, c.result or {}
     factors = strategies()[c.strategy].factors(lay)
+    serving = {}
+    if req.new_tokens:
+        serving = {"new_tokens": req.new_tokens, "decode_latency_s": r.get("decode_latency_s"),
+                   "kv_cache_bytes": r.get("kv_cache_bytes")}  # fmt: skip
     return {
         "strategy": c.strategy,
         "label": strategies()[c.strategy].label(lay),
@@ -43,6 +48,7 @@ def candidate_dict(c: Candidate, req: Request) -> dict[str, Any]:
         "dtype": req.dtype,
         "recompute": c.recompute,
         "kv_bucket": c.kv_bucket,
+        **serving,
         "fits": bool(c.fits),
         "peak_mem_bytes": c.peak,
         "memory_source": c.peak_source if c.peak is not None else None,
@@ -69,6 +75,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
             "gpus": req.gpus,
             "global_batch": req.global_batch,
             "mode": req.mode,
+            "new_tokens": req.new_tokens,
             "dtype": req.dtype,
             "memory_cap_bytes": req.memory_cap,
             "max_degree": req.max_degree,
@@ -151,9 +158,11 @@ def render(plan: Plan, models: list[str] | None = None) -> str:
     n_conf = sum(1 for c in plan.configs if c.valid)
     batches = (f"global batch {req.global_batch}" if req.global_batch
                else f"micro-batch 1..{req.max_batch}")  # fmt: skip
+    length = (f"prompt {req.seq_len}, {req.new_tokens} new tokens" if req.new_tokens
+              else f"S={req.seq_len}")  # fmt: skip
     out = [
         f"PROJECTED plan: {req.model} ({describe(req.cfg)})",
-        f"  {req.mode} {req.dtype}, S={req.seq_len}, {req.gpus} GPUs of {req.hardware.get('name')}"
+        f"  {req.mode} {req.dtype}, {length}, {req.gpus} GPUs of {req.hardware.get('name')}"
         f" ({node_size(req.hardware)} per node, D <= {req.max_degree}), memory cap {cap:.1f} GiB,"
         f" {batches}",
         f"  {len(plan.candidates)} candidates in {len(plan.configs)} configurations: {n_fit} fit, "
@@ -164,7 +173,7 @@ def render(plan: Plan, models: list[str] | None = None) -> str:
         "",
     ]
     head = ["#", "strategy", "D", "dp", "B", "recompute", "kvb", "peak GiB", "headroom",
-            "fits", "tokens/s", "tok/s/GPU", "MFU", "step s", "limit"]  # fmt: skip
+            "fits", "tokens/s", "tok/s/GPU", "MFU", STEP[req.mode], "limit"]  # fmt: skip
     table = []
     for i, r in enumerate(plan.shown, 1):
         c, res = r.cand, r.cand.result or {}
@@ -187,7 +196,12 @@ def render(plan: Plan, models: list[str] | None = None) -> str:
     foot = "fitting rows by tokens/s, then the rest by peak memory"
     if plan.hidden:
         foot += f"; {plan.hidden} dominated rows not shown (same group: faster with less memory)"
-    out.append(f"({foot}; <=: upper bound, dispatch not counted; peak: analytic steady state"
+    peak = "analytic steady state"
+    if req.new_tokens:
+        foot += ("; tokens/s: generated tokens of the dp model groups, each serving its own "
+                 "batch")  # fmt: skip
+        peak = "analytic, the larger of the prefill with its cache and a decode step"
+    out.append(f"({foot}; <=: upper bound, dispatch not counted; peak: {peak}"
                + ("; *: fake-tensor estimate" if plan.estimated else "") + ")")  # fmt: skip
     if any(c.kv_bucket for c in plan.candidates if c.spec):
         out.append("(the analytic memory models whole head groups: a KV bucket's saving shows "

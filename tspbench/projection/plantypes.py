@@ -15,7 +15,7 @@ from tspbench.core.strategy import Layout
 from tspbench.projection import costmodel
 from tspbench.projection.plancache import OpsCache
 from tspbench.runtime.registry import strategies
-from tspbench.runtime.spec import CHOICES, RunSpec
+from tspbench.runtime.spec import CHOICES, DECODE_MODES, RunSpec
 
 MAX_BATCH = 4096  # tspbench run's --batch bound
 
@@ -32,6 +32,7 @@ class Request:
     memory_cap: int
     max_degree: int
     mode: str = "train"
+    new_tokens: int = 0  # decode, generate: tokens generated per sequence
     dtype: str = "bf16"
     global_batch: int | None = None
     max_batch: int = 16
@@ -83,8 +84,19 @@ class Request:
             for v in values if isinstance(values, tuple) else (values,):
                 if v not in choices:
                     raise ConfigError(f"--{key}={v!r}: must be one of {', '.join(choices)}")
-        if kw.get("mode", "train") == "infer":
+        mode = kw.get("mode", "train")
+        if mode != "train":
             kw["recompute"] = ("none",)  # recomputation is a training matter
+        if mode in DECODE_MODES:
+            kw["new_tokens"] = kw.get("new_tokens") or 16  # tspbench run's default
+            if not 2 <= kw["new_tokens"] <= 2**20:
+                raise ConfigError(f"--new-tokens={kw['new_tokens']!r}: must be 2..{2**20}")
+        elif kw.get("new_tokens"):
+            raise ConfigError(
+                f"--new-tokens={kw['new_tokens']!r}: only --mode decode or generate generates"
+            )
+        else:
+            kw["new_tokens"] = 0
         return cls(
             cfg=cfg, hardware=preset, seq_len=seq_len, gpus=gpus, memory_cap=int(memory_cap),
             max_degree=max_degree, model=model if isinstance(model, str) else cfg.name,

@@ -44,13 +44,19 @@ def _timed(fn, device: torch.device):
     return out, time.perf_counter() - t0
 
 
-def generation(strat, tokens: torch.Tensor, n: int, device: torch.device, mesh=None) -> dict:
-    """Prefill and ``n - 1`` decode steps, each timed; with ``mesh``, the bytes of each part."""
+def generation(
+    strat, tokens: torch.Tensor, n: int, device: torch.device, mesh=None, flops=None
+) -> dict:
+    """Prefill and ``n - 1`` decode steps, each timed; with ``mesh``, the bytes of each part;
+    with ``flops`` (an active FLOP counter), the prefill's FLOPs. ``tokens`` of the result is
+    the generated ids as a [B, n] tensor (fake on fake tensors)."""
     P = tokens.shape[1]
     if mesh is not None:
         mesh.counter.reset()
     (cache, step), t_prefill = _timed(lambda: strat.prefill(tokens, P + n - 1), device)
     out: dict[str, Any] = {"prefill_s": t_prefill, "steps_s": [], "cache": cache}
+    if flops is not None:
+        out["prefill_flops"] = int(flops.get_total_flops())
     if mesh is not None:
         out["prefill_bytes"] = mesh.counter.by_kind()
         mesh.counter.reset()
@@ -61,7 +67,7 @@ def generation(strat, tokens: torch.Tensor, n: int, device: torch.device, mesh=N
         out["steps_s"].append(dt)
     if mesh is not None:
         out["decode_bytes"] = mesh.counter.by_kind()
-    out["tokens"] = torch.stack([s.tokens for s in steps], dim=1).tolist()  # [B, n]
+    out["tokens"] = torch.stack([s.tokens for s in steps], dim=1)
     return out
 
 
@@ -83,7 +89,7 @@ def measure_decode_rank(spec: RunSpec, device: torch.device, beat=lambda: None) 
     out: dict[str, Any] = {
         "tracked_peak": tracker.peak,
         "kv_cache_bytes": probe["cache"].nbytes(),
-        "generated_tokens": probe["tokens"],
+        "generated_tokens": probe["tokens"].tolist(),
         "param_numel": strat.local_numel(),
     }
     if device.type == "cuda":
@@ -92,12 +98,10 @@ def measure_decode_rank(spec: RunSpec, device: torch.device, beat=lambda: None) 
     del tracker, probe
     beat()
     with torch.no_grad(), gc_held(), counter() as flops:
-        cache, step = strat.prefill(tokens, spec.seq_len + n - 1)
-        out["prefill_flops"] = int(flops.get_total_flops())
-        for _ in range(n - 1):
-            step = strat.decode_step(cache, step.tokens)
-        out["decode_flops"] = (int(flops.get_total_flops()) - out["prefill_flops"]) / (n - 1)
-    del cache, step
+        g = generation(strat, tokens, n, device, flops=flops)
+    out["prefill_flops"] = g["prefill_flops"]
+    out["decode_flops"] = (int(flops.get_total_flops()) - g["prefill_flops"]) / (n - 1)
+    del g
     beat()
 
     for i in range(spec.warmup):
