@@ -12,10 +12,12 @@ Forward, identical loop order on every rank:
             A = causal attention of the local query chunks over K, V
         Y_p += A Wo_r                         # local accumulation: no all-reduce
 Saved per head group: local [Q K_p V_p] (one tensor), A and the log-sum-exp (all S/D tokens
-long); the full-sequence K/V is *not* saved.
+long); the full-sequence K/V is *not* saved by default (``kv_backward = regather``). The
+alternative (``save``, ``plan.save_kv``) keeps each bucket's gathered K/V instead: no gather in
+backward, for the full-sequence K/V of every head alive per layer (docs/method.md section 3).
 
 Backward, same loop (W_{r+1}'s broadcast in flight, dW_{r-1}'s reduce still draining):
-    W_r = broadcast(owner r) again; K, V = all_gather(K_p, V_p) again (per bucket)
+    W_r = broadcast(owner r) again; K, V = all_gather(K_p, V_p) again (per bucket; or saved)
     dA = dY_p Wo_r^T; dWo_r = A^T dY_p
     dQ, dK, dV = attention backward           # dK, dV span the whole sequence
     dK_p, dV_p = reduce_scatter(dK, dV)       # back to the token owners
@@ -121,17 +123,21 @@ class BroadcastAttention(torch.autograd.Function):
         saved: list[torch.Tensor] = []
         for _, w in owner_shards(w_own, plan.comm, plan.overlap):
             qkv = project(x, w, plan)
-            parts, lses = [], []
+            parts, lses, kvs = [], [], []
             for _, ks in plan.buckets():
                 q, k, v = heads(qkv, plan, ks)
-                a, lse = attend(q, *gather_kv(k, v, plan), plan)
+                K, V = gather_kv(k, v, plan)
+                a, lse = attend(q, K, V, plan)
                 parts.append(a)
                 lses += lse
+                if save and plan.save_kv:
+                    kvs += [K, V]  # (views of one gathered buffer)
+                del K, V
             a = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
             y = accumulate(y, a.view(B * n, -1), w[qkv_rows(plan) :], res.view(B * n, h))
             if save:
-                saved += [qkv, a, *lses]
-            del qkv, a, parts  # (not alive while the next head group's are computed)
+                saved += [qkv, a, *lses, *kvs]
+            del qkv, a, parts, kvs  # (not alive while the next head group's are computed)
         ctx.plan = plan
         ctx.n_lse = len(lses)
         if save:
@@ -143,16 +149,18 @@ class BroadcastAttention(torch.autograd.Function):
         plan: TSPPlan = ctx.plan
         x, w_own, *saved = ctx.saved_tensors
         B, n, h = x.shape
-        per, n_chunks, rows = 2 + ctx.n_lse, len(plan.chunks), qkv_rows(plan)
+        kept = 2 * len(plan.buckets()) if plan.save_kv else 0  # saved K, V of each bucket
+        per, n_chunks, rows = 2 + ctx.n_lse + kept, len(plan.chunks), qkv_rows(plan)
         dx, dw_own, reducing = None, None, None
         x2, dy2 = x.view(B * n, h), dy.reshape(B * n, h)
         for r, w in owner_shards(w_own, plan.comm, plan.overlap):
-            qkv, a, *lses = saved[r * per : (r + 1) * per]
+            qkv, a, *rest = saved[r * per : (r + 1) * per]
+            lses, kvs = rest[: ctx.n_lse], rest[ctx.n_lse :]
             da = (dy2 @ w[rows:].T).view(a.shape)
             dqs, dks, dvs = [], [], []
             for i, (qs, ks) in enumerate(plan.buckets()):
                 q, k, v = heads(qkv, plan, ks)
-                K, V = gather_kv(k, v, plan)
+                K, V = kvs[2 * i : 2 * i + 2] if kvs else gather_kv(k, v, plan)
                 lse = lses[i * n_chunks : (i + 1) * n_chunks]
                 dq, dk, dv = [], [], []
                 for (lo, hi, m), l_c in zip(plan.chunks, lse):

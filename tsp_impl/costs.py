@@ -67,7 +67,8 @@ def schedule(c: Spec) -> Schedule:
             if c.rc:
                 layer_fwd("backward")
             ev.add("backward", M, "broadcast", D, wa, D, overlapped=ov, exposed=1)
-            ev.add("backward", M, "all_gather", D, kv_full, D)
+            if c.kv_backward == "regather":  # (save: the forward's gathered K/V are kept)
+                ev.add("backward", M, "all_gather", D, kv_full, D)
             ev.add("backward", M, "reduce_scatter", D, kv_full, D)
             ev.add("backward", M, "reduce", D, wa, D, overlapped=True, exposed=1)
             if ring:  # D-1 slice hops, D accumulator hops
@@ -83,10 +84,14 @@ def schedule(c: Spec) -> Schedule:
 
 def saved_per_layer(c: Spec) -> int:
     """Bytes one layer keeps for backward: the norms' and, per head group, the local [Q K_p V_p]
-    (one tensor), A and the lse; per MLP slice [h1 h3] (one tensor)."""
+    (one tensor), A and the lse (and with ``kv_backward = save`` its gathered K/V over the
+    sequence); per MLP slice [h1 h3] (one tensor)."""
     cfg, e, t = c.cfg, c.e, c.tokens
     h, kv, f = cfg.hidden, cfg.kv_dim, cfg.ffn
-    return costs.norms_saved(c) + (2 * t * h + 2 * t * kv + 2 * t * f) * e + 4 * t * cfg.heads
+    kept = c.degree * _units(c)[1] if c.kv_backward == "save" else 0
+    return (
+        costs.norms_saved(c) + (2 * t * h + 2 * t * kv + 2 * t * f) * e + 4 * t * cfg.heads + kept
+    )
 
 
 def saved_loss(c: Spec) -> int:
@@ -146,6 +151,7 @@ def backward_transients(c: Spec) -> tuple[int, int, int]:
     tables = plan_tables(c)
     loss_t = 2 * logits + t * vl * e + act + 2 * vl * h * e
     kv = 2 * kv_unit if D == 1 else 3 * kv_unit + kv_unit // (2 * D)
+    kv -= kv_unit if c.kv_backward == "save" else 0  # kept among the saved, not gathered again
     attn_t = kv + t * h // D * e - 2 * t * cfg.ffn * e
     layer_t = 2 * act + max(attn_t, mlp_t(c))
     return loss_t + tables, layer_t + tables, 2 * vl * h * e + act + tables

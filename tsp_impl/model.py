@@ -27,7 +27,7 @@ from tspbench.core.costs import Schedule, Spec
 from tspbench.core.layers import rms_norm
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.optim import grad_sq_sum
-from tspbench.core.strategy import MLP_SCHEDULES, Batch, Layout, Strategy
+from tspbench.core.strategy import KV_BACKWARDS, MLP_SCHEDULES, Batch, Layout, Strategy
 
 MLP = {"ring": RingMLP, "broadcast": BroadcastMLP}
 
@@ -43,6 +43,7 @@ class TSP(TSPDecoding, Strategy):  # decode: tsp_impl/decode.py
     loss_head_passes = 4  # the loss recomputes its logits shard by shard in backward
     recompute_skips_w2 = True  # the MLP's recomputed forward skips its gate and W2 (mlp.py)
     mlp_schedules = MLP_SCHEDULES
+    kv_backwards = KV_BACKWARDS
 
     @classmethod
     def weight_split(cls, layout: Layout) -> int:
@@ -135,8 +136,9 @@ class TSP(TSPDecoding, Strategy):  # decode: tsp_impl/decode.py
     def plan(self, seq_len: int) -> TSPPlan:
         if seq_len not in self._plans:
             self._plans[seq_len] = TSPPlan.build(
-                self.comm, self.cfg, seq_len, self.dtype, self.device, self.overlap, self.kv_bucket
-            )
+                self.comm, self.cfg, seq_len, self.dtype, self.device, self.overlap,
+                self.kv_bucket, self.kv_backward == "save",
+            )  # fmt: skip
         return self._plans[seq_len]
 
     # -- running --------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ class TSPPlan:
     dkv_index: torch.Tensor  # rows of the chunks' [dK; dV] -> rows of [S, 2] in gathered order
     overlap: bool = True  # prefetch the next shard while computing on this one
     kv_bucket: int = 0  # KV heads per attention bucket (0: the whole head group at once)
+    save_kv: bool = False  # keep the gathered K/V for backward instead of gathering them again
 
     @classmethod
     def build(
@@ -48,6 +49,7 @@ class TSPPlan:
         device: torch.device,
         overlap: bool = True,
         kv_bucket: int = 0,
+        save_kv: bool = False,
     ) -> TSPPlan:
         D, r = comm.size, comm.rank
         cos, sin = rope_tables(zigzag.positions(seq_len, D, r), cfg.head_dim, cfg.rope_theta, dtype)
@@ -66,6 +68,7 @@ class TSPPlan:
             dkv_index.to(device, torch.int32),
             overlap,
             kv_bucket,
+            save_kv,
         )
 
     @property

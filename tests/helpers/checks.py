@@ -42,7 +42,7 @@ def spec_of(case: dict) -> RunSpec:
         seed=case.get("seed", 0),
         **{
             k: case[k]
-            for k in ("mode", "recompute", "overlap", "kv_bucket", "mlp_schedule")
+            for k in ("mode", "recompute", "overlap", "kv_bucket", "mlp_schedule", "kv_backward")
             if k in case
         },
     )
@@ -58,7 +58,8 @@ def make_strategy(case: dict):
     opts = {"dp_bucket_mb": case["dp_bucket_mb"]} if "dp_bucket_mb" in case else {}
     strat = spec.impl(
         spec.cfg, mesh, seed=spec.seed, dtype=DTYPES[spec.dtype], recompute=spec.recompute,
-        overlap=spec.overlap, kv_bucket=spec.kv_bucket, mlp_schedule=spec.mlp_schedule, **opts,
+        overlap=spec.overlap, kv_bucket=spec.kv_bucket, mlp_schedule=spec.mlp_schedule,
+        kv_backward=spec.kv_backward, **opts,
     )  # fmt: skip
     return strat, spec.cfg
 

@@ -1,8 +1,8 @@
 """Every strategy equals the single-device reference: loss, hidden states, all gradients, and the
 weights after three AdamW steps (fp32: rtol 1e-4; bf16: see checks.BF16_TOL), at D in {1, 2, 4}
 (tpsp at (T, Sigma) in {(2,1), (1,2), (2,2)}), MHA and GQA, batch 1 and 2; TSP with either MLP
-schedule (ring, broadcast); FSDP+CP with its overlap (prefetch, asynchronous reduce-scatters)
-on and off.
+schedule (ring, broadcast) and either attention backward (K/V gathered again, or saved);
+FSDP+CP with its overlap (prefetch, asynchronous reduce-scatters) on and off.
 
 One 4-rank gloo world runs every case (side-by-side model groups when D < 4).
 """
@@ -104,6 +104,16 @@ def _cases() -> list[dict]:
                   "model": MODELS["gqa"], **bcast})  # fmt: skip
     cases.append({"id": "tsp-mlp-broadcast-D4-recompute", "D": 4, "recompute": "full",
                   "model": MODELS["gqa"], **bcast})  # fmt: skip
+    # TSP's attention backward keeping the forward's K/V (--kv-backward save): D 2 and 4, MHA
+    # and GQA, with recomputation, KV buckets, overlap off and the broadcast MLP
+    save = {"strategy": "tsp", "S": 32, "B": 2, "kv_backward": "save"}
+    for D in (2, 4):
+        for model, over in MODELS.items():
+            cases.append({"id": f"tsp-kvsave-D{D}-{model}", "D": D, "model": over, **save})
+    cases.append({"id": "tsp-kvsave-D4-recompute-gqa", "D": 4, "recompute": "full",
+                  "model": MODELS["gqa"], **save})  # fmt: skip
+    cases.append({"id": "tsp-kvsave-D2-bucket1-overlap0-mlp-broadcast", "D": 2, "kv_bucket": 1,
+                  "overlap": False, "mlp_schedule": "broadcast", **save})  # fmt: skip
     for strat, lays in LAYOUTS.items():
         lay = lays[-1]
         B = 4 if strat == "dp" else 2

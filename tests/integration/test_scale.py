@@ -27,14 +27,15 @@ REF = ROOT / "results" / "reference" / "calibration"
 def _cases() -> list[dict]:
     cases = []
 
-    def add(s, D, S, mode="train", rc="none", model=None, name="tiny", mlp="ring"):
+    def add(s, D, S, mode="train", rc="none", model=None, name="tiny", mlp="ring", kv="regather"):
         c = {"strategy": s, "D": D, "S": S, "B": D if s == "dp" else 1, "mode": mode}
-        c.update(recompute=rc, check="measure", name=name, mlp_schedule=mlp)
+        c.update(recompute=rc, check="measure", name=name, mlp_schedule=mlp, kv_backward=kv)
         if s == "tpsp":
             c.update(tp=2 if D > 1 else 1, sp=D // 2 if D > 1 else 1)
         if model:
             c["model"] = model
         c["id"] = f"{name}-{s}-D{D}-S{S}-{mode}-{rc}" + ("" if mlp == "ring" else f"-mlp-{mlp}")
+        c["id"] += "" if kv == "regather" else "-kvsave"
         cases.append(c)
 
     for s in ("tsp", "tp", "sp", "fsdp_cp", "dp", "tpsp"):
@@ -54,6 +55,10 @@ def _cases() -> list[dict]:
         (2, 1024, "train", "full", GQA, "gqa"),
     ]:
         add("tsp", D, S, mode, rc, model, name, mlp="broadcast")
+    # TSP's attention backward keeping the forward's K/V
+    add("tsp", 4, 2048, kv="save")
+    add("tsp", 4, 2048, rc="full", kv="save")
+    add("tsp", 2, 1024, rc="full", model=GQA, name="gqa", kv="save")
     small = {"vocab": 4096, "hidden": 256, "layers": 4, "ffn": 1024}
     for s in ("tsp", "tp", "fsdp_cp"):
         add(s, 4, 1024, model=small, name="small")
@@ -68,7 +73,7 @@ def _spec(case: dict) -> RunSpec:
     return RunSpec.make(
         case["strategy"], cfg, degree=case["D"], tp=case.get("tp", 1), sp=case.get("sp", 1),
         seq_len=case["S"], batch=case["B"], mode=case["mode"], recompute=case["recompute"],
-        mlp_schedule=case["mlp_schedule"], warmup=0, steps=1,
+        mlp_schedule=case["mlp_schedule"], kv_backward=case["kv_backward"], warmup=0, steps=1,
     )  # fmt: skip
 
 

@@ -135,6 +135,12 @@ BAD = [
         "mlp_schedule='broadcast': only strategy tsp chooses its MLP schedule (got tp",
     ),
     ("run", ["--mlp-schedule", "tree"], {}, "argument --mlp-schedule: invalid choice: 'tree'"),
+    (
+        "run",
+        ["--strategy", "sp", "--degree", "2", "--kv-backward", "save"],
+        {},
+        "kv_backward='save': only strategy tsp chooses how its attention backward gets K/V",
+    ),
     ("config", cfg_with(mlp_schedule="tree"), {}, "mlp_schedule: 'tree' is not one of"),
 ]
 

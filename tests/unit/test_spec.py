@@ -20,6 +20,7 @@ ARGVS = [
     ["--strategy", "tsp", "--seq-len", "64", "--overlap", "off", "--kv-bucket", "1", "--quiet"],
     ["--strategy", "sp", "--seq-len", "64", "--recompute", "full", "--dtype", "bf16"],
     ["--strategy", "tsp", "--seq-len", "64", "--degree", "2", "--mlp-schedule", "broadcast"],
+    ["--strategy", "tsp", "--seq-len", "64", "--degree", "2", "--kv-backward", "save"],
 ]
 
 
@@ -87,3 +88,18 @@ def test_a_spec_refuses_unknown_choices_whoever_builds_it(field):
     reaches a command line unchecked (e.g. a dtype of "fp32$(touch F)")."""
     with pytest.raises(ConfigError, match=f"{field}='fp32\\$\\(touch F\\)': must be one of"):
         RunSpec.make("tsp", get_config("tiny"), seq_len=64, **{field: "fp32$(touch F)"})
+
+
+def test_the_kv_backward_names_itself_and_is_tsp_only():
+    """A TSP run that keeps its K/V for backward is its own cell; other strategies refuse it."""
+    argv = ["--strategy", "tsp", "--degree", "4", "--seq-len", "64"]
+    save = spec_of([*argv, "--kv-backward", "save"])
+    assert save.id == "tsp-kvsave.D4.g4.S64.B1.train" and save.label == "tsp (K/V saved)"
+    assert save.header("local", 4)["kv_backward"] == "save"
+    assert spec_of(argv).header("local", 4)["kv_backward"] == "regather"
+    assert "--kv-backward" not in spec_of(["--strategy", "tp", "--seq-len", "64"]).to_argv()
+    for strategy in ("tp", "sp", "fsdp_cp", "dp", "single"):
+        with pytest.raises(ConfigError, match="kv_backward='save': only strategy tsp"):
+            RunSpec.make(strategy, get_config("tiny"), seq_len=64, kv_backward="save")
+    with pytest.raises(ConfigError, match="kv_backward='keep': must be one of regather, save"):
+        RunSpec.make("tsp", get_config("tiny"), seq_len=64, kv_backward="keep")

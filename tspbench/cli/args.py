@@ -126,6 +126,14 @@ def add_run_args(p: argparse.ArgumentParser, strategy: str | None = None) -> Non
         "owner to all); default ring (project: the hardware preset's tsp_mlp_schedule)",
     )
     p.add_argument(
+        "--kv-backward",
+        choices=CHOICES["kv_backward"],
+        default=None,
+        help="tsp: the attention backward re-gathers each head group's K/V (regather, the "
+        "default) or keeps the forward's (save: no backward gather, the full-sequence K/V of "
+        "every head alive per layer)",
+    )
+    p.add_argument(
         "--max-memory",
         type=size_bytes,
         default=None,

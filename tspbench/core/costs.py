@@ -61,6 +61,7 @@ class Spec(Protocol):
     cp: int  # P: ranks that split a sequence
     tokens: int  # t
     mlp_schedule: str  # TSP's gated MLP: ring or broadcast
+    kv_backward: str  # TSP's attention backward: regather or save
     overlap: bool  # communication overlapped with compute where the implementation can
 
 

@@ -24,6 +24,7 @@ from tspbench.core.mesh import Axis, Mesh
 
 RECOMPUTE = ("none", "full")
 MLP_SCHEDULES = ("ring", "broadcast")  # TSP's gated MLP (docs/method.md section 4)
+KV_BACKWARDS = ("regather", "save")  # TSP's attention backward: gather K/V again or keep them
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class Strategy(Decoding, ABC):  # Decoding: prefill/decode_step (docs/decode.md)
         kv_bucket: int = 0,
         dp_bucket_mb: float = 25.0,
         mlp_schedule: str = "ring",
+        kv_backward: str = "regather",
     ) -> None:
         if recompute not in RECOMPUTE:
             raise ConfigError(f"recompute={recompute!r}: must be one of {', '.join(RECOMPUTE)}")
@@ -72,6 +74,7 @@ class Strategy(Decoding, ABC):  # Decoding: prefill/decode_step (docs/decode.md)
         self.dtype, self.device = dtype, torch.device(device)
         self.recompute, self.overlap, self.kv_bucket = recompute, overlap, kv_bucket
         self.dp_bucket_mb, self.mlp_schedule = dp_bucket_mb, mlp_schedule
+        self.kv_backward = kv_backward
         self._dp_sync: BucketedAllReduce | None = None
 
     def checkpointed(self, fn, *args):
@@ -265,6 +268,7 @@ class Strategy(Decoding, ABC):  # Decoding: prefill/decode_step (docs/decode.md)
     vocab_parallel_loss: ClassVar[bool] = False  # Megatron's vocabulary-parallel cross-entropy
     grad_staging_copies: ClassVar[int] = 0  # packed copies of all grads reduced after backward
     mlp_schedules: ClassVar[tuple[str, ...]] = ("ring",)  # TSP's: both; the rest ignore ring
+    kv_backwards: ClassVar[tuple[str, ...]] = ("regather",)  # TSP's: both; the rest ignore it
 
     @classmethod
     def tensor_degree(cls, layout: Layout) -> int:

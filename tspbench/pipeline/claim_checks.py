@@ -104,17 +104,31 @@ def memory_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
     return rows
 
 
-def _tsp_choices(cfg: ModelConfig, S: int, D: int = 8, e: int = 2) -> str:
+def _tsp_choices(cfg: ModelConfig, S: int, D: int = 8) -> str:
     """What two design choices of ours save at length S (bytes per GPU): re-gathering each head
-    group's K/V in backward instead of saving the full-sequence copies, and the online
-    log-sum-exp loss instead of materialising a [S/D, V] fp32 logits shard."""
-    kv = cfg.layers * 2 * S * cfg.kv_dim // D * e
+    group's K/V in backward instead of saving them (both are implemented: ``--kv-backward``;
+    the analytic peaks of the two, bf16), and the online log-sum-exp loss instead of
+    materialising a [S/D, V] fp32 logits shard."""
+    peaks = {
+        (rc, kb): analytic.memory(
+            RunSpec.make(
+                SUBJECT, cfg, degree=D, seq_len=S, dtype="bf16", recompute=rc, kv_backward=kb
+            )
+        )["peak"]
+        for rc in ("none", "full")
+        for kb in ("regather", "save")
+    }
+    both = [
+        f"{peaks[rc, 'regather'] / GB:.1f} -> {peaks[rc, 'save'] / GB:.1f} GB "
+        f"(+{(peaks[rc, 'save'] - peaks[rc, 'regather']) / GB:.1f}) {how}"
+        for rc, how in (("none", "without recompute"), ("full", "with it"))
+    ]
     logits = S // D * cfg.vocab * 4
     return (
-        f" Our design choices, at S = {S}: saving the gathered K/V for backward instead of "
-        f"re-gathering it would add {kv / GB:.1f} GB without recompute (one layer's "
-        f"{kv / cfg.layers / GB:.2f} GB with it); a loss that materialises its logits would "
-        f"add {logits / GB:.1f} GB."
+        f" Our design choices, at S = {S}: saving each head group's gathered K/V for backward "
+        f"(--kv-backward save, implemented and tested) instead of re-gathering it keeps the "
+        f"whole sequence's K/V of every head per layer: analytic peak {both[0]}, {both[1]}; a "
+        f"loss that materialises its logits would add {logits / GB:.1f} GB."
     )
 
 

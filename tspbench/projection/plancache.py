@@ -52,8 +52,8 @@ def _ops_key(spec: RunSpec) -> str:
     lay = spec.layout
     cfg = {k: v for k, v in dataclasses.asdict(spec.cfg).items() if k != "name"}
     return json.dumps([spec.strategy, cfg, lay.degree, lay.tp, lay.sp, spec.mode, spec.dtype,
-                       spec.recompute, spec.kv_bucket, spec.overlap, spec.mlp_schedule],
-                      sort_keys=True)  # fmt: skip
+                       spec.recompute, spec.kv_bucket, spec.overlap, spec.mlp_schedule,
+                       spec.kv_backward], sort_keys=True)  # fmt: skip
 
 
 class OpsCache:

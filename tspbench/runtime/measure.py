@@ -102,6 +102,7 @@ def build_strategy(spec: RunSpec, mesh, device: torch.device, overlap: bool | No
         overlap=spec.overlap if overlap is None else overlap,
         kv_bucket=spec.kv_bucket,
         mlp_schedule=spec.mlp_schedule,
+        kv_backward=spec.kv_backward,
     )
 
 

@@ -16,7 +16,7 @@ from functools import cached_property
 from typing import Any
 
 from tspbench.core.config import ConfigError, ModelConfig, get_config, parse_overrides
-from tspbench.core.strategy import MLP_SCHEDULES, Layout, Strategy
+from tspbench.core.strategy import KV_BACKWARDS, MLP_SCHEDULES, Layout, Strategy
 from tspbench.runtime.registry import get_strategy, strategies
 
 BYTES = {"fp32": 4, "bf16": 2}
@@ -25,6 +25,7 @@ CHOICES = {
     "dtype": tuple(BYTES),
     "recompute": ("none", "full"),
     "mlp_schedule": MLP_SCHEDULES,  # TSP's (the others take only the default, ring)
+    "kv_backward": KV_BACKWARDS,  # TSP's (the others take only the default, regather)
 }
 
 DECODE_MODES = ("decode", "generate")  # prefill, then one token per step (docs/decode.md)
@@ -64,6 +65,7 @@ class RunSpec:
     overlap: bool = True
     kv_bucket: int = 0
     mlp_schedule: str = "ring"  # TSP's gated MLP: ring or broadcast (docs/method.md section 4)
+    kv_backward: str = "regather"  # TSP's attention backward: re-gather K/V, or save them
     seed: int = 0
     warmup: int = 1
     steps: int = 3
@@ -79,6 +81,11 @@ class RunSpec:
             raise ConfigError(
                 f"mlp_schedule={self.mlp_schedule!r}: only strategy tsp chooses its MLP schedule "
                 f"(got {self.strategy}: leave it ring)"
+            )
+        if self.kv_backward not in self.impl.kv_backwards:
+            raise ConfigError(
+                f"kv_backward={self.kv_backward!r}: only strategy tsp chooses how its attention "
+                f"backward gets K/V (got {self.strategy}: leave it regather)"
             )
         if self.decoding:
             if not self.impl.decodes:
@@ -139,6 +146,7 @@ class RunSpec:
             overlap=args.overlap == "on",
             kv_bucket=args.kv_bucket,
             mlp_schedule=getattr(args, "mlp_schedule", None) or "ring",
+            kv_backward=getattr(args, "kv_backward", None) or "regather",
             seed=args.seed,
             warmup=args.warmup,
             steps=args.steps,
@@ -166,6 +174,8 @@ class RunSpec:
         argv += ["--overlap", "on" if self.overlap else "off", "--kv-bucket", str(self.kv_bucket)]
         if len(self.impl.mlp_schedules) > 1:  # TSP names it (``project`` would pick the preset's)
             argv += ["--mlp-schedule", self.mlp_schedule]
+        if len(self.impl.kv_backwards) > 1:
+            argv += ["--kv-backward", self.kv_backward]
         argv += ["--seed", str(self.seed), "--warmup", str(self.warmup), "--steps", str(self.steps)]
         if self.max_memory is not None:
             argv += ["--max-memory", str(self.max_memory)]
@@ -179,13 +189,16 @@ class RunSpec:
     def label(self) -> str:
         """Strategy and factorisation as tables spell it, e.g. ``tpsp (2x2)``."""
         label = self.impl.label(self.layout)
-        return label if self.mlp_schedule == "ring" else f"{label} ({self.mlp_schedule} MLP)"
+        if self.mlp_schedule != "ring":
+            label += f" ({self.mlp_schedule} MLP)"
+        return label + (" (K/V saved)" if self.kv_backward == "save" else "")
 
     @property
     def tag(self) -> str:
         """The strategy and its factorisation as cell ids spell it, and a schedule other than
-        the default: ``tsp-mlp-broadcast``."""
-        return mlp_tag(self.impl.tag(self.layout), self.mlp_schedule)
+        the default: ``tsp-mlp-broadcast``, ``tsp-kvsave``."""
+        tag = mlp_tag(self.impl.tag(self.layout), self.mlp_schedule)
+        return tag + ("-kvsave" if self.kv_backward == "save" else "")
 
     @property
     def id(self) -> str:
@@ -219,6 +232,7 @@ class RunSpec:
             "overlap": self.overlap,
             "kv_bucket": self.kv_bucket,
             "mlp_schedule": self.mlp_schedule,
+            "kv_backward": self.kv_backward,
             "model_config": dataclasses.asdict(self.cfg),
             "launcher": launcher,
         }
