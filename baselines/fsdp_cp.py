@@ -102,10 +102,6 @@ class FSDPCP(Strategy):
         return u0 + cfg.layers * ul + un
 
     @classmethod
-    def largest_param(cls, cfg: ModelConfig, layout: Layout) -> int:
-        return -(-max(cfg.vocab * cfg.hidden + cfg.hidden, costs.layer_numel(cfg)) // layout.degree)
-
-    @classmethod
     def unit_bytes(cls, spec: costs.Spec) -> tuple[int, int, int]:
         """Bytes of the gathered (padded) units: the embedding; one layer; final norm + head."""
         D, e = spec.degree, spec.e

@@ -23,12 +23,6 @@ def param_numel(cfg: ModelConfig, D: int) -> int:
     return costs.split_numel(cfg, D)
 
 
-def largest_param(cfg: ModelConfig, D: int) -> int:
-    """The largest packed shard: vocabulary rows, the MLP slice or the head group."""
-    h, kv, f, V = cfg.hidden, cfg.kv_dim, cfg.ffn, cfg.vocab
-    return max(V * h, 3 * f * h, (2 * h + 2 * kv) * h) // D
-
-
 def schedule(c: Spec) -> Schedule:
     """Every shard of every weight is broadcast by its owner (attention, embedding, LM head; the
     MLP's with ``mlp_schedule = broadcast``) or passed around the ring (the MLP's); one head

@@ -54,10 +54,6 @@ class TSP(TSPDecoding, Strategy):  # decode: tsp_impl/decode.py
         return costs.param_numel(cfg, layout.degree)
 
     @classmethod
-    def largest_param(cls, cfg: ModelConfig, layout: Layout) -> int:
-        return costs.largest_param(cfg, layout.degree)
-
-    @classmethod
     def schedule(cls, spec: Spec) -> Schedule:
         return costs.schedule(spec)
 

@@ -286,11 +286,6 @@ class Strategy(Decoding, ABC):  # Decoding: prefill/decode_step (docs/decode.md)
         return costs.split_numel(cfg, cls.tensor_degree(layout))
 
     @classmethod
-    def largest_param(cls, cfg: ModelConfig, layout: Layout) -> int:
-        """Elements of the largest parameter tensor one rank holds (AdamW's temporaries)."""
-        return max(cfg.vocab * cfg.hidden, cfg.ffn * cfg.hidden) // cls.tensor_degree(layout)
-
-    @classmethod
     def schedule(cls, spec: costs.Spec) -> costs.Schedule:
         """The model group's collectives one rank issues in a step (data parallelism apart)."""
         return costs.Schedule()

@@ -34,10 +34,6 @@ def param_numel(c: RunSpec) -> int:
     return c.impl.param_numel(c.cfg, c.layout)
 
 
-def largest_param(c: RunSpec) -> int:
-    """Elements of the largest parameter tensor one rank holds (AdamW's temporaries)."""
-    return c.impl.largest_param(c.cfg, c.layout)
-
 
 # -- communication ----------------------------------------------------------------------------
 def schedule(c: RunSpec) -> list[Event]:
@@ -195,8 +191,8 @@ def memory(c: RunSpec) -> dict[str, float | str]:
         "layer backward": rest + layers + top + layer_t + head_grad,
         "end of backward": rest + n * e + end_t,
     }
-    # AdamW: moments, fp32 gradient copies for bf16 weights, three temporaries of the largest
-    opt = rest + n * e + 8 * n + (4 * n if e != 4 else 0) + 3 * 4 * largest_param(c)
+    # fused AdamW: moments and fp32 gradient copies for bf16 weights, no temporaries
+    opt = rest + n * e + 8 * n + (4 * n if e != 4 else 0)
     at = max(crests, key=crests.get)
     parts.update(saved_activations=layers + loss_saved, transient=crests[at] - rest - layers)
     first = max(crests[at], opt)
