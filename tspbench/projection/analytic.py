@@ -34,7 +34,6 @@ def param_numel(c: RunSpec) -> int:
     return c.impl.param_numel(c.cfg, c.layout)
 
 
-
 # -- communication ----------------------------------------------------------------------------
 def schedule(c: RunSpec) -> list[Event]:
     """Every collective one rank issues in a step, with its phase, mesh axis and group size:
