@@ -54,11 +54,16 @@ def test_the_mlp_schedule_names_itself_and_is_tsp_only():
     assert bcast.id == "tsp-mlp-broadcast.D4.g4.S64.B1.train"
     assert bcast.label == "tsp (broadcast MLP)" and bcast.header("local", 4)["mlp_schedule"]
     assert "--mlp-schedule" not in spec_of(["--strategy", "tp", "--seq-len", "64"]).to_argv()
+    assert_tsp_only("mlp_schedule", "broadcast", "tree", "ring, broadcast")
+
+
+def assert_tsp_only(field: str, value: str, bad: str, choices: str) -> None:
+    """Every other strategy refuses ``value`` for a TSP-only ``field``; nobody takes ``bad``."""
     for strategy in ("tp", "sp", "fsdp_cp", "dp", "single"):
-        with pytest.raises(ConfigError, match="mlp_schedule='broadcast': only strategy tsp"):
-            RunSpec.make(strategy, get_config("tiny"), seq_len=64, mlp_schedule="broadcast")
-    with pytest.raises(ConfigError, match="mlp_schedule='tree': must be one of ring, broadcast"):
-        RunSpec.make("tsp", get_config("tiny"), seq_len=64, mlp_schedule="tree")
+        with pytest.raises(ConfigError, match=f"{field}='{value}': only strategy tsp"):
+            RunSpec.make(strategy, get_config("tiny"), seq_len=64, **{field: value})
+    with pytest.raises(ConfigError, match=f"{field}='{bad}': must be one of {choices}"):
+        RunSpec.make("tsp", get_config("tiny"), seq_len=64, **{field: bad})
 
 
 def test_frozen_and_keyword_only():
@@ -98,8 +103,4 @@ def test_the_kv_backward_names_itself_and_is_tsp_only():
     assert save.header("local", 4)["kv_backward"] == "save"
     assert spec_of(argv).header("local", 4)["kv_backward"] == "regather"
     assert "--kv-backward" not in spec_of(["--strategy", "tp", "--seq-len", "64"]).to_argv()
-    for strategy in ("tp", "sp", "fsdp_cp", "dp", "single"):
-        with pytest.raises(ConfigError, match="kv_backward='save': only strategy tsp"):
-            RunSpec.make(strategy, get_config("tiny"), seq_len=64, kv_backward="save")
-    with pytest.raises(ConfigError, match="kv_backward='keep': must be one of regather, save"):
-        RunSpec.make("tsp", get_config("tiny"), seq_len=64, kv_backward="keep")
+    assert_tsp_only("kv_backward", "save", "keep", "regather, save")
