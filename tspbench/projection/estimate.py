@@ -35,7 +35,7 @@ from tspbench.core.memory import MemoryTracker
 from tspbench.core.mesh import Axis, build_mesh
 from tspbench.core.optim import AdamW
 from tspbench.core.reference import make_batch
-from tspbench.runtime.decode import generation
+from tspbench.runtime.decode import generation, generation_bytes
 from tspbench.runtime.flops import counter
 from tspbench.runtime.measure import at_rest, build_strategy, gc_held, one_step, probe
 from tspbench.runtime.registry import get_strategy
@@ -77,7 +77,7 @@ def estimate_rank(
         with FakeTensorMode(), attention.forced(kernel):
             strat = build_strategy(spec, mesh, torch.device("cpu"))
             if spec.decoding:
-                return {"rank": rank, **_decode_rank(spec, strat, mesh, count_ops)}
+                return {"rank": rank, **_decode_rank(spec, strat, mesh)}
             tokens, labels = make_batch(spec.cfg, spec.batch * spec.layout.dp, spec.seq_len, 0)
             batch = strat.shard_batch(tokens, labels)
             del tokens, labels
@@ -111,11 +111,12 @@ def estimate_rank(
         dist.destroy_process_group()
 
 
-def _decode_rank(spec: RunSpec, strat, mesh, count_ops: bool) -> dict[str, Any]:
+def _decode_rank(spec: RunSpec, strat, mesh) -> dict[str, Any]:
     """One generation as a measured decode run's probe (:mod:`tspbench.runtime.decode`), its
     FLOP counter beneath the memory tracker (entered first, so it cannot move the peak). Bytes
     and FLOPs are the record's: per decode step for ``decode``, per generation for
-    ``generate``; operations are the decode steps' (per step)."""
+    ``generate``. Operations are not counted: decode steps are charged no dispatch, and a
+    generation's prefill is counted as the forward pass it is (``decode.prefill_spec``)."""
     tokens, _ = make_batch(spec.cfg, spec.batch, spec.seq_len, spec.seed)
     n = spec.new_tokens
     tracker = MemoryTracker()
@@ -129,15 +130,8 @@ def _decode_rank(spec: RunSpec, strat, mesh, count_ops: bool) -> dict[str, Any]:
     if spec.mode == "decode":
         comm, step_flops = decode_b, decode_flops
     else:
-        comm = {k: prefill_b.get(k, 0.0) + (n - 1) * decode_b.get(k, 0.0)
-                for k in {*prefill_b, *decode_b}}  # fmt: skip
+        comm = generation_bytes(prefill_b, decode_b, n)
         step_flops = g["prefill_flops"] + (n - 1) * decode_flops
-    ops = None
-    if count_ops:  # one decode step, after the generation above filled the cache
-        cache, last = g["cache"], g["tokens"][:, -1]
-        with torch.no_grad(), OpCounter() as counted:
-            strat.decode_step(cache, last)
-        ops = counted.n
     return {
         "at_rest_bytes": at_rest_bytes,
         "peak_first_bytes": tracker.peak,
@@ -147,7 +141,7 @@ def _decode_rank(spec: RunSpec, strat, mesh, count_ops: bool) -> dict[str, Any]:
         "comm_by_axis": {},
         "param_numel": strat.local_numel(),
         "optimizer_numel": 0,
-        "ops": ops,
+        "ops": None,
         "kv_cache_bytes": g["cache"].nbytes(),
         "prefill_bytes": sum(prefill_b.values()),
         "decode_bytes_per_token": sum(decode_b.values()),

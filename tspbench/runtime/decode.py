@@ -151,6 +151,12 @@ def _quantile(xs: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
+def generation_bytes(prefill: dict, per_step: dict, n: int) -> dict[str, float]:
+    """Bytes by kind of a whole generation: the prefill's and ``n - 1`` decode steps'."""
+    kinds = {*prefill, *per_step}
+    return {k: prefill.get(k, 0.0) + (n - 1) * per_step.get(k, 0.0) for k in kinds}
+
+
 def summarize_decode(spec: RunSpec, ranks: list[dict[str, Any]], peak_flops: float | None) -> dict:
     """The measurement part of a decode record, from every rank's results (rank order)."""
     r0, n, B = ranks[0], spec.new_tokens, spec.batch
@@ -170,10 +176,7 @@ def summarize_decode(spec: RunSpec, ranks: list[dict[str, Any]], peak_flops: flo
         tokens_per_s = B / latency
     else:
         step_times = gens
-        comm = {
-            kind: r0["prefill_bytes"].get(kind, 0.0) + (n - 1) * r0["decode_bytes"].get(kind, 0.0)
-            for kind in {*r0["prefill_bytes"], *r0["decode_bytes"]}
-        }
+        comm = generation_bytes(r0["prefill_bytes"], r0["decode_bytes"], n)
         flops_rank = [r["prefill_flops"] + (n - 1) * r["decode_flops"] for r in ranks]
         flops = sum(flops_rank)
         tokens_per_s = B * n / generate_s
