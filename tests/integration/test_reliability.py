@@ -106,8 +106,9 @@ def test_a_dead_or_stalled_rank_ends_every_rank(tmp_path, baseline_s, fault, nee
 
 
 def test_a_stopped_rank_zero_cannot_hang_the_launcher(tmp_path, baseline_s):
-    """SIGSTOP rank 0 (a native hang holding the GIL looks the same): its peers give up after
-    --timeout, the launcher kills it and writes the record naming it."""
+    """SIGSTOP rank 0 (a native hang holding the GIL looks the same): its heartbeat stops, so
+    the launcher kills it after --timeout (or its peers give up first, after the same time and
+    the launcher kills it when they have ended) and writes the record naming it."""
     out = tmp_path / "s.json"
     cmd = [sys.executable, "-m", "tspbench", *FAULT_RUN, "--out", str(out)]
     t0 = time.monotonic()
@@ -121,9 +122,37 @@ def test_a_stopped_rank_zero_cannot_hang_the_launcher(tmp_path, baseline_s):
     os.kill(rank0, signal.SIGSTOP)
     proc.wait(timeout=baseline_s + 4 * TIMEOUT + 30)
     rec = json.loads(out.read_text())
-    assert rec["status"] == "error" and "rank 0 still running" in rec["error_message"], rec
+    named = ("rank 0 still running", "rank 0 stopped responding")
+    assert rec["status"] == "error" and any(n in rec["error_message"] for n in named), rec
     assert rec["failed_ranks"] == [0], rec
     assert time.monotonic() - t0 < baseline_s + 2 * TIMEOUT + 20
+    assert leftovers(str(out)) == []
+
+
+def test_a_stopped_lone_rank_cannot_hang_the_launcher(tmp_path, baseline_s):
+    """World size 1, no peer to time out: SIGSTOP the only rank mid-run. Its heartbeat stops,
+    the launcher kills it once --timeout has passed without one and writes the record."""
+    out = tmp_path / "lone.json"
+    run = ["run", "--strategy", "single", "--seq-len", "256", "--steps", "1000"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tspbench", *run, "--launch", "local", "--out", str(out),
+         "--timeout", str(TIMEOUT)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    rank0 = wait_for_rank(str(out), 0)
+    time.sleep(2)  # into the run
+    t0 = time.monotonic()
+    os.kill(rank0, signal.SIGSTOP)
+    try:
+        code = proc.wait(timeout=TIMEOUT + 30)
+    finally:
+        proc.kill()
+    rec = json.loads(out.read_text())
+    assert code == 1 and rec["status"] == "error", rec
+    assert "rank 0 stopped responding" in rec["error_message"], rec
+    assert rec["failed_ranks"] == [0], rec
+    assert TIMEOUT <= time.monotonic() - t0 < TIMEOUT + 15
     assert leftovers(str(out)) == []
 
 

@@ -48,10 +48,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _local(args: argparse.Namespace, spec: RunSpec) -> tuple:
     """``run_local``'s launch arguments: ranks, their options, the launcher's own deadline
-    (the time limit plus a minute for the ranks to write and end), the cell switch."""
+    (the time limit plus a minute for the ranks to write and end), the cell switch, and how
+    long a rank may show no sign of life (``--timeout``)."""
     deadline = args.time_limit + 60 if args.time_limit else None
     nproc = args.nproc or spec.layout.world_size
-    return nproc, launch_argv(args), deadline, args.cell
+    return nproc, launch_argv(args), deadline, args.cell, args.timeout
 
 
 def cmd_overlap(args: argparse.Namespace) -> int:

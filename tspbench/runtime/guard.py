@@ -13,6 +13,13 @@ being killed), the rank gives up.
 Either way ``on_fatal(reason)`` runs once (it writes the record and tells the peers), then the
 process exits at once.
 
+A launcher that spawned this rank (``--launch local``) cannot see a rank that stopped
+responding (SIGSTOP, a native hang that holds the GIL): it is alive but does nothing, and if it
+is the only rank no peer times out. :func:`start_heartbeat`, also from the first line, touches
+the file the launcher named in ``TSPBENCH_HEARTBEAT`` twice a second from a thread of its own;
+such a rank stops touching it, and the launcher kills it once the file is older than the run's
+``--timeout`` (:func:`tspbench.runtime.launch.spawn_local`).
+
 A signal can also come before the guard exists, while Python imports torch (seconds on a loaded
 machine): :func:`hold_signals`, called on the first line of ``python -m tspbench``, remembers it,
 and the guard acts on it as soon as it is up; a command that never starts a guard calls
@@ -36,6 +43,29 @@ def hold_signals() -> None:
     dying of them, so that a run interrupted during start-up still says so in its record."""
     for sig in SIGNALS:
         signal.signal(sig, lambda signum, _frame: _held.append(signum))
+
+
+HEARTBEAT_ENV = "TSPBENCH_HEARTBEAT"
+HEARTBEAT_S = 0.5
+
+
+def start_heartbeat() -> None:
+    """Touch ``$TSPBENCH_HEARTBEAT`` every :data:`HEARTBEAT_S` seconds while this process can
+    run Python threads at all (nothing when the variable is unset: no launcher is watching)."""
+    path = os.environ.get(HEARTBEAT_ENV)
+    if not path:
+        return
+
+    def beat() -> None:
+        while True:
+            try:
+                with open(path, "a"):
+                    os.utime(path)
+            except OSError:  # the launcher's directory went away with the launcher
+                return
+            time.sleep(HEARTBEAT_S)
+
+    threading.Thread(target=beat, daemon=True, name="tspbench-heartbeat").start()
 
 
 def held_signal() -> int | None:

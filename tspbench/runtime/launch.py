@@ -12,13 +12,15 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
@@ -235,12 +237,13 @@ def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> Cal
 @dataclass
 class LocalRanks:
     """What ``spawn_local`` saw: each rank's exit code (negative: killed by that signal), the
-    ranks it killed itself (they had not ended ``grace_s`` after a peer failed), and the signal
-    the launcher received, if any."""
+    ranks it killed itself (they had not ended ``grace_s`` after a peer failed, or had stopped
+    responding: ``silent``), and the signal the launcher received, if any."""
 
     codes: list[int]
     killed_by_launcher: list[int]
     signal: int | None
+    silent: dict[int, float] = field(default_factory=dict)  # rank -> seconds without a beat
 
 
 def spawn_local(
@@ -249,18 +252,25 @@ def spawn_local(
     grace_s: float = 10.0,
     after_rank0_s: float = 2.0,
     deadline_s: float | None = None,
+    silent_s: float = 300.0,
 ) -> LocalRanks:
     """Run ``python -m tspbench <argv>`` as ``nproc`` local ranks (torchrun's variables set).
 
     Every rank is polled. When one fails, the others get ``grace_s`` to finish (only
     ``after_rank0_s`` once rank 0, the record's writer, has ended), then are killed: none is
-    left behind. ``deadline_s``: the launcher's own limit for the whole job. A SIGINT/SIGTERM to
+    left behind. ``deadline_s``: the launcher's own limit for the whole job. A rank whose
+    heartbeat file (:func:`tspbench.runtime.guard.start_heartbeat`) is older than ``silent_s``
+    (at least :data:`MIN_SILENT_S`) has stopped responding: it is killed, and its peers then
+    fail or finish as after any death. A SIGINT/SIGTERM to
     the launcher (held since start-up: :mod:`tspbench.runtime.guard`) is passed on to every
     rank, and no rank is started after it. Ranks die with the launcher (parent-death signal).
     """
-    from tspbench.runtime.guard import SIGNALS, held_signal
+    from tspbench.runtime.guard import HEARTBEAT_ENV, SIGNALS, held_signal
 
     got: list[int] = []
+    silent: dict[int, float] = {}
+    beats = Path(tempfile.mkdtemp(prefix="tspbench-heartbeat-"))
+    silent_s = max(silent_s, MIN_SILENT_S)
     procs: list[subprocess.Popen] = []
     mine: set[int] = set()
 
@@ -292,6 +302,7 @@ def spawn_local(
                 MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=str(port),
                 TSPBENCH_LAUNCHER="local",
+                **{HEARTBEAT_ENV: str(beats / str(r))},
             )
             for k in ("SLURM_PROCID", "SLURM_NTASKS", *MPI_VARS):
                 env.pop(k, None)
@@ -301,6 +312,11 @@ def spawn_local(
             kill_all(got[0])
         failed_at = None
         while [p for p in procs if p.poll() is None]:  # poll every rank, every time
+            for r, quiet in _silent_ranks(procs, beats, start, silent_s).items():
+                if r not in silent:
+                    procs[r].kill()
+                    silent[r] = quiet
+                    mine.add(r)
             now = time.monotonic()
             if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
                 failed_at = now
@@ -315,8 +331,32 @@ def spawn_local(
             p.wait()
         for s, h in old.items():
             signal.signal(s, h)
+        shutil.rmtree(beats, ignore_errors=True)
     codes = [p.returncode for p in procs]
-    return LocalRanks(codes, sorted(r for r in mine if codes[r] < 0), got[0] if got else None)
+    killed = sorted(r for r in mine if codes[r] < 0)
+    return LocalRanks(codes, killed, got[0] if got else None, silent)
+
+
+MIN_SILENT_S = 10.0  # a rank may hold the GIL this long while loading torch's libraries
+
+
+def _silent_ranks(
+    procs: list[subprocess.Popen], beats: Path, start: float, silent_s: float
+) -> dict[int, float]:
+    """Running ranks whose heartbeat file (or, before the first beat, whose start) is more than
+    ``silent_s`` seconds old: rank -> seconds."""
+    now, out = time.time(), {}
+    started = now - (time.monotonic() - start)
+    for r, p in enumerate(procs):
+        if p.poll() is not None:
+            continue
+        try:
+            last = (beats / str(r)).stat().st_mtime
+        except FileNotFoundError:
+            last = started
+        if now - last > silent_s:
+            out[r] = now - last
+    return out
 
 
 def available_memory() -> int | None:

@@ -17,8 +17,7 @@ from pathlib import Path
 
 from tspbench.core.config import ConfigError
 from tspbench.runtime.launch import LocalRanks, die_with_parent, spawn_local
-from tspbench.runtime.record import utc_now, write_json
-from tspbench.runtime.run import interrupted_path
+from tspbench.runtime.record import interrupted_path, utc_now, write_json
 from tspbench.runtime.spec import RunSpec
 
 GRACE_S = 10.0  # how long the other ranks get after one fails
@@ -45,7 +44,12 @@ def _what_happened(seen: LocalRanks) -> str:
     """The launcher's own account: which rank died of which signal, which it killed itself."""
     out = []
     for r, c in enumerate(seen.codes):
-        if r in seen.killed_by_launcher:
+        if r in seen.silent:
+            out.append(
+                f"rank {r} stopped responding (no heartbeat for {seen.silent[r]:.0f} s: stopped, "
+                "or hung holding the interpreter): killed by the launcher"
+            )
+        elif r in seen.killed_by_launcher:
             out.append(f"rank {r} still running after its peers had ended: killed by the launcher")
         elif c < 0:
             out.append(f"rank {r} killed by {signal.Signals(-c).name}")
@@ -60,10 +64,13 @@ def run_local(
     launch_argv: list[str],
     deadline_s: float | None = None,
     cell: bool = False,
+    silent_s: float = 300.0,
 ) -> int:
     """Run ``tspbench <command>`` for ``spec`` as ``nproc`` local ranks; return the exit code.
 
     ``launch_argv``: the options every rank gets besides the spec's (timeouts, output).
+    ``silent_s``: a rank that shows no sign of life for this long is killed (the run's
+    ``--timeout``: no rank may stop responding for longer than a collective may wait).
     ``cell``: a pipeline cell: any final record (ok, oom, error) exits 0, and an interrupted
     run's record goes beside ``out`` (:func:`interrupted_path`), never to it.
     """
@@ -74,7 +81,7 @@ def run_local(
     path = Path(out)
     before = path.stat().st_mtime_ns if path.exists() else None
     started = time.time_ns()
-    seen = spawn_local(argv, nproc, GRACE_S, deadline_s=deadline_s)
+    seen = spawn_local(argv, nproc, GRACE_S, deadline_s=deadline_s, silent_s=silent_s)
     codes = seen.codes
     fresh = path.exists() and path.stat().st_mtime_ns != before
     died = _what_happened(seen)
@@ -93,13 +100,16 @@ def run_local(
         return codes[0] if codes[0] >= 128 else 1
     if not fresh:  # rank 0 died before writing: the launcher leaves the record instead
         message = died or f"rank 0 wrote no record (exit codes {codes})"
-        failed = seen.killed_by_launcher or [r for r, c in enumerate(codes) if c != 0]
+        failed = list(seen.silent) or seen.killed_by_launcher
+        failed = failed or [r for r, c in enumerate(codes) if c != 0]
         record = {**header, "status": "error", "error_message": message, "failed_ranks": failed}
         write_json(path, {**record, "timestamp_utc": utc_now()})
         return 0 if cell else 1
     rec = json.loads(path.read_text())
     if died:  # the launcher alone saw which rank died: add it to the record
         rec["rank_exit_codes"] = codes
+        if seen.silent:  # the cause, which rank 0 only saw as a dead peer
+            rec["failed_ranks"] = list(seen.silent)
         if rec.get("status") == "error":
             rec["error_message"] = f"{died}; rank 0 saw: {rec.get('error_message')}"
         write_json(path, rec)
