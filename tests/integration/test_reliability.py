@@ -170,6 +170,32 @@ def test_a_slow_healthy_step_is_not_a_hang_and_a_hung_one_says_which_limit(tmp_p
     assert "--step-timeout 2" in rec["error_message"]
 
 
+def test_a_real_allocator_failure_is_recorded_as_oom(tmp_path):
+    """The host allocator really fails: the run's address space is capped (RLIMIT_AS) at what
+    Python and torch take once imported plus 500 MiB, and the step needs about 750 MiB of
+    tensors. The record says ``oom`` (exit 0), not ``error`` and not nothing: reporting it must
+    not need the memory the failed step held."""
+    import resource
+
+    probe = "import tspbench.cli, tspbench.runtime.run; print(open('/proc/self/status').read())"
+    status = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout
+    vm = next(int(x.split()[1]) * 1024 for x in status.splitlines() if x.startswith("VmPeak"))
+    cap = vm + 500 * 2**20
+
+    def capped() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+
+    out = tmp_path / "oom.json"
+    run = ["run", "--strategy", "single", "--seq-len", "16384", "--batch", "4", "--steps", "1"]
+    p = subprocess.run(
+        [sys.executable, "-m", "tspbench", *run, "--warmup", "0", "--out", str(out)],
+        capture_output=True, text=True, preexec_fn=capped, timeout=300,
+    )  # fmt: skip
+    rec = json.loads(out.read_text())
+    assert p.returncode == 0 and rec["status"] == "oom", (p.stderr[-2000:], rec)
+    assert "can't allocate memory" in rec["error_message"], rec
+
+
 def test_non_finite_results_are_an_error_in_strict_json(tmp_path):
     """A diverged run (NaN weights: the ``nan`` fault) is an error, and its record is strict
     JSON (``NaN`` is not JSON); ``check-record`` accepts it as such."""

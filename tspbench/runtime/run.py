@@ -18,7 +18,6 @@ import sys
 import threading
 import time
 import traceback
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -32,7 +31,14 @@ from tspbench.runtime.guard import HUNG, RENDEZVOUS, WAITED, Guard
 from tspbench.runtime.launch import RankEnv, detect, free_port, init
 from tspbench.runtime.layout import rank_layout
 from tspbench.runtime.measure import DTYPES, measure_rank, summarize
-from tspbench.runtime.record import git_commit, hardware, utc_now, versions, write_json
+from tspbench.runtime.record import (
+    git_commit,
+    hardware,
+    interrupted_path,
+    utc_now,
+    versions,
+    write_json,
+)
 from tspbench.runtime.spec import RunSpec
 
 FAIL_KEY = "tspbench/fail/{}"
@@ -59,8 +65,13 @@ def _post(status: str, msg: str, wait_s: float = 2.0) -> None:
         except Exception:
             pass
 
+    if dist.get_world_size() == 1:
+        return  # no peer to tell
     t = threading.Thread(target=post, daemon=True)
-    t.start()
+    try:
+        t.start()
+    except RuntimeError:  # no thread to spare: the peers see the connection close instead
+        return
     t.join(wait_s)
 
 
@@ -197,12 +208,6 @@ def attention_kernel(spec: RunSpec, device: torch.device) -> str:
     return attention.backend_for(device, DTYPES[spec.dtype])
 
 
-def interrupted_path(out: str) -> str:
-    """Where a pipeline cell's record goes when a signal interrupts it: beside ``out``, so that
-    no record at ``out`` looks final and the next run of the pipeline redoes the cell."""
-    return str(Path(out).with_suffix(".interrupted.json"))
-
-
 def _finite(record: dict) -> dict:
     """A record that strict JSON parsers accept: a non-finite loss or gradient norm makes an
     otherwise ``ok`` run an error (the numbers are not results), non-finite numbers become null."""
@@ -299,16 +304,20 @@ def run_env(
         git_commit=git_commit(),
         attention_backend=attention_kernel(spec, device),
     )
-    status, completed = "ok", False
+    status, completed, failure = "ok", False, None
     try:
         result = work(spec, device, header, guard.beat)
         completed = True
         if env.rank == 0:
             status = write({**header, "status": "ok", **result})
     except Exception as e:
-        status, msg = _classify(e), f"{type(e).__name__}: {e}".strip()
+        failure = _classify(e), f"{type(e).__name__}: {e}".strip()
         if not spec.quiet:
             traceback.print_exc()
+    # Out of the except block, the exception's frames, and the tensors they held, are freed: an
+    # allocator failure leaves the memory (and address space) that reporting it needs.
+    if failure is not None:
+        status, msg = failure
         _post(status, msg)
         guard.beat()
         if env.rank != 0:
