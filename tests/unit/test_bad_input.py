@@ -4,6 +4,7 @@ nothing is written."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -125,6 +126,7 @@ BAD = [
     ("run", ["--set", "init_std=inf"], {}, "model.init_std=inf: must be between"),
     ("run", ["--set", "init_std=nan"], {}, "model.init_std=nan: must be between"),
     ("run", ["--batch", "4096", "--seq-len", "16777216"], {}, "GiB available"),
+    ("run", ["--strategy", "single", "--seq-len", "16777216"], {}, "and the model's peak"),
     ("record", '{"status": "ok", "loss": NaN}', {}, "non-finite number NaN"),
     ("run", ["--device", "cuda"], {}, "--device=cuda: no GPU is visible"),
     # TSP's MLP schedule: other strategies have none to choose
@@ -206,21 +208,32 @@ def test_at_least_thirty_bad_inputs():
     assert len(BAD) >= 30
 
 
+TOO_LONG = "cannot write there (File name too long)"
+
+
 @pytest.mark.parametrize(
-    "make, needle",
+    "make, extra, needle",
     [
-        (lambda d: (d / "rec.json").mkdir() or d / "rec.json", "is a directory"),
-        (lambda d: (d / "file").write_text("") or d / "file" / "rec.json", "is not a directory"),
-        (lambda d: d / ("r" * 300 + ".json"), "cannot write there (File name too long)"),
+        (lambda d: (d / "rec.json").mkdir() or d / "rec.json", [], "is a directory"),
+        (lambda d: (d / "f").write_text("") or d / "f" / "rec.json", [], "is not a directory"),
+        (lambda d: d / ("r" * 300 + ".json"), [], TOO_LONG),
+        # the name fits, the atomic write's temporary file (14 characters more) does not
+        (lambda d: d / ("r" * 245 + ".json"), [], TOO_LONG),
+        # a pipeline cell's interrupted record (12 more) and its temporary file do not
+        (lambda d: d / ("r" * 235 + ".json"), ["--cell"], TOO_LONG),
+        (lambda d: Path("/sys/tspbench-rec.json"), [], "cannot write there (Permission denied)"),
     ],
-    ids=["directory", "parent-is-a-file", "name-too-long"],
-)
-def test_an_output_that_cannot_be_written_is_refused_before_the_run(tmp_path, capsys, make, needle):
+    ids=["directory", "parent-is-a-file", "name-too-long", "temporary-too-long",
+         "interrupted-too-long", "read-only-file-system"],
+)  # fmt: skip
+def test_an_output_that_cannot_be_written_is_refused_before_the_run(
+    tmp_path, capsys, make, extra, needle
+):
     from tspbench.cli import main
 
     out = make(tmp_path)
     before = sorted(p.name for p in tmp_path.iterdir())
-    assert main([*RUN, "--out", str(out)]) == 2
+    assert main([*RUN, *extra, "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0], err
     assert sorted(p.name for p in tmp_path.iterdir()) == before

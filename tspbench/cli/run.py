@@ -16,15 +16,27 @@ def _checked(args: argparse.Namespace) -> RunSpec:
 
     check_device(args.device)
     spec = RunSpec.from_args(args)
-    check_out(args.out)
+    check_out(args.out, args.cell)
     local = 1
     if args.launch == "local":
         from tspbench.runtime.local import check_local_world
 
         local = spec.layout.world_size
         check_local_world(local, args.nproc or local)
-    check_host_memory(spec, local)
+    check_host_memory(spec, local, _host_peak(args.device, spec))
     return spec
+
+
+def _host_peak(device: str, spec: RunSpec) -> float:
+    """A rank's peak bytes in closed form (docs/method.md section 7) when it computes in this
+    host's memory; 0 when a GPU holds it (there a too-large run is recorded as ``oom``)."""
+    import torch
+
+    if device != "cpu" and torch.cuda.is_available():
+        return 0.0
+    from tspbench.projection.planner import peak_of
+
+    return peak_of(spec)
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -370,17 +370,22 @@ def available_memory() -> int | None:
     return None
 
 
-def check_host_memory(spec, ranks_here: int) -> None:
-    """Refuse a run whose host-side inputs alone cannot fit, before anything is allocated:
-    every rank builds the global token batch (tokens and labels, int64) and initialises one
-    full fp32 weight at a time before slicing its shard (the embedding is the largest)."""
+def check_host_memory(spec, ranks_here: int, model_peak: float = 0.0) -> None:
+    """Refuse a run that cannot fit this machine's memory, before anything is allocated: each
+    rank here builds the global token batch (tokens and labels, int64), initialises one full
+    fp32 weight at a time before slicing its shard (the embedding is the largest), and, when it
+    computes on this host (CPU), holds its model's peak (``model_peak``: the caller's closed
+    form, bytes per rank, capped by ``--max-memory``, which turns more into an ``oom`` record)."""
     cfg, lay = spec.cfg, spec.layout
     tokens = 2 * 8 * spec.batch * lay.dp * spec.seq_len
     weight = 4 * max(cfg.vocab * cfg.hidden, 3 * cfg.ffn * cfg.hidden)
-    need, have = ranks_here * (tokens + weight), available_memory()
+    if spec.max_memory is not None:
+        model_peak = min(model_peak, spec.max_memory)
+    need, have = ranks_here * (tokens + weight + model_peak), available_memory()
     if have is not None and need > have:
+        what = "the token batch, one full weight" + (" and the model's peak" if model_peak else "")
         raise ConfigError(
             f"batch={spec.batch} x dp={lay.dp} x seq_len={spec.seq_len}: the {ranks_here} "
-            f"rank(s) here need {need / 2**30:.1f} GiB for the token batch and one full weight "
-            f"alone; this machine has {have / 2**30:.1f} GiB available"
+            f"rank(s) here need {need / 2**30:.1f} GiB for {what} (closed form); this machine "
+            f"has {have / 2**30:.1f} GiB available"
         )

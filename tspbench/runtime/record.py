@@ -117,11 +117,18 @@ def write_json(path: str | os.PathLike, obj: Any) -> None:
     write_atomic(path, json.dumps(obj, indent=2, sort_keys=False, allow_nan=False) + "\n")
 
 
-def check_out(path: str) -> None:
+def interrupted_path(out: str) -> str:
+    """Where a pipeline cell's record goes when a signal interrupts it: beside ``out``, so that
+    no record at ``out`` looks final and the next run of the pipeline redoes the cell."""
+    return str(Path(out).with_suffix(".interrupted.json"))
+
+
+def check_out(path: str, cell: bool = False) -> None:
     """Refuse an output path that cannot hold a record, before anything runs: the name, an
-    existing directory there, a parent that is a file, and a probe write of a file with a name
-    as long as the record's in the record's directory (permissions, name length, read-only or
-    full file systems)."""
+    existing directory there, a parent that is a file, and a probe write, in the record's
+    directory, of the files :func:`write_atomic` will create (the longest names: its temporary
+    file, and for a pipeline ``cell`` the interrupted record's), so permissions, name length and
+    read-only or full file systems fail now and not after the run."""
     from tspbench.core.config import ConfigError
 
     if not path.endswith(".json"):
@@ -137,12 +144,10 @@ def check_out(path: str) -> None:
                     raise ConfigError(f"--out={path!r}: {up} is not a directory")
                 break
         parent.mkdir(parents=True, exist_ok=True)
-        probe = parent / ("." + target.name[1:])  # same length as the record's name
-        fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-        os.close(fd)
-        probe.unlink()
-    except FileExistsError:
-        pass
+        for name in [target.name] + ([Path(interrupted_path(path)).name] if cell else []):
+            fd, probe = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=parent)
+            os.close(fd)
+            os.unlink(probe)
     except OSError as e:
         raise ConfigError(f"--out={path!r}: cannot write there ({e.strerror})") from None
 
