@@ -5,7 +5,6 @@
 # Helpers live in the tspbench package; this file only wires them.
 import json
 import os
-import shlex
 import sys
 
 import yaml
@@ -37,43 +36,15 @@ CELLS = {c.id: c for c in CELLS_LIST}
 NAME = config["name"]
 OUT = f"results/{NAME}"
 PLOTS = f"plots/{NAME}"
-# config container_gpu -> the apptainer flag that gives the image the node's GPUs
-GPU_FLAGS = {"cuda": "--nv", "rocm": "--rocm"}
-
-
-def apptainer_args(args: str, config: dict) -> str:
-    """--apptainer-args with the GPU flag of ``container_gpu`` added once (a Slurm job's own
-    snakemake is handed the args with it already). A GPU sweep without one would run its
-    cells in an image that sees no GPU: a ConfigError."""
-    have = set(shlex.split(args))
-    flag = GPU_FLAGS.get(config.get("container_gpu", "none"))
-    if flag and flag not in have:
-        return f"{args} {flag}".strip()
-    if config.get("gpu", False) and not have & set(GPU_FLAGS.values()):
-        raise ConfigError(
-            "container_gpu: gpu: true under --sdm apptainer, but no GPU flag for the image: set "
-            "container_gpu to cuda (apptainer --nv) or rocm (--rocm), or pass --apptainer-args"
-        )
-    return args
-
-
 # Inside a software environment (--sdm conda or apptainer) the rules call that environment's
-# python and import tspbench from this workflow's folder (the conda environment holds only the
-# dependencies; the image's own copy is the fallback where the folder is not bound into it);
-# without one, the interpreter running snakemake (the installed .venv).
+# python, which imports tspbench from the working directory (`python -m` puts it first on the
+# path; the image's /opt/tspbench is the fallback); without one, the interpreter running
+# snakemake (the installed .venv).
 SDM = {m.name.lower() for m in workflow.deployment_settings.deployment_method}
 PYTHON = "python" if SDM & {"conda", "apptainer"} else sys.executable
-if SDM & {"conda", "apptainer"}:
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (workflow.basedir, os.environ.get("PYTHONPATH")) if p
-    )
-if "apptainer" in SDM:  # GPUs reach the image only with --nv (CUDA) or --rocm (ROCm)
-    try:
-        workflow.deployment_settings.apptainer_args = apptainer_args(
-            workflow.deployment_settings.apptainer_args, config
-        )
-    except ConfigError as e:
-        raise ValueError(f"config error: {e}") from None
+
+
+include: "workflows/rules/environments.smk"
 
 
 # --sdm apptainer: every rule runs in this image (build it: env/tspbench.def)
