@@ -37,9 +37,14 @@ NAME = config["name"]
 OUT = f"results/{NAME}"
 PLOTS = f"plots/{NAME}"
 # Inside a software environment (--sdm conda or apptainer) the rules call that environment's
-# python; without one, the interpreter running snakemake (the installed .venv).
+# python, which imports tspbench from the working directory (`python -m` puts it first on the
+# path; the image's /opt/tspbench is the fallback); without one, the interpreter running
+# snakemake (the installed .venv).
 SDM = {m.name.lower() for m in workflow.deployment_settings.deployment_method}
 PYTHON = "python" if SDM & {"conda", "apptainer"} else sys.executable
+
+
+include: "workflows/rules/environments.smk"
 
 
 # --sdm apptainer: every rule runs in this image (build it: env/tspbench.def)

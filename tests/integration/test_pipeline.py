@@ -3,7 +3,6 @@ that resumes only its missing cells, and tables/figures that mark failed cells."
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
@@ -153,25 +152,3 @@ def test_rerun_redoes_only_missing_cells(mini):
     assert p.returncode == 0
     jobs = re.findall(r"rule run:\n.*?wildcards: cell=(\S+)", p.stdout + p.stderr, re.S)
     assert jobs == ["tp.D2.g2.S64.B1.train"]
-
-
-def test_under_apptainer_the_rules_run_the_image_python(tmp_path):
-    """--sdm apptainer: every rule's command calls the image's `python` (tspbench is installed
-    there, env/tspbench.def), never the host's .venv interpreter by its absolute path; without
-    it, the installed interpreter. Apptainer itself is not on this machine: a stand-in answers
-    Snakemake's version query, and the dry run shows the commands."""
-    import sys
-
-    fake = tmp_path / "bin" / "apptainer"
-    fake.parent.mkdir()
-    fake.write_text('#!/bin/sh\n[ "$1" = --version ] && echo "apptainer version 1.3.4"\n')
-    fake.chmod(0o755)
-    env = {"PATH": f"{fake.parent}:{os.environ['PATH']}"}
-    args = ["-n", "-p", "--cores", "2", "--configfile", "workflows/config/ci.yaml"]
-    inside = smk(*args, "--sdm", "apptainer", env=env)
-    assert inside.returncode == 0, inside.stderr[-2000:]
-    plain = smk(*args)
-    runs_inside = re.findall(r"Shell command: exec (\S+) -m tspbench run", inside.stdout)
-    runs_plain = re.findall(r"Shell command: exec (\S+) -m tspbench run", plain.stdout)
-    assert runs_inside and set(runs_inside) == {"python"}
-    assert runs_plain and set(runs_plain) == {sys.executable}

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from tests.helpers.configs import MINI
-from tests.helpers.runner import ROOT, snakemake, tspbench
+from tests.helpers.runner import ROOT, copy_workflow, snakemake, tspbench
 
 DEFAULT = yaml.safe_load((ROOT / "workflows/config/default.yaml").read_text())
 MEMORY = 3 * 2**30  # address space of a subprocess fed a YAML bomb: the test box must survive
@@ -69,6 +69,26 @@ def test_projected_config_with_a_shell_command_is_refused_by_the_dry_run(tmp_pat
     assert "config error: projected config" in out and "dtype: 'fp32$(touch" in out, out[-3000:]
     assert "is not one of ['fp32', 'bf16']" in out
     assert not (tmp_path / "PWNED").exists() and not (ROOT / "PWNED").exists()
+
+
+def test_plan_config_with_a_shell_command_is_refused_by_snakemake_and_plan_map(tmp_path):
+    """workflows/config/plan.yaml (workflows/schemas/plan.schema.yaml): a value that is not the
+    schema's stops `snakemake plan` at parse time, and `tspbench plan-map --config` with one
+    line and exit 2; nothing in it is run, nothing is written."""
+    copy_workflow(tmp_path)
+    plan = tmp_path / "workflows/config/plan.yaml"
+    cfg = yaml.safe_load(plan.read_text())
+    cfg["focus"] = f"tsp$(touch {tmp_path / 'PWNED'})"
+    plan.write_text(yaml.safe_dump(cfg))
+    p = snakemake("-n", "--cores", "1", "plan", cwd=tmp_path)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out[-3000:]
+    assert "config error: plan config" in out and "focus: 'tsp$(touch" in out, out[-3000:]
+    argv = ["--config", plan, "--model", "7b", "--hardware", "h100", "--out", tmp_path / "m"]
+    p = tspbench("plan-map", *argv, cwd=tmp_path)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr[-3000:]
+    assert "focus: 'tsp$(touch" in p.stderr and "is not one of ['tsp'," in p.stderr
+    assert not (tmp_path / "PWNED").exists() and not (tmp_path / "m").exists()
 
 
 # -- B, C: sweep configs through snakemake and check-config ---------------------------------------

@@ -244,7 +244,7 @@ def test_map_sweep_and_figures(stub_ops, tmp_path):
         ("maps: [{model: 7b, hardware: mi300x}]\nseq_lens: [2.0]\ngpus: [8]\n", "seq_lens"),
         ("maps: [{model: 70b, hardware: mi300x}]\nseq_lens: [8]\ngpus: [8]\n", "maps.0.model"),
         ("maps: []\nseq_lens: [8]\ngpus: [8]\n", "maps"),
-        ("maps: [{model: 7b, hardware: mi300x}]\nseq_lens: [8]\ngpus: [8]\nx: 1\n", "x: unknown"),
+        ("maps: [{model: 7b, hardware: mi300x}]\nseq_lens: [8]\ngpus: [8]\nx: 1\n", "'x' was"),
     ],
 )
 def test_map_config_refused_naming_the_key(tmp_path, text, needle):

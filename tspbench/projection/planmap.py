@@ -1,5 +1,5 @@
-"""Many plans at once: ``load_config`` reads workflows/config/plan.yaml (checked here: strict
-integers, bounded lists, known models and hardware) and ``sweep`` plans every cell of sequence
+"""Many plans at once: ``load_config`` reads workflows/config/plan.yaml (checked against
+workflows/schemas/plan.schema.yaml) and ``sweep`` plans every cell of sequence
 length x GPUs into the table (one row per strategy: its best fitting configuration, the cell's
 winner, the focus strategy's (TSP's) margin) that :mod:`planfigures` draws. Everything here is
 PROJECTED (analytic memory, cost model); the planner's check is in :mod:`plancheck`.
@@ -10,88 +10,31 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tspbench.core.config import PRESETS, ConfigError
-from tspbench.projection import costmodel, planner
+from tspbench.core.configfile import check_schema, read_yaml
+from tspbench.projection import planner
 from tspbench.projection.plancache import OpsCache, cache_dir
 from tspbench.projection.plantypes import Plan, Request, Row
 from tspbench.runtime.registry import strategies
 
 GiB = 2**30
-KEYS = {"name", "maps", "dtype", "mode", "seq_lens", "gpus", "max_batch", "max_degree", "focus"}
+SCHEMA = Path(__file__).resolve().parents[2] / "workflows/schemas/plan.schema.yaml"
 
 
 # -- the config -----------------------------------------------------------------------------------
 def load_config(path: str | Path) -> dict[str, Any]:
-    """workflows/config/plan.yaml, checked: ConfigError names the key and the rule."""
+    """workflows/config/plan.yaml, read without aliases and checked against
+    workflows/schemas/plan.schema.yaml (strict integers, finite numbers, bounded lists, known
+    models, hardware and strategies); ConfigError names the key, the value and the rule. The
+    schema's defaults fill the keys left out; the lengths and GPU counts come back sorted."""
     import yaml
 
     where = f"plan config {str(path)!r}"
-    try:
-        text = Path(path).read_text()
-    except OSError as e:
-        raise ConfigError(f"{where}: cannot read ({e.strerror})") from None
-    if "&" in text and "*" in text:  # YAML aliases: refused as in every other config
-        loader = yaml.SafeLoader(text)
-        try:
-            while loader.check_event():
-                if isinstance(loader.get_event(), yaml.AliasEvent):
-                    raise ConfigError(f"{where}: YAML aliases are not allowed")
-        finally:
-            loader.dispose()
-    try:
-        cfg = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{where}: not YAML ({e.__class__.__name__})") from None
-    if not isinstance(cfg, dict):
-        raise ConfigError(f"{where}: must be a mapping")
-    extra = set(cfg) - KEYS
-    if extra:
-        raise ConfigError(f"{where}: {sorted(extra)[0]}: unknown key; known: {sorted(KEYS)}")
-
-    def ints(key: str, lo: int, hi: int) -> list[int]:
-        v = cfg.get(key)
-        ok = isinstance(v, list) and 1 <= len(v) <= 64 and len(set(map(str, v))) == len(v)
-        if not ok or any(isinstance(x, bool) or not isinstance(x, int) or not lo <= x <= hi
-                         for x in v):  # fmt: skip
-            raise ConfigError(
-                f"{where}: {key}={v!r}: must be a list of 1-64 distinct integers in {lo}..{hi}"
-            )
-        return sorted(v)
-
-    out: dict[str, Any] = {
-        "name": str(cfg.get("name", "plan")),
-        "seq_lens": ints("seq_lens", 1, 2**24),
-        "gpus": ints("gpus", 1, 65536),
-        "dtype": cfg.get("dtype", "bf16"),
-        "mode": cfg.get("mode", "train"),
-        "max_batch": cfg.get("max_batch", 16),
-        "max_degree": cfg.get("max_degree"),
-        "focus": cfg.get("focus", next(iter(strategies()))),
-    }
-    for key, choices in (("dtype", ("bf16", "fp32")), ("mode", ("train", "infer")),
-                         ("focus", tuple(strategies()))):  # fmt: skip
-        if out[key] not in choices:
-            raise ConfigError(f"{where}: {key}={out[key]!r}: must be one of {', '.join(choices)}")
-    for key, lo, hi, none in (("max_batch", 1, 4096, False), ("max_degree", 1, 65536, True)):
-        v = out[key]
-        if not (none and v is None) and (
-            isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi
-        ):
-            raise ConfigError(f"{where}: {key}={v!r}: must be an integer in {lo}..{hi}")
-    maps = cfg.get("maps")
-    if not isinstance(maps, list) or not 1 <= len(maps) <= 16:
-        raise ConfigError(f"{where}: maps: must be a list of 1-16 {{model, hardware}} entries")
-    for i, m in enumerate(maps):
-        if not isinstance(m, dict) or set(m) != {"model", "hardware"}:
-            raise ConfigError(f"{where}: maps.{i}: must be {{model: ..., hardware: ...}}")
-        if m["model"] not in PRESETS:
-            raise ConfigError(f"{where}: maps.{i}.model={m['model']!r}: not a model preset")
-        if m["hardware"] not in costmodel.presets():
-            raise ConfigError(
-                f"{where}: maps.{i}.hardware={m['hardware']!r}: must be one of "
-                f"{', '.join(costmodel.presets())}"
-            )
-    out["maps"] = [dict(m) for m in maps]
+    cfg = read_yaml(path, "plan config")
+    check_schema(cfg, SCHEMA, where)
+    props = yaml.safe_load(SCHEMA.read_text())["properties"]
+    out = {k: v["default"] for k, v in props.items() if "default" in v} | cfg
+    out["seq_lens"], out["gpus"] = sorted(cfg["seq_lens"]), sorted(cfg["gpus"])
+    out["maps"] = [dict(m) for m in cfg["maps"]]
     return out
 
 

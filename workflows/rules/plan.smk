@@ -9,7 +9,7 @@ import re
 from tspbench.projection.planmap import load_config as load_plan_config
 
 PLAN_CONFIG = os.path.join(workflow.basedir, "workflows/config/plan.yaml")
-try:  # checked (strict integers, known presets) before any shell line
+try:  # checked against workflows/schemas/plan.schema.yaml before any shell line
     PLAN = load_plan_config(PLAN_CONFIG)
 except ConfigError as e:
     raise ValueError(f"config error: {e}") from None
@@ -49,7 +49,7 @@ rule plan_map:
         out=lambda wc, output: os.path.dirname(output.csv),
     shell:
         "{params.python:q} -m tspbench plan-map --config {params.config:q} --model {params.model:q}"
-        " --hardware {params.hardware:q} --out {params.out:q} > {log} 2>&1"
+        " --hardware {params.hardware:q} --out {params.out:q} > {log:q} 2>&1"
 
 
 rule plan_check:
@@ -69,4 +69,4 @@ rule plan_check:
         python=PYTHON,
     shell:
         "{params.python:q} -m tspbench plan-check --summary {input.summaries:q}"
-        " --hardware {input.preset:q} --memory {input.memory:q} --out {output:q} > {log} 2>&1"
+        " --hardware {input.preset:q} --memory {input.memory:q} --out {output:q} > {log:q} 2>&1"

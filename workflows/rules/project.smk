@@ -32,7 +32,7 @@ rule estimate:
         mem=PROJ["device_memory_gib"],
     shell:
         "{params.python:q} -m tspbench estimate {params.args} --device-memory {params.mem:q}"
-        " --out {output} > {log} 2>&1"
+        " --out {output:q} > {log:q} 2>&1"
 
 
 rule projected_report:
@@ -52,4 +52,5 @@ rule projected_report:
         plots=PROJ_PLOTS,
     shell:
         "{params.python:q} -m tspbench projected-report --config {params.config:q}"
-        " --estimates {params.estimates} --out {params.out} --plots {params.plots} > {log} 2>&1"
+        " --estimates {params.estimates:q} --out {params.out:q} --plots {params.plots:q}"
+        " > {log:q} 2>&1"

@@ -15,5 +15,5 @@ rule regress:
         python=PYTHON,
         baseline=lambda wc: f"{config.get('baseline', 'results/baselines')}/{hardware_id()}.csv",
     shell:
-        "{params.python} -m tspbench regress --baseline {params.baseline} --current {input}"
-        " --tolerances workflows/regress.yaml --out {output} 2>&1 | tee {log}"
+        "{params.python:q} -m tspbench regress --baseline {params.baseline:q} --current {input:q}"
+        " --tolerances workflows/regress.yaml --out {output:q} 2>&1 | tee {log:q}"

@@ -22,9 +22,9 @@ rule aggregate:
         runs=lambda wc, input: os.path.dirname(input[0]),
         config=lambda wc: json.dumps(config),
     shell:
-        "{params.python} -m tspbench aggregate --config-json {params.config:q}"
-        " --runs {params.runs} --csv {output.csv} --parquet {output.parquet}"
-        " --filtered {output.filtered} > {log} 2>&1"
+        "{params.python:q} -m tspbench aggregate --config-json {params.config:q}"
+        " --runs {params.runs:q} --csv {output.csv:q} --parquet {output.parquet:q}"
+        " --filtered {output.filtered:q} > {log:q} 2>&1"
 
 
 rule tables:
@@ -55,8 +55,8 @@ rule tables:
         out=lambda wc, output: os.path.dirname(output.failures),
         note=config.get("note", ""),
     shell:
-        "{params.python} -m tspbench tables --summary {input} --out {params.out}"
-        " --note={params.note:q} > {log} 2>&1"
+        "{params.python:q} -m tspbench tables --summary {input:q} --out {params.out:q}"
+        " --note={params.note:q} > {log:q} 2>&1"
 
 
 rule figures:
@@ -79,5 +79,5 @@ rule figures:
         out=lambda wc, output: os.path.dirname(output.figures),
         note=config.get("note", ""),
     shell:
-        "{params.python} -m tspbench figures --summary {input} --out {params.out}"
-        " --note={params.note:q} > {log} 2>&1"
+        "{params.python:q} -m tspbench figures --summary {input:q} --out {params.out:q}"
+        " --note={params.note:q} > {log:q} 2>&1"
