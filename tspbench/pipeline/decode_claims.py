@@ -64,10 +64,11 @@ def _measured_ratios(d: pd.DataFrame, subject: str) -> tuple[list[tuple], str]:
     if d.empty:
         return ratios, ""
     for key, g in d.groupby(keys):
-        ref = g[g["strategy"] == REFERENCE]
+        is_ref = g["strategy"] == REFERENCE
+        ref = g[is_ref]
         if ref.empty:
             continue
-        for _, r in g[g["strategy"] != REFERENCE].iterrows():
+        for _, r in g[~is_ref].iterrows():
             if "generated_tokens" in g and pd.notna(r.get("generated_tokens")):
                 total += 1
                 same += json.loads(r["generated_tokens"]) == json.loads(

@@ -106,9 +106,11 @@ def _reference(ax, ax2, d: pd.DataFrame, D: int) -> bool:
     entry on ``ax2``, which holds the legend); a note names the strategies whose caches are
     equal, since their lines coincide."""
     ok = d[d["status"] == "ok"]
-    ref = ok[ok["strategy"] == REFERENCE].sort_values("seq_len")
+    is_ref = ok["strategy"] == REFERENCE
+    ref = ok[is_ref].sort_values("seq_len")
     at = ok[ok["seq_len"] == ok["seq_len"].max()]
-    single, split = at.loc[at["strategy"] == REFERENCE, "kv"], at[at["strategy"] != REFERENCE]
+    at_ref = is_ref[at.index]
+    single, split = at.loc[at_ref, "kv"], at[~at_ref]
     notes = []
     for _, g in split.groupby(split["kv"].map(lambda v: f"{v:.3g}")):  # equal to 3 digits
         ratio = f" = single / {single.iloc[0] / g['kv'].iloc[0]:.3g}" if len(single) else ""
