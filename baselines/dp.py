@@ -92,6 +92,7 @@ class Single(DP):
     """The single-device reference (D must be 1)."""
 
     name = "single"
+    reference = True
     grad_staging_copies = 0  # one rank: nothing to reduce
 
     @classmethod

@@ -45,6 +45,7 @@ from tspbench.core.vocab_parallel import cross_entropy_sum, embedding
 
 class TPSP(Strategy):
     name = "tpsp"
+    factored = True
 
     @classmethod
     def make_layout(cls, degree: int | None, tp: int, sp: int, dp: int) -> Layout:

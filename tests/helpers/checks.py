@@ -27,30 +27,32 @@ def mesh_for(dims: tuple[tuple[str, int], ...]):
     return build_mesh(dict(dims))
 
 
-def spec_of(case: dict) -> RunSpec:
-    """The run a test case describes (its tolerances and test-only knobs stay in the dict)."""
-    return RunSpec.make(
-        case["strategy"],
-        get_config("tiny", **case.get("model", {})),
-        degree=case["D"],
-        tp=case.get("tp", 1),
-        sp=case.get("sp", 1),
-        dp=case.get("dp", 1),
-        seq_len=case["S"],
-        batch=case["B"],
-        dtype=case.get("dtype", "fp32"),
-        seed=case.get("seed", 0),
-        **{
-            k: case[k]
-            for k in ("mode", "recompute", "overlap", "kv_bucket", "mlp_schedule", "kv_backward")
-            if k in case
-        },
-    )
+# a case's run fields and their RunSpec names (the rest of a case: its id, model overrides,
+# tolerances and test-only knobs)
+RUN_FIELDS = {"D": "degree", "S": "seq_len", "P": "seq_len", "B": "batch", "N": "new_tokens"} | {
+    k: k for k in ("tp", "sp", "dp", "dtype", "seed", "mode", "recompute", "overlap", "kv_bucket",
+                   "mlp_schedule", "kv_backward")
+}  # fmt: skip
+
+
+def case_spec(case: dict, **fixed) -> RunSpec:
+    """The RunSpec of a test case: its run fields go straight into RunSpec.make under RunSpec's
+    names, on the tiny model with the case's overrides; ``fixed`` adds fields the test sets."""
+    fields = {RUN_FIELDS[k]: v for k, v in case.items() if k in RUN_FIELDS}
+    cfg = get_config("tiny", **case.get("model", {}))
+    return RunSpec.make(case["strategy"], cfg, **fields, **fixed)
+
+
+def argv_spec(argv: list[str]) -> RunSpec:
+    """The RunSpec ``tspbench run ARGV`` would run, parsed in-process."""
+    from tspbench.cli import make_parser
+
+    return RunSpec.from_args(make_parser().parse_args(["run", *argv, "--out", "x.json"]))
 
 
 def make_strategy(case: dict):
     """Build the case's strategy on a mesh of side-by-side model groups (collective)."""
-    spec = spec_of(case)
+    spec = case_spec(case)
     world = dist.get_world_size()
     dims = (("replica", world // spec.layout.world_size), *spec.impl.mesh_dims(spec.layout).items())
     mesh = mesh_for(tuple(dims))

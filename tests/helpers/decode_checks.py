@@ -9,28 +9,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tests.helpers.checks import DTYPES, close, err, mesh_for
-from tspbench.core.config import get_config
+from tests.helpers.checks import DTYPES, case_spec, close, err, mesh_for
 from tspbench.core.decode import bytes_per_step
 from tspbench.core.reference import ReferenceModel, make_batch
-from tspbench.runtime.spec import RunSpec
-
-
-def decode_spec(case: dict) -> RunSpec:
-    return RunSpec.make(
-        case["strategy"],
-        get_config("tiny", **case.get("model", {})),
-        degree=case["D"],
-        tp=case.get("tp", 1),
-        sp=case.get("sp", 1),
-        seq_len=case["P"],
-        batch=case["B"],
-        mode="generate",
-        new_tokens=case["N"],
-        seed=case.get("seed", 0),
-        dtype=case.get("dtype", "fp32"),
-        **{k: case[k] for k in ("overlap", "kv_bucket", "mlp_schedule") if k in case},
-    )
 
 
 def reference_generation(
@@ -67,7 +48,7 @@ def greedy_agrees(token: torch.Tensor, ref: torch.Tensor, tol: float) -> bool:
 def check_decode(case: dict) -> dict:
     """Tokens (exact) and logits (rtol) of every step vs the reference; bytes of every decode
     step vs the closed form (exact); the cache's bytes vs the closed form."""
-    spec = decode_spec(case)
+    spec = case_spec(case, mode="generate")
     world = dist.get_world_size()
     dims = (("replica", world // spec.layout.world_size), *spec.impl.mesh_dims(spec.layout).items())
     mesh = mesh_for(tuple(dims))

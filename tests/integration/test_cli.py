@@ -1,9 +1,11 @@
 """`tspbench run`: every strategy through the CLI agrees with the reference; torchrun, mpiexec
-and the local launcher write the same record; infer mode, a forced OOM and bad arguments."""
+and the local launcher write the same record; infer mode, a forced OOM, bad arguments, and a FIFO
+where a record should be."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import jsonschema
@@ -222,3 +224,10 @@ def test_records_say_which_attention_kernel_ran(records):
         want = "sdpa" if rec["strategy"] in ("dp", "single") else "cpu_flash"
         assert rec["attention_backend"] == want, name
         assert rec["versions"]["backend"] == "gloo" and "nccl" in rec["versions"]
+
+
+def test_a_fifo_is_refused_at_once(tmp_path):
+    fifo = tmp_path / "rec.json"
+    os.mkfifo(fifo)
+    p = tspbench("check-record", fifo, timeout=60)  # a blocked read would time out here
+    assert p.returncode == 2 and "not a regular file" in p.stderr

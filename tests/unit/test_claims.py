@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import pandas as pd
+import pytest
 import yaml
 
 from tests.helpers.runner import ROOT
@@ -54,3 +55,47 @@ def test_forward_crossover_is_near_8h_and_training_crossovers_are_stated():
     for rc in ("none", "full"):
         row = df.loc[f"Training crossover (recompute {rc}): TSP moves fewer bytes than TP"]
         assert row["ours"].startswith("B x S > ")
+
+
+def test_the_kinds_of_the_schema_are_the_checks():
+    from tspbench.pipeline.claims import CHECKS, SCHEMA
+
+    schema = yaml.safe_load(SCHEMA.read_text())
+    kinds = schema["properties"]["claims"]["items"]["properties"]["kind"]["enum"]
+    assert sorted(kinds) == sorted(CHECKS)
+
+
+BAD_CLAIMS = [
+    ("subject", lambda s: s.pop("subject"), "(top level): 'subject' is a required property"),
+    ("unknown", lambda s: s.update(subject="megatron"), "subject: 'megatron' is not one of"),
+    ("versus", lambda s: s["claims"][-3].pop("versus"), "claims.11: 'versus' is a required"),
+    ("kind", lambda s: s["claims"][0].update(kind="speed"), "claims.0.kind: 'speed' is not one"),
+    ("nan", lambda s: s["claims"][0].update(paper_gb=[float("nan")]), "is not a finite number"),
+]
+
+
+@pytest.mark.parametrize(
+    "change, needle", [b[1:] for b in BAD_CLAIMS], ids=[b[0] for b in BAD_CLAIMS]
+)
+def test_a_bad_claims_file_exits_2_in_one_line_naming_the_field(tmp_path, capsys, change, needle):
+    from tspbench.cli import main
+
+    spec = yaml.safe_load((ROOT / "workflows/paper/claims.yaml").read_text())
+    change(spec)
+    path = tmp_path / "claims.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    assert main(["claims", "--claims", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1, err
+
+
+def test_the_subject_is_the_claims_files_own(tmp_path):
+    """The strategy the claims are about is data: each strategy that beats the subject in a
+    (length, recompute) cell is set against the file's subject, whichever it is."""
+    spec = yaml.safe_load((ROOT / "workflows/paper/claims.yaml").read_text())
+    lowest = next(c for c in spec["claims"] if c["kind"] == "lowest_memory")
+    path = tmp_path / "claims.yaml"
+    for subject, other in (("tsp", "tp"), ("tp", "tsp")):
+        path.write_text(yaml.safe_dump({**spec, "subject": subject, "claims": [lowest]}))
+        reason = claims_table(path, REFS).iloc[0]["reason"]
+        assert f"< {subject} " in reason and f"< {other} " not in reason, reason

@@ -10,16 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tspbench.cli import make_parser
+from tests.helpers.checks import argv_spec
 from tspbench.core.config import ConfigError, get_config
 from tspbench.core.decode import bytes_per_step
 from tspbench.core.kvcache import KVCache, partial_attention
 from tspbench.runtime.spec import RunSpec
-
-
-def spec_of(argv: list[str]) -> RunSpec:
-    return RunSpec.from_args(make_parser().parse_args(["run", *argv, "--out", "x.json"]))
-
 
 DEC = ["--mode", "decode", "--prompt-len", "32"]
 
@@ -60,12 +55,12 @@ def test_bad_decode_arguments_exit_2_with_one_line(tmp_path, capsys, monkeypatch
 
 
 def test_the_spec_carries_new_tokens():
-    spec = spec_of(["--strategy", "tp", "--degree", "4", *DEC, "--set", "kv_heads=2"])
+    spec = argv_spec(["--strategy", "tp", "--degree", "4", *DEC, "--set", "kv_heads=2"])
     assert spec.new_tokens == 16 and spec.decoding  # the default; kv_heads < T: replicated
-    assert spec_of(spec.to_argv()) == spec
+    assert argv_spec(spec.to_argv()) == spec
     assert spec.id.endswith(".decode.N16")
     assert spec.header("local", 4)["new_tokens"] == 16
-    assert "new_tokens" not in spec_of(["--strategy", "tp", "--seq-len", "32"]).header("local", 1)
+    assert "new_tokens" not in argv_spec(["--strategy", "tp", "--seq-len", "32"]).header("local", 1)
     with pytest.raises(ConfigError, match="kv_heads=2: must be divisible by T"):
         spec.replace(mode="infer", new_tokens=0)  # training layouts still split KV heads
 

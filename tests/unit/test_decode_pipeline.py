@@ -79,6 +79,7 @@ BAD = [
     ("gpus", {"gpus": [4]}, "gpus: 4 is not one of sweeps[0].degrees [2]: decode runs one"),
     ("single", {"strategies": ["single", "tsp"]}, "single decodes on one rank (gpus [2])"),
     ("zigzag", {"seq_lens": [250]}, "250 must be divisible by 2*D = 4"),
+    ("no-factors", {"strategies": ["tpsp"]}, "sweeps[0].tpsp: list the T x Sigma factorisations"),
     ("batch", {"batches": [0]}, "batches.0: 0 is less than the minimum of 1"),
 ]
 
@@ -175,7 +176,7 @@ def test_decode_tables_show_every_decode_cell(cpu):
 
 def test_decode_figures_name_the_device_and_mark_failed_cells(cpu, tmp_path):
     from tspbench.pipeline.decode_figures import (
-        REFERENCE,
+        REFERENCE_LINE,
         decode_plots,
         draw,
         write_decode_figures,
@@ -194,7 +195,7 @@ def test_decode_figures_name_the_device_and_mark_failed_cells(cpu, tmp_path):
     fig = draw(figs["kv_cache_vs_seq"], colors, marks, df)
     ax, ax2 = fig.axes[:2]
     assert "per CPU rank" in ax.get_ylabel() and "per CPU rank" in ax2.get_ylabel()
-    ref = next(ln for ln in ax.get_lines() if ln.get_label() == REFERENCE)
+    ref = next(ln for ln in ax.get_lines() if ln.get_label() == REFERENCE_LINE)
     single = df[(df["strategy"] == "single") & df["cell"].isin(figs["kv_cache_vs_seq"].data.cell)]
     assert list(ref.get_ydata()) == pytest.approx(sorted(single["kv_cache_bytes"] / 2 / 1024))
     crosses = [t.get_text() for t in ax.texts if t.get_text().startswith("tp:")]

@@ -32,6 +32,19 @@ DEFAULT = yaml.safe_load((ROOT / "workflows/config/default.yaml").read_text())
 __all__ = ["CPU", "GPU", "decode_fields", "fake_record", "summary", "write_records"]
 
 
+@pytest.fixture(scope="module")
+def paper(tmp_path_factory) -> tuple[list, pd.DataFrame]:
+    """paper.yaml's cells and the aggregate of their synthetic GPU records, made once for the
+    module (about 10 s: the records of the 1024-GPU scaling cells are long)."""
+    return summary(PAPER, tmp_path_factory.mktemp("paper"))
+
+
+@pytest.fixture(scope="module")
+def default_cpu(tmp_path_factory) -> tuple[list, pd.DataFrame]:
+    """default.yaml's cells and the aggregate of their synthetic CPU records (made once)."""
+    return summary(DEFAULT, tmp_path_factory.mktemp("default"), launcher="local", hardware=CPU)
+
+
 def expected_tables(cell, sweep: str) -> list[tuple[str, str]]:
     """(table, column) that must show ``cell`` as a member of ``sweep``."""
     s = cell.spec
@@ -56,14 +69,14 @@ def expected_tables(cell, sweep: str) -> list[tuple[str, str]]:
     raise AssertionError(f"no table known for sweep {sweep}")
 
 
-def test_every_sweep_of_paper_yaml_shows_every_one_of_its_cells(tmp_path):
+def test_every_sweep_of_paper_yaml_shows_every_one_of_its_cells(paper, tmp_path):
     """A cell listed by two sweeps runs once and has one row, and appears in both sweeps'
     tables and figures: the D = 8 column of memory_vs_degree, the 8-GPU scaling point."""
     from tspbench.pipeline.decode_figures import decode_plots
     from tspbench.pipeline.figures import plots, write_figures
     from tspbench.pipeline.tables import specs, write_tables
 
-    cells, df = summary(PAPER, tmp_path)
+    cells, df = paper
     assert len(df) == len(cells) and df["cell"].is_unique  # one run, one record, one row
     shared = {c.id: c.sweeps for c in cells if len(c.sweeps) > 1}
     assert shared["tsp.D8.g8.S16384.B1.train"] == ("seq", "degree")
@@ -109,13 +122,13 @@ def _csv(df: pd.DataFrame, tmp_path: Path) -> Path:
     return path
 
 
-def test_inference_cells_have_memory_and_throughput_tables(tmp_path):
+def test_inference_cells_have_memory_and_throughput_tables(paper):
     """paper.yaml's seq sweep has 24 forward-only cells: every one is in the inference
     memory and throughput tables (and figures), not only in the bytes table."""
     from tspbench.pipeline.figures import plots
     from tspbench.pipeline.tables import specs
 
-    cells, df = summary(PAPER, tmp_path)
+    cells, df = paper
     infer = [c for c in cells if "seq" in c.sweeps and c.spec.mode == "infer"]
     assert len(infer) == 24
     tables = {name: (caption, t) for name, caption, t in specs(df)}
@@ -128,7 +141,7 @@ def test_inference_cells_have_memory_and_throughput_tables(tmp_path):
     assert set(figs["throughput_vs_seq_infer"].data["cell"]) == {c.id for c in infer}
 
 
-def test_default_micro_batch_sweep_has_three_columns_and_about_the_same_cells(tmp_path):
+def test_default_micro_batch_sweep_has_three_columns_and_about_the_same_cells(default_cpu):
     """The default sweep's micro-batch tables have at least three micro-batches; the sweep
     stays about as long as before (40 cells, ~10 min on 2 cores, and 12 decode cells): the
     B = 1 cells are the seq sweep's, run once."""
@@ -136,7 +149,7 @@ def test_default_micro_batch_sweep_has_three_columns_and_about_the_same_cells(tm
 
     batch = next(s for s in DEFAULT["sweeps"] if s["name"] == "batch")
     assert len(batch["batches"]) >= 3
-    cells, df = summary(DEFAULT, tmp_path, launcher="local", hardware=CPU)
+    cells, df = default_cpu
     assert len([c for c in cells if not c.spec.decoding]) <= 42
     assert len([c for c in cells if c.spec.decoding]) <= 12  # ~1.5 min on 2 cores
     tables = {name: t for name, _, t in specs(df)}
@@ -145,14 +158,14 @@ def test_default_micro_batch_sweep_has_three_columns_and_about_the_same_cells(tm
         assert (tables[name].loc["tsp"] != "-").all()
 
 
-def test_throughput_has_step_spread_and_axes_name_the_device(tmp_path):
+def test_throughput_has_step_spread_and_axes_name_the_device(default_cpu, paper):
     """Throughput figures draw the timed steps' min-max as error bars (tokens per step over
     the slowest and fastest step); the GPU axis says CPU ranks for a CPU run, GPUs for GPUs."""
     from tspbench.pipeline.figures import line, plots
     from tspbench.pipeline.plotting import palette, styles
     from tspbench.pipeline.tables import device, hardware
 
-    _, cpu = summary(DEFAULT, tmp_path, launcher="local", hardware=CPU)
+    _, cpu = default_cpu
     assert device(cpu) == ("CPU rank", "CPU ranks")
     assert hardware(cpu) == "AMD EPYC 7763 64-Core Processor, 2 CPUs (CPU ranks)"
     named_only = cpu.drop(columns=["device_type"])  # an older summary: the name decides
@@ -174,17 +187,17 @@ def test_throughput_has_step_spread_and_axes_name_the_device(tmp_path):
         bars = [c for c in ax.containers if isinstance(c, matplotlib.container.ErrorbarContainer)]
         assert len(bars) == len(set(figs[name].data["label"])), name
 
-    cells, gpu = summary(PAPER, tmp_path / "gpu")
+    _, gpu = paper
     figs = {p.name: p for p in plots(gpu)}
     assert figs["throughput_vs_gpus_infer_S16384"].xlabel == "GPUs"
     assert "per GPU" in figs["memory_vs_seq"].ylabel
 
 
-def test_tables_follow_the_strategy_registry_order(tmp_path):
+def test_tables_follow_the_strategy_registry_order(paper):
     from tspbench.pipeline.tables import label_order, specs
     from tspbench.runtime.registry import strategies
 
-    _, df = summary(PAPER, tmp_path)
+    _, df = paper
     order = list(strategies())
     for name, _, table in specs(df):
         rows = list(table.index)

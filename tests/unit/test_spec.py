@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from tspbench.cli import make_parser
+from tests.helpers.checks import argv_spec
 from tspbench.core.config import ConfigError, get_config
 from tspbench.runtime.spec import RunSpec
 
@@ -24,24 +24,20 @@ ARGVS = [
 ]
 
 
-def spec_of(argv: list[str]) -> RunSpec:
-    return RunSpec.from_args(make_parser().parse_args(["run", *argv, "--out", "x.json"]))
-
-
 @pytest.mark.parametrize("argv", ARGVS, ids=lambda a: " ".join(a[1:4]))
 def test_to_argv_rebuilds_the_same_spec(argv):
-    spec = spec_of(argv)
-    assert spec_of(spec.to_argv()) == spec
+    spec = argv_spec(argv)
+    assert argv_spec(spec.to_argv()) == spec
 
 
 def test_names_are_asked_of_the_strategy():
-    tpsp = spec_of(["--strategy", "tpsp", "--tp", "2", "--sp", "1", "--seq-len", "64"])
+    tpsp = argv_spec(["--strategy", "tpsp", "--tp", "2", "--sp", "1", "--seq-len", "64"])
     assert tpsp.id == "tpsp-2x1.D2.g2.S64.B1.train" and tpsp.label == "tpsp (2x1)"
     assert tpsp.header("local", 2)["tp"] == 2 and tpsp.cp == 1
-    tsp = spec_of(["--strategy", "tsp", "--degree", "4", "--dp", "2", "--seq-len", "64"])
+    tsp = argv_spec(["--strategy", "tsp", "--degree", "4", "--dp", "2", "--seq-len", "64"])
     assert tsp.id == "tsp.D4.g8.S64.B1.train" and tsp.label == "tsp"
     assert tsp.header("local", 8)["tp"] is None and tsp.tokens == 64 // 4
-    dp = spec_of(["--strategy", "dp", "--degree", "2", "--batch", "4", "--seq-len", "64"])
+    dp = argv_spec(["--strategy", "dp", "--degree", "2", "--batch", "4", "--seq-len", "64"])
     assert dp.tokens == 4 * 64 // 2  # whole sequences per rank
 
 
@@ -49,11 +45,11 @@ def test_the_mlp_schedule_names_itself_and_is_tsp_only():
     """A broadcast TSP run is its own cell (id, label, record); a ring one keeps the old names;
     a strategy without an MLP schedule refuses any but the default, whoever builds its spec."""
     argv = ["--strategy", "tsp", "--degree", "4", "--seq-len", "64"]
-    ring, bcast = spec_of(argv), spec_of([*argv, "--mlp-schedule", "broadcast"])
+    ring, bcast = argv_spec(argv), argv_spec([*argv, "--mlp-schedule", "broadcast"])
     assert ring.id == "tsp.D4.g4.S64.B1.train" and ring.label == "tsp"
     assert bcast.id == "tsp-mlp-broadcast.D4.g4.S64.B1.train"
     assert bcast.label == "tsp (broadcast MLP)" and bcast.header("local", 4)["mlp_schedule"]
-    assert "--mlp-schedule" not in spec_of(["--strategy", "tp", "--seq-len", "64"]).to_argv()
+    assert "--mlp-schedule" not in argv_spec(["--strategy", "tp", "--seq-len", "64"]).to_argv()
     assert_tsp_only("mlp_schedule", "broadcast", "tree", "ring, broadcast")
 
 
@@ -67,7 +63,7 @@ def assert_tsp_only(field: str, value: str, bad: str, choices: str) -> None:
 
 
 def test_frozen_and_keyword_only():
-    spec = spec_of(ARGVS[0])
+    spec = argv_spec(ARGVS[0])
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.seq_len = 8  # type: ignore[misc]
     with pytest.raises(TypeError):
@@ -84,7 +80,7 @@ def test_frozen_and_keyword_only():
 )
 def test_a_bad_spec_is_refused_on_construction(argv, needle):
     with pytest.raises(ConfigError, match=needle.replace("*", r"\*").replace("/", "/")):
-        spec_of(argv)
+        argv_spec(argv)
 
 
 @pytest.mark.parametrize("field", ["dtype", "mode", "recompute", "mlp_schedule"])
@@ -98,9 +94,9 @@ def test_a_spec_refuses_unknown_choices_whoever_builds_it(field):
 def test_the_kv_backward_names_itself_and_is_tsp_only():
     """A TSP run that keeps its K/V for backward is its own cell; other strategies refuse it."""
     argv = ["--strategy", "tsp", "--degree", "4", "--seq-len", "64"]
-    save = spec_of([*argv, "--kv-backward", "save"])
+    save = argv_spec([*argv, "--kv-backward", "save"])
     assert save.id == "tsp-kvsave.D4.g4.S64.B1.train" and save.label == "tsp (K/V saved)"
     assert save.header("local", 4)["kv_backward"] == "save"
-    assert spec_of(argv).header("local", 4)["kv_backward"] == "regather"
-    assert "--kv-backward" not in spec_of(["--strategy", "tp", "--seq-len", "64"]).to_argv()
+    assert argv_spec(argv).header("local", 4)["kv_backward"] == "regather"
+    assert "--kv-backward" not in argv_spec(["--strategy", "tp", "--seq-len", "64"]).to_argv()
     assert_tsp_only("kv_backward", "save", "keep", "regather, save")

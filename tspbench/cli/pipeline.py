@@ -11,19 +11,12 @@ from tspbench.core.config import ConfigError
 
 
 def cmd_aggregate(args: argparse.Namespace) -> int:
-    from tspbench.pipeline.aggregate import write_summary
+    from tspbench.pipeline.aggregate import report, write_summary
 
-    df, filtered = write_summary(
-        json.loads(args.config_json),
-        Path(args.runs),
-        Path(args.csv),
-        Path(args.parquet) if args.parquet else None,
-        Path(args.filtered),
-    )
-    counts = ", ".join(f"{n} {s}" for s, n in df["status"].value_counts().items())
-    print(f"{len(df)} cells ({counts}); {len(filtered)} combinations filtered")
-    for _, r in df[df["status"] != "ok"].iterrows():
-        print(f"  {r['cell']}: {r['status']}: {r.get('error_message')}")
+    parquet = Path(args.parquet) if args.parquet else None
+    runs, csv, filtered = Path(args.runs), Path(args.csv), Path(args.filtered)
+    df, cut = write_summary(json.loads(args.config_json), runs, csv, parquet, filtered)
+    print(report(df, cut))
     return 0
 
 

@@ -196,3 +196,13 @@ def write_summary(
         pd.DataFrame(filtered, columns=["cell", "reason"] if not filtered else None), filtered_csv
     )
     return df, filtered
+
+
+def report(df: pd.DataFrame, filtered: list[dict]) -> str:
+    """What ``tspbench aggregate`` prints: cells by status, filtered combinations, and each
+    cell without a result with its reason."""
+    counts = ", ".join(f"{n} {s}" for s, n in df["status"].value_counts().items())
+    lines = [f"{len(df)} cells ({counts}); {len(filtered)} combinations filtered"]
+    lines += [f"  {r['cell']}: {r['status']}: {r.get('error_message')}"
+              for _, r in df[df["status"] != "ok"].iterrows()]  # fmt: skip
+    return "\n".join(lines)

@@ -62,7 +62,7 @@ def check_sweep(i: int, sweep: dict) -> None:
     """Sweep-level rules (ConfigError naming the field): every sequence length splits into 2D
     zigzag chunks and every GPU count holds whole model groups, for every degree of the sweep."""
     degrees = set(sweep["degrees"]) | {t * s for t, s in sweep.get("tpsp", [])}
-    if "tpsp" in sweep["strategies"] and not sweep.get("tpsp"):  # the config's own key
+    if any(strategies()[s].factored for s in sweep["strategies"]) and not sweep.get("tpsp"):
         raise ConfigError(f"sweeps[{i}].tpsp: list the T x Sigma factorisations, e.g. [[2, 2]]")
     for t, s in sweep.get("tpsp", []):
         if t * s not in sweep["degrees"]:
@@ -111,11 +111,12 @@ def check_decode_sweep(i: int, sweep: dict) -> None:
             f"sweeps[{i}].strategies: {', '.join(cannot)} has no decode path (modes "
             f"{sweep['modes']}); strategies that decode: {can}"
         )
-    if "single" in sweep["strategies"] and sweep["gpus"] != [1]:
-        raise ConfigError(
-            f"sweeps[{i}].strategies: single decodes on one rank (gpus {sweep['gpus']}): give it "
-            "a sweep entry of its own with degrees [1] and gpus [1] (it may share this name)"
-        )
+    for ref in (s for s in sweep["strategies"] if strategies()[s].reference):
+        if sweep["gpus"] != [1]:
+            raise ConfigError(
+                f"sweeps[{i}].strategies: {ref} decodes on one rank (gpus {sweep['gpus']}): give "
+                "it a sweep entry of its own with degrees [1] and gpus [1] (it may share this name)"
+            )
     for g in sweep["gpus"]:
         if g not in sweep["degrees"]:
             raise ConfigError(

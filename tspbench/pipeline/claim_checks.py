@@ -1,5 +1,8 @@
 """One check per kind of claim for ``tspbench claims``: the paper's number against ours, with
-a verdict and the reason (:mod:`tspbench.pipeline.claims` assembles the table)."""
+a verdict and the reason (:mod:`tspbench.pipeline.claims` assembles the table).
+
+Each check takes the claim ``c`` (its ``subject``, the strategy the paper is about, comes from
+the claims file, as does the ``versus`` strategy of a comparison), the model and the sources."""
 
 from __future__ import annotations
 
@@ -15,7 +18,6 @@ from tspbench.projection.costmodel import load_preset
 from tspbench.runtime.spec import RunSpec
 
 GB, GiB = 1e9, 2**30
-SUBJECT = "tsp"  # the strategy the paper's claims are about
 ROOT = Path(__file__).resolve().parents[2]
 HOLDS, PARTLY = 0.15, 0.35  # relative differences for holds / partly
 
@@ -96,7 +98,7 @@ def memory_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
                 "paper's recompute setting is not stated; a live-tensor count does not see the "
                 "CUDA context, NCCL buffers or allocator fragmentation (several GB on a GPU). "
                 + _growth(mem, best.strategy)
-                + (_tsp_choices(cfg, c["seq_len"]) if c["strategy"] == SUBJECT else ""),
+                + (_tsp_choices(cfg, c) if c["strategy"] == c["subject"] else ""),
                 c["source"],
                 f"{_rel(src.projected)}/memory.csv: {best.strategy}, S={c['seq_len']}",
             )
@@ -104,15 +106,16 @@ def memory_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
     return rows
 
 
-def _tsp_choices(cfg: ModelConfig, S: int, D: int = 8) -> str:
+def _tsp_choices(cfg: ModelConfig, c: dict, D: int = 8) -> str:
     """What two design choices of ours save at length S (bytes per GPU): re-gathering each head
     group's K/V in backward instead of saving them (both are implemented: ``--kv-backward``;
     the analytic peaks of the two, bf16), and the online log-sum-exp loss instead of
     materialising a [S/D, V] fp32 logits shard."""
+    S = c["seq_len"]
     peaks = {
         (rc, kb): analytic.memory(
             RunSpec.make(
-                SUBJECT, cfg, degree=D, seq_len=S, dtype="bf16", recompute=rc, kv_backward=kb
+                c["subject"], cfg, degree=D, seq_len=S, dtype="bf16", recompute=rc, kv_backward=kb
             )
         )["peak"]
         for rc in ("none", "full")
@@ -186,20 +189,20 @@ def throughput_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
     return rows
 
 
-def lowest_memory_rows(c: dict, src: Sources) -> list[Row]:
-    mem = src.table("memory")
+def lowest_memory_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
+    mem, subject = src.table("memory"), c["subject"]
     losses = []  # (text, GiB by which another strategy is lower)
     for rc in ("full", "none"):
         for S in c["seq_lens"]:
             d = mem[(mem.recompute == rc) & (mem.seq_len == S)].set_index("strategy")["peak_gib"]
             best = d.idxmin()
-            if best != SUBJECT:
-                text = f"S={S} {rc}: {best} {d[best]:.2f} < tsp {d['tsp']:.2f} GiB"
-                losses.append((text, d[SUBJECT] - d[best]))
+            if best != subject:
+                text = f"S={S} {rc}: {best} {d[best]:.2f} < {subject} {d[subject]:.2f} GiB"
+                losses.append((text, d[subject] - d[best]))
     cpu = per_sweep(pd.read_csv(src.measured))  # a cell of two sweeps counts in each
     seq = cpu[(cpu.sweep == "seq") & (cpu.status == "ok") & (cpu["mode"] == "train")]
     lowest = [g.loc[g.peak_mem_bytes.idxmin(), "strategy"] for _, g in seq.groupby("seq_len")]
-    cpu_ok = all(s == SUBJECT for s in lowest)
+    cpu_ok = all(s == subject for s in lowest)
     n = 2 * len(c["seq_lens"])
     ours = (
         f"projected 7B D=8: TSP lowest in {n - len(losses)}/{n} (S, recompute) cells; measured "
@@ -224,16 +227,17 @@ def gap_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
     d = mem[mem.recompute == "full"].pivot_table(
         index="seq_len", columns="strategy", values="peak_gib"
     )
-    by_s = {int(k): round(float(v), 2) for k, v in (d[c["versus"]] - d[SUBJECT]).items()}
+    subject, versus = c["subject"], c["versus"]
+    by_s = {int(k): round(float(v), 2) for k, v in (d[versus] - d[subject]).items()}
     by_d = {}
     for D in (2, 4, 8):
         peaks = {
             s: analytic.memory(
                 RunSpec.make(s, cfg, degree=D, seq_len=131072, dtype="bf16", recompute="full")
             )["peak"]
-            for s in (SUBJECT, c["versus"])
+            for s in (subject, versus)
         }
-        by_d[D] = round((peaks[c["versus"]] - peaks[SUBJECT]) / GiB, 2)
+        by_d[D] = round((peaks[versus] - peaks[subject]) / GiB, 2)
     grows = list(by_s.values()) == sorted(by_s.values())
     grows = grows and list(by_d.values()) == sorted(by_d.values())
     return [
@@ -250,19 +254,20 @@ def gap_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
     ]
 
 
-def microbatch_rows(c: dict, src: Sources) -> list[Row]:
+def microbatch_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
     mb = src.table("microbatch")
     mb = mb[mb.hardware == "mi300x"]
     cap = load_preset("mi300x")["memory_bytes"] / GiB
     largest = {s: int(g[g.fits].batch.max()) for s, g in mb.groupby("strategy") if g.fits.any()}
     peak16 = mb[mb.batch == mb.batch.max()].set_index("strategy")["peak_gib_analytic"]
-    tsp_least = peak16.idxmin() == SUBJECT
+    ours = peak16[c["subject"]]
+    tsp_least = peak16.idxmin() == c["subject"]
     return [
         Row(
             c["claim"],
             "larger micro-batches fit with TSP",
             f"largest micro-batch that fits {cap:.0f} GiB (16 GPUs, 16K, projected): {largest}; "
-            f"peak at B={mb.batch.max()}: TSP {peak16['tsp']:.1f} GiB, lowest: {peak16.idxmin()}",
+            f"peak at B={mb.batch.max()}: TSP {ours:.1f} GiB, lowest: {peak16.idxmin()}",
             "holds" if tsp_least else "partly",
             "every strategy fits every listed micro-batch on a 192 GB MI300X, so the sweep "
             "cannot show a larger one; TSP's peak is the lowest at the largest batch"
@@ -274,12 +279,13 @@ def microbatch_rows(c: dict, src: Sources) -> list[Row]:
     ]
 
 
-def competitive_rows(c: dict, src: Sources) -> list[Row]:
+def competitive_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
+    """The subject's throughput against the best layout (factorisation) of ``versus``."""
     t = src.table("throughput_vs_seq")
     t = t[(t.hardware == "mi300x") & (t["mode"] == "infer")]
     d = t.pivot_table(index="seq_len", columns="strategy", values="tokens_per_s_per_gpu")
-    tpsp = d[[x for x in d.columns if x.startswith("tpsp")]].max(axis=1)
-    ratio = {int(k): round(float(v), 2) for k, v in (d[SUBJECT] / tpsp).items()}
+    best = d[t.loc[t.base == c["versus"], "strategy"].unique()].max(axis=1)
+    ratio = {int(k): round(float(v), 2) for k, v in (d[c["subject"]] / best).items()}
     rising = list(ratio.values()) == sorted(ratio.values())
     return [
         Row(
@@ -294,26 +300,9 @@ def competitive_rows(c: dict, src: Sources) -> list[Row]:
     ]
 
 
-def crossover(cfg: ModelConfig, mode: str, recompute: str, degree: int = 8) -> float:
-    """B x S above which TSP moves fewer bytes per rank than TP (both linear in S at B = 1)."""
-
-    def total(s: str, S: int) -> float:
-        spec = RunSpec.make(
-            s, cfg, degree=degree, seq_len=S, mode=mode, dtype="bf16", recompute=recompute
-        )
-        return sum(analytic.comm_bytes(spec).values())
-
-    a, b = 16 * degree, 4096 * degree
-    slope = {s: (total(s, b) - total(s, a)) / (b - a) for s in (SUBJECT, "tp")}
-    base = {s: total(s, a) - slope[s] * a for s in (SUBJECT, "tp")}
-    if slope["tp"] <= slope[SUBJECT]:
-        return float("inf")
-    return (base[SUBJECT] - base["tp"]) / (slope["tp"] - slope[SUBJECT])
-
-
-def crossover_rows(c: dict, cfg: ModelConfig) -> list[Row]:
-    eight_h = 8 * cfg.hidden
-    fwd = crossover(cfg, "infer", "none")
+def crossover_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
+    eight_h, pair = 8 * cfg.hidden, (c["subject"], c["versus"])
+    fwd = analytic.crossover(cfg, *pair, "infer", "none")
     rows = [
         Row(
             c["claim"],
@@ -326,7 +315,7 @@ def crossover_rows(c: dict, cfg: ModelConfig) -> list[Row]:
         )
     ]
     for rc in ("none", "full"):
-        x = crossover(cfg, "train", rc)
+        x = analytic.crossover(cfg, *pair, "train", rc)
         rows.append(
             Row(
                 f"Training crossover (recompute {rc}): TSP moves fewer bytes than TP",

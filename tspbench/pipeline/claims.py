@@ -14,56 +14,41 @@ from __future__ import annotations
 from pathlib import Path
 
 import pandas as pd
-import yaml
 
 from tspbench.core.config import get_config
-from tspbench.pipeline.claim_checks import (
-    ROOT,
-    Row,
-    Sources,
-    competitive_rows,
-    crossover_rows,
-    gap_rows,
-    lowest_memory_rows,
-    memory_rows,
-    microbatch_rows,
-    throughput_rows,
-)
+from tspbench.pipeline import claim_checks as checks
+from tspbench.pipeline.claim_checks import ROOT, Row, Sources
+from tspbench.pipeline.configfile import check_schema, read_yaml
 from tspbench.pipeline.decode_claims import kv_cache_rows, longest_context_rows
 
-__all__ = ["Sources", "claims_table", "write_claims"]
+__all__ = ["CHECKS", "SCHEMA", "Sources", "claims_table", "write_claims"]
+SCHEMA = ROOT / "workflows/schemas/claims.schema.yaml"
+# one check per ``kind`` of claim (the schema's enum of kinds is this dict's keys)
+CHECKS = {
+    "memory": checks.memory_rows,
+    "throughput": checks.throughput_rows,
+    "lowest_memory": checks.lowest_memory_rows,
+    "gap_grows": checks.gap_rows,
+    "microbatch": checks.microbatch_rows,
+    "competitive": checks.competitive_rows,
+    "crossover": checks.crossover_rows,
+    "kv_cache": kv_cache_rows,
+    "longest_context": longest_context_rows,
+}
 
 
 def claims_table(
     path: Path = ROOT / "workflows/paper/claims.yaml", src: Sources | None = None
 ) -> pd.DataFrame:
-    """Every claim of ``path`` against our numbers (one or more rows each)."""
-    spec = yaml.safe_load(path.read_text())
+    """Every claim of ``path`` against our numbers (one or more rows each); ConfigError (one
+    line, naming the field) if the file does not follow its schema."""
+    spec = read_yaml(path, "--claims")
+    check_schema(spec, SCHEMA, f"--claims={str(path)!r}")
     src = src or Sources.find()
     cfg = get_config(spec["model"])
     rows: list[Row] = []
     for c in spec["claims"]:
-        kind = c["kind"]
-        if kind == "memory":
-            rows += memory_rows(c, cfg, src)
-        elif kind == "throughput":
-            rows += throughput_rows(c, cfg, src)
-        elif kind == "lowest_memory":
-            rows += lowest_memory_rows(c, src)
-        elif kind == "gap_grows":
-            rows += gap_rows(c, cfg, src)
-        elif kind == "microbatch":
-            rows += microbatch_rows(c, src)
-        elif kind == "competitive":
-            rows += competitive_rows(c, src)
-        elif kind == "crossover":
-            rows += crossover_rows(c, cfg)
-        elif kind == "kv_cache":
-            rows += kv_cache_rows(c, cfg, src)
-        elif kind == "longest_context":
-            rows += longest_context_rows(c, cfg, src)
-        else:
-            rows.append(Row(c["claim"], "?", "", "not checkable here", f"unknown kind {kind!r}"))
+        rows += CHECKS[c["kind"]]({**c, "subject": spec["subject"]}, cfg, src)
     return pd.DataFrame([r.__dict__ for r in rows])
 
 

@@ -18,7 +18,8 @@ import pandas as pd
 
 from tspbench.core.config import ConfigError, ModelConfig
 from tspbench.pipeline.aggregate import per_sweep
-from tspbench.pipeline.claim_checks import HOLDS, SUBJECT, Row, Sources, _rel
+from tspbench.pipeline.claim_checks import HOLDS, Row, Sources, _rel
+from tspbench.pipeline.labels import REFERENCE
 from tspbench.projection.costmodel import load_preset
 from tspbench.projection.decode import memory
 from tspbench.runtime.registry import get_strategy
@@ -34,12 +35,12 @@ def _spec(cfg: ModelConfig, strategy: str, layout, P: int, c: dict, batch: int =
 
 
 def _layouts(strategies: list[str], D: int) -> list[tuple[str, object]]:
-    """(strategy, model group) at degree D (single: one GPU; TP+SP: each T x Sigma of D)."""
+    """(strategy, model group) at degree D (the single-device reference: one GPU whatever D;
+    a factored strategy: each T x Sigma of D)."""
     out = []
     for s in strategies:
-        impl = get_strategy(s)
         factors = [[t, D // t] for t in range(2, D) if D % t == 0]
-        out += [(s, lay) for lay in impl.sweep_layouts([1 if s == "single" else D], factors)]
+        out += [(s, lay) for lay in get_strategy(s).sweep_layouts([D], factors)]
     return out
 
 
@@ -55,24 +56,25 @@ def measured_decode(summary: Path) -> pd.DataFrame:
     return d.drop_duplicates("cell")
 
 
-def _measured_ratios(d: pd.DataFrame) -> tuple[list[tuple], str]:
-    """(single / TSP cache, D) per (prompt, batch, new tokens, mode) measured with both, and
-    whether every strategy generated single's tokens in those cells."""
+def _measured_ratios(d: pd.DataFrame, subject: str) -> tuple[list[tuple], str]:
+    """(single / subject's cache, D) per (prompt, batch, new tokens, mode) measured with both,
+    and whether every strategy generated single's tokens in those cells."""
     keys = ["seq_len", "batch", "new_tokens", "mode"]
     ratios, same, total = [], 0, 0
     if d.empty:
         return ratios, ""
     for key, g in d.groupby(keys):
-        ref = g[g["strategy"] == "single"]
+        is_ref = g["strategy"] == REFERENCE
+        ref = g[is_ref]
         if ref.empty:
             continue
-        for _, r in g[g["strategy"] != "single"].iterrows():
+        for _, r in g[~is_ref].iterrows():
             if "generated_tokens" in g and pd.notna(r.get("generated_tokens")):
                 total += 1
                 same += json.loads(r["generated_tokens"]) == json.loads(
                     ref.iloc[0]["generated_tokens"]
                 )
-            if r["strategy"] == SUBJECT:
+            if r["strategy"] == subject:
                 ratio = ref.iloc[0]["kv_cache_bytes"] / r["kv_cache_bytes"]
                 ratios.append((int(key[0]), int(r["degree"]), ratio))
     tokens = f"; generated tokens equal single's in {same}/{total} cells" if total else ""
@@ -82,15 +84,15 @@ def _measured_ratios(d: pd.DataFrame) -> tuple[list[tuple], str]:
 def kv_cache_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
     """TSP's KV cache per GPU against the single-device cache (ideal: 1/D), projected at the
     claim's prompt lengths and measured where the summary has decode cells."""
-    D = int(c["degree"])
-    single, tsp = (_layouts([s], D)[0][1] for s in ("single", SUBJECT))
-    proj = {P: memory(_spec(cfg, "single", single, P, c))["kv_cache_bytes"]
-            / memory(_spec(cfg, SUBJECT, tsp, P, c))["kv_cache_bytes"]
+    D, subject = int(c["degree"]), c["subject"]
+    single, tsp = (_layouts([s], D)[0][1] for s in (REFERENCE, subject))
+    proj = {P: memory(_spec(cfg, REFERENCE, single, P, c))["kv_cache_bytes"]
+            / memory(_spec(cfg, subject, tsp, P, c))["kv_cache_bytes"]
             for P in c["seq_lens"]}  # fmt: skip
     ours = [f"projected ({cfg.name} bf16, D = {D}, batch 1): single / TSP = "
             + ", ".join(f"{v:.3f} at {P // 1024}K" for P, v in proj.items())]  # fmt: skip
     off = [abs(v / D - 1) for v in proj.values()]
-    measured, tokens = _measured_ratios(measured_decode(src.measured))
+    measured, tokens = _measured_ratios(measured_decode(src.measured), subject)
     if measured:
         ours.append("measured here: " + ", ".join(f"{r:.3f} at P = {P}, D = {d}"
                                                   for P, d, r in measured))  # fmt: skip
@@ -134,8 +136,8 @@ def longest_context_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
             longest[label] = f"refused ({e})"
     numbers = {k: v for k, v in longest.items() if isinstance(v, int)}
     best = max(numbers, key=numbers.get)
-    others = [v for k, v in numbers.items() if k != SUBJECT]
-    margin = numbers[SUBJECT] / max(others) if others else float("nan")
+    others = [v for k, v in numbers.items() if k != c["subject"]]
+    margin = numbers[c["subject"]] / max(others) if others else float("nan")
     return [
         Row(
             c["claim"],
@@ -146,7 +148,7 @@ def longest_context_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
                 for k, v in longest.items()
             )  # fmt: skip
             + f"; TSP / best other = {margin:.2f}x",
-            "holds" if best == SUBJECT and margin > 1 else "differs",
+            "holds" if best == c["subject"] and margin > 1 else "differs",
             f"analytic decode memory per GPU ({cfg.name} bf16, batch 1, "
             f"{c.get('new_tokens', 128)} new tokens; peak = the larger of the prefill, a forward "
             "pass with the cache alive, and a decode step): the KV cache is split D ways by every "

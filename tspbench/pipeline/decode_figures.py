@@ -27,7 +27,7 @@ import pandas as pd  # noqa: E402
 from matplotlib import ticker  # noqa: E402
 
 from tspbench.pipeline.decode_tables import decode_groups, decoding, describe, kv_unit  # noqa: E402
-from tspbench.pipeline.labels import device, label_order, mem_unit  # noqa: E402
+from tspbench.pipeline.labels import REFERENCE, device, label_order, mem_unit  # noqa: E402
 from tspbench.pipeline.plotting import (  # noqa: E402
     draw_lines,
     failed_markers,
@@ -38,7 +38,7 @@ from tspbench.pipeline.plotting import (  # noqa: E402
 
 __all__ = ["DecodePlot", "decode_plots", "draw", "write_decode_figures"]
 DODGE = 0.04  # octaves between strategies' points where bars are drawn
-REFERENCE = "single / D"
+REFERENCE_LINE = "single / D"
 
 
 @dataclass
@@ -106,9 +106,11 @@ def _reference(ax, ax2, d: pd.DataFrame, D: int) -> bool:
     entry on ``ax2``, which holds the legend); a note names the strategies whose caches are
     equal, since their lines coincide."""
     ok = d[d["status"] == "ok"]
-    ref = ok[ok["strategy"] == "single"].sort_values("seq_len")
+    is_ref = ok["strategy"] == REFERENCE
+    ref = ok[is_ref].sort_values("seq_len")
     at = ok[ok["seq_len"] == ok["seq_len"].max()]
-    single, split = at.loc[at["strategy"] == "single", "kv"], at[at["strategy"] != "single"]
+    at_ref = is_ref[at.index]
+    single, split = at.loc[at_ref, "kv"], at[~at_ref]
     notes = []
     for _, g in split.groupby(split["kv"].map(lambda v: f"{v:.3g}")):  # equal to 3 digits
         ratio = f" = single / {single.iloc[0] / g['kv'].iloc[0]:.3g}" if len(single) else ""
@@ -119,7 +121,7 @@ def _reference(ax, ax2, d: pd.DataFrame, D: int) -> bool:
         ax.text(0.03, 0.97, text, transform=ax.transAxes, fontsize=7, va="top", bbox=box)
     if ref.empty or D < 2:
         return False
-    style = {"color": "0.2", "ls": ":", "lw": 1.4, "label": REFERENCE}
+    style = {"color": "0.2", "ls": ":", "lw": 1.4, "label": REFERENCE_LINE}
     ax.plot(ref["seq_len"], ref["kv"] / D, zorder=20, **style)  # on top: dotted over the lines
     ax2.plot([], [], **style)  # the legend's entry
     return True
@@ -139,7 +141,7 @@ def draw(
         fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11.5, 4.2))
         drawn = _panel(ax, d, "seq_len", "kv", colors, marks, logy=True)
         _panel(ax2, d, "seq_len", "peak", colors, marks)
-        extra = [REFERENCE] if _reference(ax, ax2, d, int(p.key["degree"])) else []
+        extra = [REFERENCE_LINE] if _reference(ax, ax2, d, int(p.key["degree"])) else []
         ax.set(xlabel="prompt length (tokens)", ylabel=f"KV cache per {one} ({kv_name})")
         ax.set_title("KV cache (allocated for prompt + new tokens)", fontsize=9)
         ax2.set(xlabel="prompt length (tokens)", ylabel=f"peak memory per {one} ({unit})")

@@ -149,9 +149,9 @@ def strategy_check(device: torch.device, name: str, dtype: str = "fp32") -> str:
 
 def two_gpu_check(name: str) -> str:
     """TSP or TP at D = 2 on two GPUs (NCCL/RCCL) gives the single device's loss and norm."""
-    recs = {}
+    recs, single = {}, next(n for n, s in strategies().items() if s.reference)
     with tempfile.TemporaryDirectory() as tmp:
-        for strategy, degree in ((name, 2), ("single", 1)):
+        for strategy, degree in ((name, 2), (single, 1)):
             out = Path(tmp) / f"{strategy}.json"
             argv = ["run", "--strategy", strategy, "--degree", str(degree), "--seq-len", "256"]
             argv += ["--batch", "2", "--steps", "1", "--warmup", "0", "--device", "cuda"]
@@ -159,7 +159,7 @@ def two_gpu_check(name: str) -> str:
             p = subprocess.run([sys.executable, "-m", "tspbench", *argv], capture_output=True)
             assert p.returncode == 0, p.stderr.decode()[-400:]
             recs[strategy] = json.loads(out.read_text())
-    a, b = recs[name], recs["single"]
+    a, b = recs[name], recs[single]
     for key in ("loss", "grad_norm"):
         e = abs(a[key] - b[key]) / abs(b[key])
         assert e < 1e-4, f"{key}: {a[key]} vs single {b[key]}"

@@ -17,7 +17,7 @@ import pandas as pd
 from matplotlib import ticker
 
 from tspbench.core.config import ConfigError, get_config
-from tspbench.pipeline.labels import label_order
+from tspbench.pipeline.labels import REFERENCE, label_order
 from tspbench.pipeline.plotting import draw_lines, legend, log_ticks, palette, save, styles
 from tspbench.projection.costmodel import load_preset
 from tspbench.projection.decode import memory
@@ -45,11 +45,12 @@ def _spec(cfg: dict, strategy: str, layout, P: int, batch: int) -> RunSpec:
 
 
 def _layouts(cfg: dict) -> list[tuple[str, object]]:
-    """(strategy, model group): single on one GPU, the others at the config's degree."""
+    """(strategy, model group) at the config's degree (the single-device reference's sweep
+    layout is one GPU whatever the degree)."""
     out = []
     for s in cfg["decode"]["strategies"]:
-        degrees = [1] if s == "single" else [cfg["degree"]]
-        out += [(s, lay) for lay in get_strategy(s).sweep_layouts(degrees, cfg["tpsp"])]
+        lays = get_strategy(s).sweep_layouts([cfg["degree"]], cfg["tpsp"])
+        out += [(s, lay) for lay in lays]
     return out
 
 
@@ -121,11 +122,11 @@ def _same_cache_note(ax, kv: pd.DataFrame) -> None:
     """Name the strategies whose caches coincide (their lines lie on one another), and their
     cache against the single-device one."""
     at = kv[kv.seq_len == kv.seq_len.max()]
-    single = at.loc[at.strategy == "single", "kv_cache_gib"]
+    single = at.loc[at.strategy == REFERENCE, "kv_cache_gib"]
     lines = []
     for gib, g in at.groupby(at.kv_cache_gib.map(lambda v: float(f"{v:.3g}"))):  # 3 digits
         names = label_order(g.strategy)
-        if len(names) > 1 or "single" not in names:
+        if len(names) > 1 or REFERENCE not in names:
             ratio = f" = single / {single.iloc[0] / gib:.3g}" if len(single) else ""
             lines.append(f"{', '.join(names)}{ratio}")
     if lines:

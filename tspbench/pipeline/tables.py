@@ -95,7 +95,7 @@ def crossovers(df: pd.DataFrame, mode: str) -> str:
     """The analytic B x S above which TSP moves fewer bytes per rank than TP, for the table's
     model and D (forward pass; per training step with and without recomputation, where the
     weights travel two or three times): a caption's tail, empty if the rows cannot say."""
-    from tspbench.pipeline.claim_checks import crossover
+    from tspbench.projection.analytic import crossover
 
     need = {"model", "hidden", "kv_dim", "ffn", "degree"}
     ok = df[df["status"] == "ok"] if "status" in df.columns else df
@@ -119,7 +119,7 @@ def crossovers(df: pd.DataFrame, mode: str) -> str:
         return ""
 
     def at(m: str, rc: str) -> str:
-        x = crossover(cfg, m, rc, degree=D)
+        x = crossover(cfg, "tsp", "tp", m, rc, degree=D)
         return "never" if x == float("inf") else f"B x S > {x:,.0f} ({x / cfg.hidden:.1f}h)"
 
     if mode == "infer":

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from tspbench.core.comm import KINDS, bus_bytes
+from tspbench.core.config import ModelConfig
 from tspbench.core.costs import Event, Schedule
 from tspbench.core.mesh import Axis
 from tspbench.runtime.spec import RunSpec
@@ -52,6 +53,26 @@ def comm_bytes(c: RunSpec) -> dict[tuple[str, str], float]:
         if size > 1:
             out[(phase, kind)] += bus_bytes(kind, nbytes, size)
     return dict(out)
+
+
+def crossover(
+    cfg: ModelConfig, one: str, other: str, mode: str, recompute: str, degree: int = 8
+) -> float:
+    """B x S above which strategy ``one`` moves fewer bytes per rank than ``other`` at degree D
+    and bf16 (both linear in S at B = 1; infinity: never)."""
+
+    def total(s: str, S: int) -> float:
+        spec = RunSpec.make(
+            s, cfg, degree=degree, seq_len=S, mode=mode, dtype="bf16", recompute=recompute
+        )
+        return sum(comm_bytes(spec).values())
+
+    a, b = 16 * degree, 4096 * degree
+    slope = {s: (total(s, b) - total(s, a)) / (b - a) for s in (one, other)}
+    base = {s: total(s, a) - slope[s] * a for s in (one, other)}
+    if slope[other] <= slope[one]:
+        return float("inf")
+    return (base[one] - base[other]) / (slope[other] - slope[one])
 
 
 def comm_by_kind(c: RunSpec) -> dict[str, float]:

@@ -252,3 +252,16 @@ def calibrate(ranks: list[int], device_type: str, dtype: str) -> dict[str, Any]:
         "measured_utc": utc_now(),
         "ranks": table,
     }
+
+
+def summary(preset: dict[str, Any]) -> str:
+    """One line per measured rank count: the best GEMM and attention rates, copy bandwidth,
+    per-op overhead and the all-reduce's latency and bandwidth."""
+    return "\n".join(
+        f"{p} rank(s): GEMM {max(r['gemm_flops_by_n'].values()) / 1e9:.1f} GFLOP/s (best "
+        f"size), attention {max(r['attention_flops_by_d'].values()) / 1e9:.1f} GFLOP/s, "
+        f"copy {r['memory_bandwidth'] / 1e9:.1f} GB/s, {r['op_overhead_s'] * 1e6:.1f} us/op, "
+        "all-reduce "
+        f"{r['all_reduce']['lat'] * 1e3:.2f} ms + {r['all_reduce']['bw'] / 1e9:.2f} GB/s"
+        for p, r in preset["ranks"].items()
+    )
