@@ -15,10 +15,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tspbench.core.config import ConfigError, get_config
+from tspbench.core.configfile import check_schema, non_finite, read_yaml
 from tspbench.core.strategy import Layout
-
-# the settings-file helpers lived here first; importers still find them here
-from tspbench.pipeline.configfile import check_schema, non_finite, read_yaml
 from tspbench.runtime.registry import get_strategy, strategies
 from tspbench.runtime.spec import DECODE_MODES, DEFAULT_NEW_TOKENS, RunSpec, mlp_tag, parse_size
 

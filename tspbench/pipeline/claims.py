@@ -16,9 +16,9 @@ from pathlib import Path
 import pandas as pd
 
 from tspbench.core.config import get_config
+from tspbench.core.configfile import check_schema, read_yaml
 from tspbench.pipeline import claim_checks as checks
 from tspbench.pipeline.claim_checks import ROOT, Row, Sources
-from tspbench.pipeline.configfile import check_schema, read_yaml
 from tspbench.pipeline.decode_claims import kv_cache_rows, longest_context_rows
 
 __all__ = ["CHECKS", "SCHEMA", "Sources", "claims_table", "write_claims"]
