@@ -237,3 +237,21 @@ def test_an_output_that_cannot_be_written_is_refused_before_the_run(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and needle in err[0], err
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_the_overlap_benchmark_takes_any_strategy_that_overlaps(tmp_path, capsys):
+    """What TSP's prefetch gets measured, FSDP+CP's does too; TP overlaps nothing, and is told
+    so before anything runs."""
+    from tspbench.cli import main
+    from tspbench.core.config import get_config
+    from tspbench.runtime.comm_hiding import check_hides
+    from tspbench.runtime.spec import RunSpec
+
+    for s in ("tsp", "fsdp_cp"):
+        check_hides(RunSpec.make(s, get_config("tiny"), degree=2, seq_len=64))
+    out = tmp_path / "o.json"
+    argv = ["overlap", "--strategy", "tp", "--degree", "2", "--seq-len", "32", "--out", str(out)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--strategy=tp: overlaps none of its collectives" in err[0], err
+    assert not out.exists()

@@ -19,7 +19,7 @@ import pandas as pd
 from tspbench.core.config import ConfigError, ModelConfig
 from tspbench.pipeline.aggregate import per_sweep
 from tspbench.pipeline.claim_checks import HOLDS, Row, Sources, _rel
-from tspbench.pipeline.labels import REFERENCE
+from tspbench.pipeline.labels import REFERENCE, is_reference
 from tspbench.projection.costmodel import load_preset
 from tspbench.projection.decode import memory
 from tspbench.runtime.registry import get_strategy
@@ -64,7 +64,7 @@ def _measured_ratios(d: pd.DataFrame, subject: str) -> tuple[list[tuple], str]:
     if d.empty:
         return ratios, ""
     for key, g in d.groupby(keys):
-        is_ref = g["strategy"] == REFERENCE
+        is_ref = is_reference(g["strategy"])
         ref = g[is_ref]
         if ref.empty:
             continue

@@ -27,7 +27,7 @@ import pandas as pd  # noqa: E402
 from matplotlib import ticker  # noqa: E402
 
 from tspbench.pipeline.decode_tables import decode_groups, decoding, describe, kv_unit  # noqa: E402
-from tspbench.pipeline.labels import REFERENCE, device, label_order, mem_unit  # noqa: E402
+from tspbench.pipeline.labels import device, is_reference, label_order, mem_unit  # noqa: E402
 from tspbench.pipeline.plotting import (  # noqa: E402
     draw_lines,
     failed_markers,
@@ -106,7 +106,7 @@ def _reference(ax, ax2, d: pd.DataFrame, D: int) -> bool:
     entry on ``ax2``, which holds the legend); a note names the strategies whose caches are
     equal, since their lines coincide."""
     ok = d[d["status"] == "ok"]
-    is_ref = ok["strategy"] == REFERENCE
+    is_ref = is_reference(ok["strategy"])
     ref = ok[is_ref].sort_values("seq_len")
     at = ok[ok["seq_len"] == ok["seq_len"].max()]
     at_ref = is_ref[at.index]

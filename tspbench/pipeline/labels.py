@@ -20,6 +20,11 @@ REFERENCE = next(n for n, s in strategies().items() if s.reference)
 GPU_NAME = re.compile(r"NVIDIA|Tesla|GeForce|Quadro|Instinct|Radeon|\bMI\d{3}|\bGPU\b", re.I)
 
 
+def is_reference(names: pd.Series) -> pd.Series:
+    """Which rows are the single-device reference's: each strategy says whether it is."""
+    return names.map(lambda n: getattr(strategies().get(n), "reference", False)).astype(bool)
+
+
 def label_order(labels) -> list[str]:
     """Strategy labels in the registry's order (TSP first), factorisations in numeric order
     within a strategy (``tpsp 2x4`` before ``tpsp 4x2``); unknown labels last."""

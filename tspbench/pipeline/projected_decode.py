@@ -17,7 +17,7 @@ import pandas as pd
 from matplotlib import ticker
 
 from tspbench.core.config import ConfigError, get_config
-from tspbench.pipeline.labels import REFERENCE, label_order
+from tspbench.pipeline.labels import is_reference, label_order
 from tspbench.pipeline.plotting import draw_lines, legend, log_ticks, palette, save, styles
 from tspbench.projection.costmodel import load_preset
 from tspbench.projection.decode import memory
@@ -122,11 +122,11 @@ def _same_cache_note(ax, kv: pd.DataFrame) -> None:
     """Name the strategies whose caches coincide (their lines lie on one another), and their
     cache against the single-device one."""
     at = kv[kv.seq_len == kv.seq_len.max()]
-    single = at.loc[at.strategy == REFERENCE, "kv_cache_gib"]
+    single = at.loc[is_reference(at.strategy), "kv_cache_gib"]
     lines = []
     for gib, g in at.groupby(at.kv_cache_gib.map(lambda v: float(f"{v:.3g}"))):  # 3 digits
         names = label_order(g.strategy)
-        if len(names) > 1 or REFERENCE not in names:
+        if len(names) > 1 or not is_reference(g.strategy).all():
             ratio = f" = single / {single.iloc[0] / gib:.3g}" if len(single) else ""
             lines.append(f"{', '.join(names)}{ratio}")
     if lines:

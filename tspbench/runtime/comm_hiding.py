@@ -1,4 +1,6 @@
-"""How much of TSP's communication hides behind its compute (``tspbench overlap``).
+"""How much of a strategy's communication hides behind its compute (``tspbench overlap``): any
+strategy whose schedule overlaps a collective (TSP's prefetched broadcasts and ring hops,
+FSDP+CP's prefetched all-gathers and drained reduce-scatters, DP's gradient buckets).
 
 Per step, measured in one run on the same shapes: the overlapped step (prefetch on), the same step
 with overlap off, compute alone (collectives skipped: correctly shaped results, no transfer), and
@@ -99,6 +101,20 @@ def bench_rank(spec: RunSpec, device: torch.device) -> dict:
     ) / shorter
     t["collectives_per_step"] = len(trace)
     return t
+
+
+def check_hides(spec: RunSpec) -> None:
+    """Refuse a run with nothing to measure: no collective of its step is ever overlapped, so
+    overlap on and off are the same step."""
+    from tspbench.core.config import ConfigError
+
+    on = spec.replace(overlap=True)
+    dp_buckets = on.train and on.layout.dp > 1  # issued while the backward goes on
+    if not dp_buckets and not any(ev.overlapped for ev in on.impl.schedule(on)):
+        raise ConfigError(
+            f"--strategy={spec.strategy}: overlaps none of its collectives in this layout "
+            "(overlap on and off are the same step): nothing for the overlap benchmark to measure"
+        )
 
 
 def bench_work(spec: RunSpec, device: torch.device, header: dict, beat) -> dict:
