@@ -12,6 +12,7 @@ import jsonschema
 import pytest
 
 from tests.helpers.runner import ROOT, tool, tspbench
+from tspbench.core import attention
 
 BASE = ["--model", "tiny", "--seq-len", "32", "--warmup", "0", "--steps", "1", "--quiet"]
 SCHEMA = json.loads((ROOT / "tspbench/schemas/record.schema.json").read_text())
@@ -231,3 +232,29 @@ def test_a_fifo_is_refused_at_once(tmp_path):
     os.mkfifo(fifo)
     p = tspbench("check-record", fifo, timeout=60)  # a blocked read would time out here
     assert p.returncode == 2 and "not a regular file" in p.stderr
+
+
+def test_doctor_runs_the_cpu_parts_and_fails_on_a_wrong_kernel(tmp_path, monkeypatch, capsys):
+    """On a CPU the doctor checks kernels and strategies and skips the GPU checks, saying why;
+    a kernel that computes the wrong attention is a FAILED line and exit 1."""
+    import json
+
+    from tspbench.cli import main
+
+    assert main(["doctor", "--out", str(tmp_path)]) == 0
+    checks = json.loads((tmp_path / "doctor.json").read_text())["checks"]
+    status = {c["name"]: c["status"] for c in checks}
+    assert status["attention cpu_flash fp32"] == "ok" and status["strategy tsp D=1 on cpu"] == "ok"
+    assert sum(s == "ok" for s in status.values()) >= 10
+    assert {c["detail"] for c in checks if c["status"] == "skipped"} <= {
+        "no GPU visible", "needs 2 GPUs (0 visible)"
+    }  # fmt: skip
+    real = attention.causal_fwd
+
+    def wrong(q, k, v):
+        out, lse = real(q, k, v)
+        return out * 1.01, lse
+
+    monkeypatch.setattr(attention, "causal_fwd", wrong)
+    assert main(["doctor"]) == 1
+    assert "FAILED   attention cpu_flash fp32" in capsys.readouterr().out
