@@ -348,17 +348,19 @@ def _gone(marker: str, within: float = 30) -> list[str]:
     return leftovers(marker)
 
 
-def test_sigterm_to_a_sweep_leaves_no_final_record_and_the_plain_command_resumes(tmp_path):
-    """What CI cancellation, systemd and scancel do: SIGTERM to the whole process group in the
-    middle of a cell. The cell's record must not look final (it goes beside the output, saying
-    so), no rank is left, and the README's plain `snakemake --cores 2` redoes the cell."""
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_a_sweep_leaves_no_final_record_and_the_plain_command_resumes(tmp_path, sig):
+    """What CI cancellation, systemd and scancel do (SIGTERM), and Ctrl-C in a terminal (SIGINT
+    to the foreground process group): the signal to the whole group in the middle of a cell.
+    The cell's record must not look final (it goes beside the output, saying so), no rank is
+    left, and the README's plain `snakemake --cores 2` redoes the cell."""
     proc, record = _stalling_sweep(tmp_path)
-    os.killpg(proc.pid, signal.SIGTERM)
+    os.killpg(proc.pid, sig)
     proc.wait(timeout=60)
     assert _gone(str(record)) == []
     assert not (tmp_path / record).exists(), (tmp_path / record).read_text()
     aside = json.loads((tmp_path / record).with_suffix(".interrupted.json").read_text())
-    assert "interrupted by SIGTERM" in aside["error_message"], aside
+    assert f"interrupted by {sig.name}" in aside["error_message"], aside
     again = snakemake("--cores", "2", "--configfile", "cfg.yaml", cwd=tmp_path, timeout=600)
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
     assert json.loads((tmp_path / record).read_text())["status"] == "ok"
