@@ -212,19 +212,25 @@ def test_non_finite_results_are_an_error_in_strict_json(tmp_path):
     [
         ({"MASTER_PORT": "in-use"}, "rendezvous at 127.0.0.1"),
         ({"MASTER_ADDR": "no-such-host.invalid"}, "rendezvous at no-such-host.invalid"),
+        ({"WORLD_SIZE": "2", "MASTER_PORT": "free"}, "rendezvous at 127.0.0.1"),  # no rank 1
     ],
+    ids=["port-in-use", "unresolvable-master", "a-peer-never-comes"],
 )
 def test_a_rendezvous_that_cannot_happen_is_named(tmp_path, env, needle):
     import socket
+
+    from tspbench.runtime.launch import free_port
 
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = str(busy.getsockname()[1])
         base = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-        env = {**base, **{k: (port if v == "in-use" else v) for k, v in env.items()}}
+        ports = {"in-use": port, "free": str(free_port())}
+        env = {**base, **{k: ports.get(v, v) for k, v in env.items()}}
         out = tmp_path / "r.json"
-        p = tspbench(*RUN, "--timeout", "5", "--out", out, env=env, timeout=120)
+        degree = ["--degree", env["WORLD_SIZE"]]
+        p = tspbench(*RUN, *degree, "--timeout", "5", "--out", out, env=env, timeout=120)
     rec = json.loads(out.read_text())
     assert p.returncode == 1 and rec["status"] == "error", rec
     assert needle in rec["error_message"], rec["error_message"]

@@ -118,6 +118,7 @@ BAD = [
     ("run", S32, {**TORCHRUN1, "MASTER_PORT": "70000"}, "between 1 and 65535"),
     ("run", S32, {**TORCHRUN1, "LOCAL_RANK": "a"}, "LOCAL_RANK='a': must be an integer"),
     ("run", S32, {**TORCHRUN1, "LOCAL_WORLD_SIZE": "0"}, "LOCAL_WORLD_SIZE='0'"),
+    ("run", S32, {**TORCHRUN1, "TSPBENCH_LAUNCHER": "slurm"}, "TSPBENCH_LAUNCHER='slurm'"),
     ("run", S32, {**SLURM, "SLURM_JOB_NODELIST": "n[1-"}, "'n[1-': not a Slurm node list"),
     ("run", S32, {**SLURM, "SLURM_PROCID": "-1"}, "SLURM_PROCID='-1': must be between"),
     # inputs that would exhaust the machine

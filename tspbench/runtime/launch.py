@@ -127,6 +127,15 @@ def _checked(env: RankEnv) -> RankEnv:
     return env
 
 
+def _launcher_env() -> str:
+    """Who set RANK/WORLD_SIZE: torchrun, unless ``--launch local`` spawned this rank and says
+    so (``TSPBENCH_LAUNCHER=local``); anything else would write a record the schema refuses."""
+    name = os.environ.get("TSPBENCH_LAUNCHER", "torchrun")
+    if name not in ("torchrun", "local"):
+        raise ConfigError(f"TSPBENCH_LAUNCHER={name!r}: must be 'local' (set by --launch local)")
+    return name
+
+
 def detect() -> RankEnv | None:
     """The launcher environment of this process (checked), or None when no launcher set one."""
     e = os.environ
@@ -141,7 +150,7 @@ def detect() -> RankEnv | None:
                 _int_env("LOCAL_RANK", 0, 65535, default=0),
                 e["MASTER_ADDR"],
                 _int_env("MASTER_PORT", 1, 65535),
-                e.get("TSPBENCH_LAUNCHER", "torchrun"),  # "local": spawned by tspbench
+                _launcher_env(),
                 lws,
             )
         )
