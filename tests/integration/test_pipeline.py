@@ -46,6 +46,22 @@ def test_paper_dry_run_on_the_slurm_profile_has_the_right_resources(tmp_path):
     assert all("--cpus-per-task=4" in s for s in sruns)
 
 
+def test_the_gpu_node_config_reserves_at_most_8_gpu_hours():
+    """The evaluator's one-node config: the Slurm runtimes of its cells, times their GPUs, sum
+    to at most 8 GPU-hours (the README's 6.4), and no cell is retried (a retry would reserve its
+    runtime again, twice over)."""
+    cfg = ROOT / "workflows/config/gpu-node.yaml"
+    assert yaml.safe_load(cfg.read_text())["retries"] == 0
+    p = smk("-n", "-p", "--profile", "workflows/profiles/slurm", "--configfile", str(cfg))
+    assert p.returncode == 0, p.stderr[-3000:]
+    jobs = re.findall(r"resources: (.*)", p.stdout + p.stderr)
+    cells = [dict(kv.split("=", 1) for kv in j.split(", ")) for j in jobs if "gres=gpu" in j]
+    hours = sum(
+        int(c["runtime"]) / 60 * int(c["nodes"]) * int(c["gres"].split(":")[1]) for c in cells
+    )
+    assert len(cells) == 16 and hours == pytest.approx(6.4), hours
+
+
 def test_a_gpu_sweep_with_a_cpu_only_torch_stops_before_any_cell(tmp_path):
     """gpu: true on a torch built without CUDA/ROCm (e.g. the CUDA wheel's CPU twin) would run
     every cell on the CPU with gloo: the pipeline stops first, naming why; a dry run still

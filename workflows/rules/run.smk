@@ -8,7 +8,7 @@ rule run:
         f"{OUT}/runs/{{cell}}.json",
     log:
         f"logs/{NAME}/run/{{cell}}.log",
-    retries: 1
+    retries: config["retries"]
     conda:
         "../../env/environment.yml"
     threads: run_threads
