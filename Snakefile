@@ -53,7 +53,7 @@ container: config.get("container", "tspbench.sif")
 
 onstart:
     # not on a dry run (it runs no cell, and a login node may have a CPU torch)
-    check_gpu_build(config)
+    check_gpu_build(config, in_image="apptainer" in SDM)
 
 
 wildcard_constraints:

@@ -71,3 +71,17 @@ def test_flash_kernels_are_counted_like_the_cpu_kernel(fake_flash):
         totals[backend] = c.get_total_flops()
     assert totals["flash_attn"] == totals["cpu_flash"] > 0
     assert attention.FLOP_LISTENERS == []  # the counter unregistered on exit
+
+
+@pytest.mark.skipif(bool(torch.version.cuda or torch.version.hip), reason="needs a CPU-only torch")
+def test_the_gpu_build_check_is_the_host_torch_unless_cells_run_in_an_image():
+    """On this CPU-only torch a gpu: true sweep stops before any cell; under --sdm apptainer the
+    image's torch runs the cells, so the host's is not the one to judge (each cell's --device
+    cuda does, inside the image)."""
+    from tspbench.core.config import ConfigError
+    from tspbench.pipeline.cells import check_gpu_build
+
+    with pytest.raises(ConfigError, match="built without CUDA or ROCm"):
+        check_gpu_build({"gpu": True})
+    check_gpu_build({"gpu": True}, in_image=True)
+    check_gpu_build({"gpu": False})

@@ -279,11 +279,15 @@ def run_args(cell: Cell, config: dict) -> list[str]:
     return args + (["--device", "cuda"] if config.get("gpu", False) else [])
 
 
-def check_gpu_build(config: dict) -> None:
+def check_gpu_build(config: dict, in_image: bool = False) -> None:
     """A GPU sweep (``gpu: true``) with a torch built without CUDA or ROCm would run every cell
-    on the CPU with gloo: stop before any cell, naming the problem."""
+    on the CPU with gloo: stop before any cell, naming the problem. ``in_image``: the cells run
+    inside an Apptainer image whose torch, not this one, is what counts; each cell's
+    ``--device cuda`` then refuses a missing GPU (exit 2, the first cell stops the sweep)."""
     import torch
 
+    if in_image:
+        return
     if config.get("gpu", False) and not (torch.version.cuda or torch.version.hip):
         raise ConfigError(
             f"gpu: true, but this torch ({torch.__version__}) is built without CUDA or ROCm: "
