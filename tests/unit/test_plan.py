@@ -16,6 +16,7 @@ from tspbench.cli import main
 from tspbench.core.config import PRESETS, ConfigError, hf_config
 from tspbench.projection import costmodel, plancheck, planfigures, planmap, planner
 from tspbench.projection.plantypes import Request
+from tspbench.runtime.spec import RunSpec
 
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"],
@@ -260,6 +261,19 @@ def test_a_cold_plan_for_1024_gpus_counts_few_configurations(counted):
     p = planner.plan(Request.make("7b", "mi300x", 131072, 1024), use_cache=False)
     assert len(p.configs) >= 90 and p.ops.counted == len(counted) <= 16
     assert not any(key.kv_bucket for key in counted)
+
+
+@pytest.mark.parametrize("strategy", ["tsp", "fsdp_cp", "tp"])
+def test_a_bound_recharged_with_the_operations_is_their_projection(strategy):
+    """The plan charges counted operations to a configuration's bound (``costmodel.recharge``)
+    instead of projecting each micro-batch again: the same numbers."""
+    spec = RunSpec.make(strategy, PRESETS["7b"], degree=8, dp=4, seq_len=65536, batch=2,
+                        dtype="bf16", recompute="full")  # fmt: skip
+    preset = costmodel.load_preset("h100")
+    again = costmodel.recharge(costmodel.project(spec, preset, ops=0), 12345)
+    exact = costmodel.project(spec, preset, ops=12345)
+    assert again.keys() == exact.keys() and again["dispatch_s"] > 0
+    assert all(again[k] == pytest.approx(v, rel=1e-12) for k, v in exact.items())
 
 
 def test_counts_operations_for_real_and_caches_them(tmp_path):

@@ -225,10 +225,27 @@ def project(c: RunSpec, preset: dict, ops: int | None = None) -> dict[str, Any]:
         "comm_overlappable_s": ovl,
         "comm_hidden_s": hidden,
         "ops_per_step": ops,
+        "op_s": r["op_overhead_s"] * straggler,  # dispatch time per operation
         "flops_per_rank": fl["gemm"] + fl["attention"],
         "mfu": (fl["gemm"] + fl["attention"]) / step / preset["peak_flops"]
         if "peak_flops" in preset
         else None,
+    }
+
+
+def recharge(p: dict[str, Any], ops: int) -> dict[str, Any]:
+    """A projection of :func:`project` with ``ops`` operations charged instead of its own: the
+    dispatch term is the only one that depends on them (what a plan does to a configuration's
+    bound once its operations are counted, for hundreds of candidates)."""
+    dispatch = ops * p["op_s"]
+    step = p["step_time_s"] - p["dispatch_s"] + dispatch
+    scale = p["step_time_s"] / step
+    return p | {
+        "step_time_s": step,
+        "tokens_per_s": p["tokens_per_s"] * scale,
+        "dispatch_s": dispatch,
+        "ops_per_step": ops,
+        "mfu": None if p["mfu"] is None else p["mfu"] * scale,
     }
 
 

@@ -20,18 +20,16 @@ of all groups. Decode steps are charged no dispatch, so ``decode`` counts nothin
 counts its prefill's operations.
 
 Dispatch time needs the operations the real code issues (counted on fake tensors: seconds per
-configuration). They depend on the strategy, its group, recomputation, MLP schedule, bucket,
+configuration), which depend on the strategy, its group, recomputation, MLP schedule, bucket,
 mode, dtype and heads, never on S, the micro-batch or dp, so each configuration is counted once
 and kept on disk (``~/.cache/tspbench``, keyed by its shrunk copy and a digest of the step's
 source code). A plan counts only what can change its answer: every configuration is first
-projected without dispatch (an upper bound on its tokens/s); configurations are counted in the
-order of their bounds until none left uncounted could enter the top rows or beat a strategy's
-best (branch and bound), so every fitting row shown is exact and the rest are marked as bounds.
-A KV bucket repeats its group's gathers and kernel calls per bucket and removes none, so it
-dispatches at least its whole-group twin's operations: once that twin is counted, the twin's
-count bounds the bucket (:func:`tighten`). The analytic model prices a bucket as its twin
-(tsp_impl/costs.py sizes K/V by whole head groups), so a bucket never outranks its twin and is
-not counted unless ``--exact`` or the estimator demotes the twin.
+projected without dispatch (an upper bound on its tokens/s), then counted in the order of the
+bounds until none left uncounted could enter the top rows or beat a strategy's best (branch and
+bound): every fitting row shown is exact, the rest are marked as bounds.
+A KV bucket repeats its group's gathers and kernel calls and removes none, so its counted
+whole-group twin's operations bound it (:func:`tighten`); priced as the twin otherwise (the
+analytic model sizes K/V by head groups), it is counted only with ``--exact`` or an estimate.
 
 This module enumerates and ranks; the records it fills are in :mod:`plantypes`, the caches in
 :mod:`plancache`, the printed answer in :mod:`planrender` and the commands in :mod:`planlaunch`.
@@ -92,8 +90,7 @@ def _spec(
 
 
 def mlp_schedules(req: Request, impl: type[Strategy]) -> list[str]:
-    """The MLP schedules to try: the asked ones the strategy takes (TSP: ring, broadcast), else
-    the one it has."""
+    """The asked MLP schedules the strategy takes (TSP: ring, broadcast), else its only one."""
     return [m for m in req.mlp_schedule if m in impl.mlp_schedules] or [impl.mlp_schedules[0]]
 
 
@@ -192,22 +189,30 @@ def enumerate_configs(req: Request) -> tuple[list[Config], list[dict]]:
 
 
 # -- deciding -------------------------------------------------------------------------------------
+def charged(c: Candidate, preset: dict, ops: int) -> dict:
+    """``c``'s projection with ``ops`` operations: its bound recharged (projected again for a
+    decode run, which charges them otherwise, or a candidate without a bound)."""
+    if c.spec.decoding or c.bound is None:
+        return project_of(c.spec, preset, c.layout.dp, ops)
+    return costmodel.recharge(c.bound, ops)
+
+
 def count_config(conf: Config, ops: OpsCache, preset: dict) -> None:
     conf.ops = ops.get(ops_spec(conf.valid[0].spec))
     for c in conf.valid:
-        c.proj = project_of(c.spec, preset, c.layout.dp, conf.ops)
+        c.proj = charged(c, preset, conf.ops)
 
 
 def tighten(configs: list[Config], preset: dict) -> None:
     """Bound every uncounted KV bucket by its counted whole-group twin's operations (a bucket
     dispatches at least as many: module docstring), so that it ranks no higher than the twin."""
-    counted = {conf.twin: conf.ops for conf in configs if not conf.kv_bucket and conf.valid
-               and conf.ops is not None}  # fmt: skip
+    counted = {c.twin: c.ops for c in configs if not c.kv_bucket and c.ops is not None}
     for conf in configs:
         ops = counted.get(conf.twin)
-        if conf.kv_bucket and conf.ops is None and ops is not None:
+        if conf.kv_bucket and conf.ops is None and ops is not None and conf.bound_ops != ops:
+            conf.bound_ops = ops
             for c in conf.valid:
-                c.bound = project_of(c.spec, preset, c.layout.dp, ops)
+                c.bound = charged(c, preset, ops)
 
 
 def rank(configs: list[Config]) -> list[Row]:

@@ -161,6 +161,7 @@ class Config:
     mlp_schedule: str = "ring"
     candidates: list[Candidate] = field(default_factory=list)
     ops: int | None = None
+    bound_ops: int = 0  # operations its bounds charge (a KV bucket: its counted twin's)
 
     @property
     def twin(self) -> tuple:
