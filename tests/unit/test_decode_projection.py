@@ -78,11 +78,11 @@ def plan_decode(capsys, monkeypatch, tmp_path):
     """`tspbench plan --mode decode|generate ... --json`, dispatch counts stubbed (recorded)."""
     counted = []
 
-    def ops(spec):
-        counted.append(spec)
-        return 5000
+    def ops(key):  # the shrunk copy's one- and two-layer counts
+        counted.append(key)
+        return 5000, 5000
 
-    monkeypatch.setattr(costmodel, "count_ops", ops)
+    monkeypatch.setattr(costmodel, "layer_counts", ops)
 
     def run(mode: str, *argv) -> dict:
         args = ["plan", "--model", "7b", "--hardware", "mi300x", "--mode", mode, "--json",

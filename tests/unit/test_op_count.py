@@ -1,4 +1,4 @@
-"""Dispatched operations per training step, TSP's and TP's (issue 16).
+"""Dispatched operations per training step, TSP's and TP's (issue 16), and what counting costs.
 
 Counted as ``tspbench project`` counts them (``costmodel.count_ops``: aten operations but views
 and metadata, on fake tensors, rank 0, a steady-state step, extrapolated over the layers), for
@@ -15,21 +15,101 @@ AdamW, one kernel over a rank's tensors (TP to 4,794; TSP from 17,993: it packs 
 four tensors per layer where TP has nine, so per-tensor AdamW had charged TP more). What is left
 is TSP's loop over D head groups and D MLP slices per pass, each with two zigzag chunks
 (docs/projection.md).
+
+A cold ``tspbench plan`` spends its time here (docs/planning.md, Speed): each configuration's
+count is timed against a budget, so that the cold path cannot silently get slow again.
 """
 
 from __future__ import annotations
 
+import time
+
 import pytest
+import torch
 
 from tspbench.core.config import get_config
-from tspbench.projection.costmodel import count_ops
+from tspbench.projection import costmodel
+from tspbench.projection.estimate import OpCounter, count_rank_ops
 from tspbench.runtime.spec import RunSpec
 
 CASE = {"degree": 8, "seq_len": 16384, "dtype": "bf16", "recompute": "full"}
 MEASURED = {("tsp", "ring"): 16619, ("tsp", "broadcast"): 16555, ("tp", "ring"): 4794}
+# CPU seconds for one configuration's one- and two-layer counts: TSP at D=8 with recomputation,
+# the dearest a plan counts, took 4-6 s on a 2-core machine shared with other jobs (the
+# estimator's full probe, which counting used before, took 8; an un-shrunk model minutes)
+BUDGET_S = 15.0
 
 
 @pytest.mark.parametrize("strategy, mlp", list(MEASURED))
 def test_dispatched_operations_do_not_regress(strategy, mlp):
-    n = count_ops(RunSpec.make(strategy, get_config("7b"), mlp_schedule=mlp, **CASE))
+    key = costmodel.count_key(RunSpec.make(strategy, get_config("7b"), mlp_schedule=mlp, **CASE))
+    t0 = time.process_time()
+    counts = costmodel.layer_counts.__wrapped__(key)  # not from the in-process cache
+    spent = time.process_time() - t0
+    n = costmodel.extrapolate(counts, 32)
     assert n <= 1.02 * MEASURED[strategy, mlp], f"{strategy} ({mlp} MLP): {n} ops per step"
+    assert spent < BUDGET_S, f"{strategy} ({mlp} MLP): counting took {spent:.1f} s of CPU"
+
+
+@pytest.mark.parametrize("strategy", ["tsp", "tpsp"])
+def test_counting_alone_counts_what_the_estimators_probe_step_dispatches(strategy):
+    """``count_rank_ops`` runs the estimator's two steps without its memory tracker and FLOP
+    counter (the counter sits above both): the same count as the probe's second step."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from tspbench.core import attention
+    from tspbench.core.mesh import build_mesh
+    from tspbench.core.optim import AdamW
+    from tspbench.core.reference import make_batch
+    from tspbench.runtime.measure import build_strategy, one_step, probe
+    from tspbench.runtime.registry import get_strategy
+
+    tp = 2 if strategy == "tpsp" else 1
+    spec = costmodel.count_key(
+        RunSpec.make(
+            strategy,
+            get_config("7b"),
+            degree=2,
+            tp=tp,
+            seq_len=1024,
+            dtype="bf16",
+            recompute="full",
+        )  # fmt: skip
+    )
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = build_mesh(get_strategy(strategy).mesh_dims(spec.layout))
+        with FakeTensorMode(), attention.forced("fused"):
+            strat = build_strategy(spec, mesh, torch.device("cpu"))
+            batch = strat.shard_batch(*make_batch(spec.cfg, spec.batch, spec.seq_len, 0))
+            opt = AdamW(strat.parameters())
+            ops = OpCounter()
+            probe(lambda: one_step(strat, batch, opt), strat, batch, opt, torch.device("cpu"),
+                  also=ops, fake=True)  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+    assert count_rank_ops(spec) == ops.n > 0
+
+
+def test_a_kv_bucket_dispatches_at_least_its_whole_group():
+    """The planner bounds a KV bucket's operations by its whole-group twin's (planner.tighten):
+    a bucket repeats the group's gathers and kernel calls and removes none. Llama-3-8B at
+    D=2: 4 KV heads per group, buckets of 2 and 1."""
+    n = [
+        count_rank_ops(
+            costmodel.count_key(
+                RunSpec.make(
+                    "tsp",
+                    get_config("llama3-8b"),
+                    degree=2,
+                    seq_len=1024,
+                    dtype="bf16",
+                    kv_bucket=b,
+                )
+            )
+        )  # fmt: skip
+        for b in (0, 2, 1)
+    ]
+    assert n == sorted(n) and n[0] < n[1], n

@@ -16,6 +16,7 @@ from tspbench.cli import main
 from tspbench.core.config import PRESETS, ConfigError, hf_config
 from tspbench.projection import costmodel, plancheck, planfigures, planmap, planner
 from tspbench.projection.plantypes import Request
+from tspbench.runtime.spec import RunSpec
 
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"],
@@ -38,9 +39,24 @@ LLAMA3_8B = {
 
 
 @pytest.fixture
-def stub_ops(monkeypatch):
-    """A dispatch count that costs nothing (the real one: seconds per configuration)."""
-    monkeypatch.setattr(costmodel, "count_ops", lambda spec: 5000 + 3000 * spec.layout.degree)
+def counted(monkeypatch):
+    """A dispatch count that costs nothing (the real one: seconds per configuration); the
+    shrunk copies counted are recorded."""
+    keys = []
+
+    def counts(key):  # the shrunk copy's one- and two-layer counts
+        keys.append(key)
+        n = 5000 + 3000 * key.layout.degree + 100 * key.kv_bucket
+        return n, n + 100
+
+    monkeypatch.setattr(costmodel, "layer_counts", counts)
+    return keys
+
+
+@pytest.fixture
+def stub_ops(counted):
+    """The stubbed count, for tests that do not look at what was counted."""
+    return counted
 
 
 def plan_cli(capsys, *argv) -> tuple[int, str, str]:
@@ -49,10 +65,13 @@ def plan_cli(capsys, *argv) -> tuple[int, str, str]:
     return rc, out, err
 
 
+FITS = 10  # the table's "fits" column
+
+
 def table_rows(out: str) -> list[list[str]]:
     lines = out.splitlines()
     start = next(i for i, line in enumerate(lines) if line.split()[:2] == ["#", "strategy"])
-    assert re.split(r"\s{2,}", lines[start].strip())[9] == "fits"
+    assert re.split(r"\s{2,}", lines[start].strip())[FITS] == "fits"
     rows = []
     for line in lines[start + 1 :]:
         if not line.strip() or not line.split()[0].isdigit():
@@ -67,21 +86,24 @@ def test_ranks_strategies_and_prints_commands(capsys, stub_ops, tmp_path):
     assert rc == 0
     rows = table_rows(out)
     assert len(rows) >= 10 and len({r[1] for r in rows}) >= 3
-    assert rows[0][9] == "yes"  # fitting rows first
-    fits = [r[9] for r in rows]
+    assert rows[0][FITS] == "yes"  # fitting rows first
+    fits = [r[FITS] for r in rows]
     assert fits == sorted(fits, key=lambda f: f != "yes")
     assert "best plan: tsp" in out
     run = next(line.strip() for line in out.splitlines() if line.strip().startswith("tspbench run"))
     srun = next(line.strip() for line in out.splitlines() if line.strip().startswith("srun "))
     assert "--strategy tsp" in run and "--nproc 8" in run and "--launch env" in srun
-    assert "--mlp-schedule broadcast" in run  # MI300X's TSP MLP schedule (tsp_mlp_schedule)
+    # the run line carries the best row's MLP schedule and KV bucket
+    mlp, kvb = re.search(r"best plan: .* mlp_schedule=(\w+) kv_bucket=(\d+):", out).groups()
+    assert mlp == rows[0][6] and kvb == rows[0][7]
+    assert f"--mlp-schedule {mlp}" in run and f"--kv-bucket {kvb}" in run
     # the pipeline snippet is a sweep config the pipeline accepts
     from tspbench.pipeline.cells import sweep_cells
 
     snippet = out.split("pipeline config (workflows/config/<name>.yaml):\n", 1)[1]
     cells, filtered = sweep_cells(yaml.safe_load(snippet))
     assert len(cells) == 1 and not filtered and cells[0].spec.strategy == "tsp"
-    assert cells[0].spec.mlp_schedule == "broadcast"
+    assert cells[0].spec.mlp_schedule == mlp
 
 
 def test_json_best_7b_128k_on_8_mi300x_fits(capsys, stub_ops, tmp_path):
@@ -199,6 +221,59 @@ def test_answers_in_seconds_for_1024_gpus(stub_ops):
     p = planner.plan(Request.make("7b", "mi300x", 131072, 1024), use_cache=False)
     assert time.perf_counter() - t0 < 20 and p.best is not None and p.best.fits
     assert {c.layout.world_size for c in p.candidates} == {1024}
+
+
+def test_tries_tsp_mlp_schedules_and_every_kv_bucket(capsys, counted, tmp_path):
+    """TSP's candidates: ring and broadcast MLP, and every bucket that splits a head group's KV
+    heads (7B: 32 KV heads, so 32/D per group); each with the analytic memory, which sizes K/V
+    by whole head groups, so a bucket's peak is its twin's. A bucket dispatches more, so it
+    never outranks its twin and is never counted; ``--mlp-schedule`` keeps the user's."""
+    rc, out, _ = plan_cli(capsys, "--model", "7b", "--hardware", "mi300x", "--seq-len", 131072,
+                          "--gpus", 8, "--json", "--cache", tmp_path)  # fmt: skip
+    cands = json.loads(out)["candidates"]
+    tsp = [c for c in cands if c["strategy"] == "tsp" and c["peak_mem_bytes"] is not None]
+    for D, buckets in ((2, {0, 1, 2, 4, 8}), (4, {0, 1, 2, 4}), (8, {0, 1, 2})):
+        assert {c["kv_bucket"] for c in tsp if c["degree"] == D} == buckets
+    assert {c["mlp_schedule"] for c in tsp} == {"ring", "broadcast"}
+    assert all(c["mlp_schedule"] == "ring" and c["kv_bucket"] == 0
+               for c in cands if c["strategy"] != "tsp")  # fmt: skip
+    twins: dict[tuple, dict] = {}
+    for c in tsp:
+        twins.setdefault((c["degree"], c["batch"], c["recompute"], c["mlp_schedule"]), {})[
+            c["kv_bucket"]] = c  # fmt: skip
+    assert len(twins) == 3 * 16 * 2 * 2
+    for row in twins.values():
+        assert len({c["peak_mem_bytes"] for c in row.values()}) == 1
+        assert all(c["tokens_per_s"] <= row[0]["tokens_per_s"] for c in row.values())
+    assert counted and not any(key.kv_bucket for key in counted)
+    # the table shows both; a user's choice is kept
+    rc, out, _ = plan_cli(capsys, "--model", "7b", "--hardware", "mi300x", "--seq-len", 131072,
+                          "--gpus", 8, "--mlp-schedule", "ring", "--top", 30,
+                          "--cache", tmp_path)  # fmt: skip
+    rows = table_rows(out)
+    assert {r[6] for r in rows if r[1] == "tsp"} == {"ring"} and "best plan:" in out
+
+
+def test_a_cold_plan_for_1024_gpus_counts_few_configurations(counted):
+    """The cold path's cost is the configurations counted (each a few seconds: the per-count
+    budget is in test_op_count.py) times their count: a cold 7B plan at 128K on 1024 GPUs
+    counts the rows it shows, not its 92 configurations or their KV buckets."""
+    p = planner.plan(Request.make("7b", "mi300x", 131072, 1024), use_cache=False)
+    assert len(p.configs) >= 90 and p.ops.counted == len(counted) <= 16
+    assert not any(key.kv_bucket for key in counted)
+
+
+@pytest.mark.parametrize("strategy", ["tsp", "fsdp_cp", "tp"])
+def test_a_bound_recharged_with_the_operations_is_their_projection(strategy):
+    """The plan charges counted operations to a configuration's bound (``costmodel.recharge``)
+    instead of projecting each micro-batch again: the same numbers."""
+    spec = RunSpec.make(strategy, PRESETS["7b"], degree=8, dp=4, seq_len=65536, batch=2,
+                        dtype="bf16", recompute="full")  # fmt: skip
+    preset = costmodel.load_preset("h100")
+    again = costmodel.recharge(costmodel.project(spec, preset, ops=0), 12345)
+    exact = costmodel.project(spec, preset, ops=12345)
+    assert again.keys() == exact.keys() and again["dispatch_s"] > 0
+    assert all(again[k] == pytest.approx(v, rel=1e-12) for k, v in exact.items())
 
 
 def test_counts_operations_for_real_and_caches_them(tmp_path):

@@ -38,6 +38,7 @@ def schema_models() -> list[str]:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from tspbench.core.strategy import MLP_SCHEDULES
     from tspbench.projection import planner, planrender
     from tspbench.projection.planlaunch import pipeline_config
     from tspbench.projection.plantypes import Request
@@ -55,6 +56,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         global_batch=args.global_batch,
         max_batch=args.max_batch,
         recompute=("none", "full") if args.recompute == "both" else (args.recompute,),
+        mlp_schedule=MLP_SCHEDULES if args.mlp_schedule == "both" else (args.mlp_schedule,),
     )
     plan = planner.plan(
         req,
@@ -147,6 +149,12 @@ def add_parsers(sub) -> None:
     )
     p.add_argument("--max-batch", type=int_in(1, 4096), default=16, help="largest micro-batch")
     p.add_argument("--recompute", choices=("none", "full", "both"), default="both")
+    p.add_argument(
+        "--mlp-schedule",
+        choices=("ring", "broadcast", "both"),
+        default="both",
+        help="TSP's MLP schedule: both are tried unless one is named (other strategies: ring)",
+    )
     p.add_argument("--top", type=int_in(1, 1000), default=10, help="rows of the ranked table")
     p.add_argument("--json", action="store_true", help='print {"candidates": [...], ...}')
     p.add_argument("--out", default=None, help="also write the JSON here")

@@ -148,29 +148,39 @@ def _rate(r: dict, name: str, size: float, key: str | None = None) -> float:
     return pts[-1][1]
 
 
-def count_ops(c: RunSpec) -> int:
-    """Operations the real code dispatches per step: counted on a shrunk copy under fake tensors.
-
-    The count depends on the degrees, heads and buckets, not on tensor sizes, so hidden, MLP,
-    vocabulary, sequence and batch are cut to the smallest values the strategy accepts; and every
-    layer dispatches the same operations, so one- and two-layer counts give any depth exactly.
-    """
+def count_key(c: RunSpec) -> RunSpec:
+    """The one-layer shrunk copy of ``c`` whose operations are counted: the count depends on
+    the degrees, heads and buckets, not on tensor sizes, so hidden, MLP, vocabulary, sequence
+    and batch are cut to the smallest values the strategy accepts, and dp to 1. Specs with the
+    same key count the same (7B and 13B-shaped models with the same heads, any depth)."""
     cfg = c.cfg
     m = 2 * c.degree * max(c.tp, 1)
     shape = replace(cfg, hidden=cfg.heads * 2, ffn=m, vocab=m, layers=1, name="shape")
     batch = c.impl.replica_batch(c.layout)
-    key = c.replace(
+    return c.replace(
         cfg=shape, seq_len=4 * max(c.cp, 1), batch=batch, layout=replace(c.layout, dp=1)
     )
-    n1, n2 = _count(key), _count(key.replace(cfg=replace(shape, layers=2)))
-    return n1 + (cfg.layers - 1) * (n2 - n1)
 
 
 @functools.lru_cache(maxsize=1024)
-def _count(c: RunSpec) -> int:
+def layer_counts(key: RunSpec) -> tuple[int, int]:
+    """Operations of the one- and two-layer copies of a :func:`count_key` (fake tensors)."""
     from tspbench.projection.estimate import count_rank_ops
 
-    return count_rank_ops(c)
+    two = key.replace(cfg=replace(key.cfg, layers=2))
+    return count_rank_ops(key), count_rank_ops(two)
+
+
+def extrapolate(counts: tuple[int, int], layers: int) -> int:
+    """Every layer dispatches the same operations: one- and two-layer counts give any depth."""
+    n1, n2 = counts
+    return n1 + (layers - 1) * (n2 - n1)
+
+
+def count_ops(c: RunSpec) -> int:
+    """Operations the real code dispatches per step: counted on a shrunk copy under fake tensors
+    (:func:`count_key`) at one and two layers, extrapolated to ``c``'s depth."""
+    return extrapolate(layer_counts(count_key(c)), c.cfg.layers)
 
 
 def project(c: RunSpec, preset: dict, ops: int | None = None) -> dict[str, Any]:
@@ -215,10 +225,27 @@ def project(c: RunSpec, preset: dict, ops: int | None = None) -> dict[str, Any]:
         "comm_overlappable_s": ovl,
         "comm_hidden_s": hidden,
         "ops_per_step": ops,
+        "op_s": r["op_overhead_s"] * straggler,  # dispatch time per operation
         "flops_per_rank": fl["gemm"] + fl["attention"],
         "mfu": (fl["gemm"] + fl["attention"]) / step / preset["peak_flops"]
         if "peak_flops" in preset
         else None,
+    }
+
+
+def recharge(p: dict[str, Any], ops: int) -> dict[str, Any]:
+    """A projection of :func:`project` with ``ops`` operations charged instead of its own: the
+    dispatch term is the only one that depends on them (what a plan does to a configuration's
+    bound once its operations are counted, for hundreds of candidates)."""
+    dispatch = ops * p["op_s"]
+    step = p["step_time_s"] - p["dispatch_s"] + dispatch
+    scale = p["step_time_s"] / step
+    return p | {
+        "step_time_s": step,
+        "tokens_per_s": p["tokens_per_s"] * scale,
+        "dispatch_s": dispatch,
+        "ops_per_step": ops,
+        "mfu": None if p["mfu"] is None else p["mfu"] * scale,
     }
 
 

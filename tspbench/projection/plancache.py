@@ -48,27 +48,29 @@ def code_digest() -> str:
     return h.hexdigest()[:16]
 
 
-def _ops_key(spec: RunSpec) -> str:
-    lay = spec.layout
-    cfg = {k: v for k, v in dataclasses.asdict(spec.cfg).items() if k != "name"}
-    return json.dumps([spec.strategy, cfg, lay.degree, lay.tp, lay.sp, spec.mode, spec.dtype,
-                       spec.recompute, spec.kv_bucket, spec.overlap, spec.mlp_schedule,
-                       spec.kv_backward], sort_keys=True)  # fmt: skip
+def _ops_key(key: RunSpec) -> str:
+    """The disk key of a :func:`costmodel.count_key`: what the counted copy is."""
+    lay = key.layout
+    cfg = {k: v for k, v in dataclasses.asdict(key.cfg).items() if k != "name"}
+    return json.dumps([key.strategy, cfg, lay.degree, lay.tp, lay.sp, key.mode, key.dtype,
+                       key.recompute, key.kv_bucket, key.overlap, key.mlp_schedule,
+                       key.kv_backward], sort_keys=True)  # fmt: skip
 
 
 class OpsCache:
-    """Operations per step of a configuration (``costmodel.count_ops``), kept on disk. The count
-    does not depend on S, the micro-batch or dp (the cost model counts a shrunk copy)."""
+    """Operations per step of a configuration (``costmodel.count_ops``), kept on disk as the
+    one- and two-layer counts of its shrunk copy (``costmodel.count_key``), so that every S,
+    micro-batch, dp, depth and model with the same heads shares one entry."""
 
     def __init__(self, root: Path | None, digest: str | None = None) -> None:
         self.path = root / f"ops-{digest or code_digest()}.json" if root else None
-        self.counts: dict[str, int] = {}
+        self.counts: dict[str, list[int]] = {}
         self.counted = self.hits = 0
         self.count_s = 0.0
         if self.path:
             self.counts = self._read()
 
-    def _read(self) -> dict[str, int]:
+    def _read(self) -> dict[str, list[int]]:
         """The counts on disk (an unreadable or foreign file counts as empty)."""
         try:
             data = json.loads(self.path.read_text()) if self.path.exists() else {}
@@ -76,27 +78,31 @@ class OpsCache:
             return {}
         if not isinstance(data, dict):
             return {}
-        return {k: v for k, v in data.items() if isinstance(v, int) and not isinstance(v, bool)}
+        return {k: v for k, v in data.items()
+                if isinstance(v, list) and len(v) == 2
+                and all(isinstance(n, int) and not isinstance(n, bool) for n in v)}  # fmt: skip
 
     def get(self, spec: RunSpec) -> int:
-        key = _ops_key(spec)
-        if key in self.counts:
+        key = costmodel.count_key(spec)
+        name = _ops_key(key)
+        if name in self.counts:
             self.hits += 1
-            return self.counts[key]
-        t0 = time.perf_counter()
-        n = costmodel.count_ops(spec)
-        self.count_s += time.perf_counter() - t0
-        self.counted += 1
-        self.counts[key] = n
-        self._save(key, n)
-        return n
+        else:
+            t0 = time.perf_counter()
+            self.counts[name] = list(costmodel.layer_counts(key))
+            self.count_s += time.perf_counter() - t0
+            self.counted += 1
+            self._save()
+        n1, n2 = self.counts[name]
+        return costmodel.extrapolate((n1, n2), spec.cfg.layers)
 
-    def _save(self, key: str, n: int) -> None:
+    def _save(self) -> None:
         if not self.path:
             return
         from tspbench.runtime.record import write_atomic
 
-        self.counts = {**self._read(), **self.counts, key: n}  # and what others wrote meanwhile
+        # and what others wrote meanwhile
+        self.counts = {**self._read(), **self.counts}
         try:
             write_atomic(self.path, json.dumps(self.counts))
         except OSError:

@@ -105,10 +105,10 @@ def check(
             spec = rec["spec"]
             cand = Candidate(
                 spec.strategy, spec.layout, spec.batch, spec.recompute, spec.kv_bucket,
-                spec=spec, peak=rec["steady"], fits=True,
+                spec.mlp_schedule, spec=spec, peak=rec["steady"], fits=True,
             )  # fmt: skip
             conf = Config(spec.strategy, spec.layout, spec.recompute, spec.kv_bucket,
-                                  [cand])  # fmt: skip
+                          spec.mlp_schedule, [cand])  # fmt: skip
             planner.count_config(conf, ops, preset)
             configs.append((conf, rec["cell"]))
         ranked = planner.rank([c for c, _ in configs])

@@ -3,13 +3,14 @@
 Every strategy of the registry is asked for its model groups (``sweep_layouts``) at every degree
 D that divides the GPUs and fits a node (``max_degree``; TP+SP at every T x Sigma of D), data
 parallelism fills the rest (dp = G / D); each group is tried with every micro-batch (1..16, or
-the one that gives ``global_batch`` = B x dp), recomputation none and full, and, for a strategy
-that reads KV buckets, bucket 0 (whole head groups) and 1. :class:`RunSpec` validates each
-candidate (a rule it breaks is the candidate's binding constraint); the analytic model
-(:func:`tspbench.projection.analytic.memory`, steady state) decides whether it fits the memory
-cap; the cost model (:func:`tspbench.projection.costmodel.project`) projects step time, tokens/s
-and MFU. A D=1 group of every multi-rank strategy is the single-device model: only the one-rank
-strategy (``single``) stands for it.
+the one that gives ``global_batch`` = B x dp), recomputation none and full, for a strategy with
+a choice of MLP schedule (TSP) ring and broadcast, and for a strategy that reads KV buckets every
+bucket that splits a head group's KV heads (0: the whole group; then each proper divisor).
+:class:`RunSpec` validates each candidate (a rule it breaks is the candidate's binding
+constraint); the analytic model (:func:`tspbench.projection.analytic.memory`, steady state)
+decides whether it fits the memory cap; the cost model (:func:`tspbench.projection.costmodel.
+project`) projects step time, tokens/s and MFU. A D=1 group of every multi-rank strategy is the
+single-device model: only the one-rank strategy (``single``) stands for it.
 
 Serving (``--mode decode`` or ``generate``, ``docs/decode.md``): the strategies with a decode
 path, each model group a run of its own (dp = 1) and the G / D groups serving apart, each its
@@ -19,13 +20,16 @@ of all groups. Decode steps are charged no dispatch, so ``decode`` counts nothin
 counts its prefill's operations.
 
 Dispatch time needs the operations the real code issues (counted on fake tensors: seconds per
-configuration). They depend on the strategy, its group, recomputation, bucket, mode, dtype and
-model, never on S, the micro-batch or dp, so each configuration is counted once and kept on disk
-(``~/.cache/tspbench``, keyed by the configuration and a digest of the step's source code). A
-plan counts only what can change its answer: every configuration is first projected without
-dispatch (an upper bound on its tokens/s); configurations are counted in the order of their
+configuration), which depend on the strategy, its group, recomputation, MLP schedule, bucket,
+mode, dtype and heads, never on S, the micro-batch or dp, so each configuration is counted once
+and kept on disk (``~/.cache/tspbench``, keyed by its shrunk copy and a digest of the step's
+source code). A plan counts only what can change its answer: every configuration is first
+projected without dispatch (an upper bound on its tokens/s), then counted in the order of the
 bounds until none left uncounted could enter the top rows or beat a strategy's best (branch and
-bound), so every fitting row shown is exact and the rest are marked as bounds.
+bound): every fitting row shown is exact, the rest are marked as bounds.
+A KV bucket repeats its group's gathers and kernel calls and removes none, so its counted
+whole-group twin's operations bound it (:func:`tighten`); priced as the twin otherwise (the
+analytic model sizes K/V by head groups), it is counted only with ``--exact`` or an estimate.
 
 This module enumerates and ranks; the records it fills are in :mod:`plantypes`, the caches in
 :mod:`plancache`, the printed answer in :mod:`planrender` and the commands in :mod:`planlaunch`.
@@ -71,17 +75,32 @@ def reads_kv_bucket(spec: RunSpec) -> bool:
     return False
 
 
-def _spec(req: Request, strategy: str, lay: Layout, batch: int, rc: str, kvb: int) -> RunSpec:
-    """A candidate's run; TSP's MLP schedule is the hardware preset's (``tsp_mlp_schedule``).
-    A decode run is one model group: its dp copies serve apart, each its own batch."""
+def _spec(
+    req: Request, strategy: str, lay: Layout, batch: int, rc: str, kvb: int, mlp: str = "ring"
+) -> RunSpec:
+    """A candidate's run. A decode run is one model group: its dp copies serve apart, each its
+    own batch."""
     if req.new_tokens:
         lay = dataclasses.replace(lay, dp=1)
-    spec = RunSpec(
+    return RunSpec(
         strategy=strategy, cfg=req.cfg, layout=lay, seq_len=req.seq_len, batch=batch,
         mode=req.mode, new_tokens=req.new_tokens, dtype=req.dtype, recompute=rc, kv_bucket=kvb,
-        quiet=True,
+        mlp_schedule=mlp, quiet=True,
     )  # fmt: skip
-    return costmodel.default_mlp_schedule(spec, req.hardware)
+
+
+def mlp_schedules(req: Request, impl: type[Strategy]) -> list[str]:
+    """The asked MLP schedules the strategy takes (TSP: ring, broadcast), else its only one."""
+    return [m for m in req.mlp_schedule if m in impl.mlp_schedules] or [impl.mlp_schedules[0]]
+
+
+def kv_buckets(req: Request, base: RunSpec | None) -> list[int]:
+    """0 (a head group's KV heads in one gather) and every proper divisor of a group's KV heads
+    (kv_heads / D), for a strategy that reads buckets; [0] for the rest."""
+    if base is None or not reads_kv_bucket(base):
+        return [0]
+    group = req.cfg.kv_heads // base.layout.degree
+    return [0, *(b for b in divisors(group) if b < group)]
 
 
 def peak_of(spec: RunSpec) -> float:
@@ -137,22 +156,20 @@ def enumerate_configs(req: Request) -> tuple[list[Config], list[dict]]:
                     base = _spec(req, name, lay, impl.replica_batch(lay), "none", 0)
                 except ConfigError:
                     pass
-            buckets = [0]
-            if base is not None and reads_kv_bucket(base) and req.cfg.kv_heads // lay.degree > 1:
-                buckets.append(1)  # the smallest bucket: one KV head per gather
-            for rc in req.recompute:
-                for kvb in buckets:
-                    conf = Config(name, lay, rc, kvb)
-                    if isinstance(batches, str):
-                        conf.candidates.append(Candidate(name, lay, 0, rc, kvb, reason=batches))
-                    for b in [] if isinstance(batches, str) else batches:
-                        cand = Candidate(name, lay, b, rc, kvb)
-                        try:
-                            cand.spec = _spec(req, name, lay, b, rc, kvb)
-                        except ConfigError as e:
-                            cand.reason = str(e)
-                        conf.candidates.append(cand)
-                    configs.append(conf)
+            tries = [(rc, m, kvb) for rc in req.recompute for m in mlp_schedules(req, impl)
+                     for kvb in kv_buckets(req, base)]  # fmt: skip
+            for rc, mlp, kvb in tries:
+                conf = Config(name, lay, rc, kvb, mlp)
+                if isinstance(batches, str):
+                    conf.candidates.append(Candidate(name, lay, 0, rc, kvb, mlp, reason=batches))
+                for b in [] if isinstance(batches, str) else batches:
+                    cand = Candidate(name, lay, b, rc, kvb, mlp)
+                    try:
+                        cand.spec = _spec(req, name, lay, b, rc, kvb, mlp)
+                    except ConfigError as e:
+                        cand.reason = str(e)
+                    conf.candidates.append(cand)
+                configs.append(conf)
     for d in divisors(req.gpus):
         if d <= req.max_degree:
             continue
@@ -172,15 +189,39 @@ def enumerate_configs(req: Request) -> tuple[list[Config], list[dict]]:
 
 
 # -- deciding -------------------------------------------------------------------------------------
+def charged(c: Candidate, preset: dict, ops: int) -> dict:
+    """``c``'s projection with ``ops`` operations: its bound recharged (projected again for a
+    decode run, which charges them otherwise, or a candidate without a bound)."""
+    if c.spec.decoding or c.bound is None:
+        return project_of(c.spec, preset, c.layout.dp, ops)
+    return costmodel.recharge(c.bound, ops)
+
+
 def count_config(conf: Config, ops: OpsCache, preset: dict) -> None:
     conf.ops = ops.get(ops_spec(conf.valid[0].spec))
     for c in conf.valid:
-        c.proj = project_of(c.spec, preset, c.layout.dp, conf.ops)
+        c.proj = charged(c, preset, conf.ops)
+
+
+def tighten(configs: list[Config], preset: dict) -> None:
+    """Bound every uncounted KV bucket by its counted whole-group twin's operations (a bucket
+    dispatches at least as many: module docstring), so that it ranks no higher than the twin."""
+    counted = {c.twin: c.ops for c in configs if not c.kv_bucket and c.ops is not None}
+    for conf in configs:
+        ops = counted.get(conf.twin)
+        if conf.kv_bucket and conf.ops is None and ops is not None and conf.bound_ops != ops:
+            conf.bound_ops = ops
+            for c in conf.valid:
+                c.bound = charged(c, preset, ops)
 
 
 def rank(configs: list[Config]) -> list[Row]:
+    """Fitting rows by tokens/s (an exact row before a bound of the same value), then the rest
+    by peak memory."""
     rows = [Row(conf, conf.best()) for conf in configs if conf.valid]
-    fit = sorted((r for r in rows if r.fits), key=lambda r: -r.cand.tokens_per_s)
+    fit = sorted(
+        (r for r in rows if r.fits), key=lambda r: (-r.cand.tokens_per_s, not r.cand.exact)
+    )
     over = sorted((r for r in rows if not r.fits), key=lambda r: r.cand.peak)
     return fit + over
 
@@ -260,6 +301,7 @@ def settle(configs: list[Config], top: int, ops: OpsCache, preset: dict):
     changes: an uncounted row ranks by its bound, above its exact value, so once every shown
     row is exact, none left out can beat them."""
     while True:
+        tighten(configs, preset)
         rows = rank(configs)
         shown, hidden = select(rows, top)
         todo = [r.config for r in shown if r.fits and not r.cand.exact]

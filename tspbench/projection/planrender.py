@@ -47,6 +47,7 @@ def candidate_dict(c: Candidate, req: Request) -> dict[str, Any]:
         "mode": req.mode,
         "dtype": req.dtype,
         "recompute": c.recompute,
+        "mlp_schedule": c.mlp_schedule,
         "kv_bucket": c.kv_bucket,
         **serving,
         "fits": bool(c.fits),
@@ -172,7 +173,7 @@ def render(plan: Plan, models: list[str] | None = None) -> str:
         *(f"  note: {n}" for n in req.notes),
         "",
     ]
-    head = ["#", "strategy", "D", "dp", "B", "recompute", "kvb", "peak GiB", "headroom",
+    head = ["#", "strategy", "D", "dp", "B", "recompute", "mlp", "kvb", "peak GiB", "headroom",
             "fits", "tokens/s", "tok/s/GPU", "MFU", STEP[req.mode], "limit"]  # fmt: skip
     table = []
     for i, r in enumerate(plan.shown, 1):
@@ -180,14 +181,14 @@ def render(plan: Plan, models: list[str] | None = None) -> str:
         src = "*" if c.peak_source != "analytic" else ""
         table.append([
             str(i), r.config.label, str(c.layout.degree), str(c.layout.dp), str(c.batch),
-            c.recompute, str(c.kv_bucket), f"{c.peak / GiB:.1f}{src}",
+            c.recompute, c.mlp_schedule, str(c.kv_bucket), f"{c.peak / GiB:.1f}{src}",
             f"{(req.memory_cap - c.peak) / GiB:.1f}", "yes" if c.fits else "NO", _fmt_rate(c),
             ("" if c.exact else "<=") + f"{res['tokens_per_s'] / req.gpus:,.0f}" if res else "-",
             f"{res['mfu']:.1%}" if res.get("mfu") is not None else "-",
             f"{res['step_time_s']:.3f}" if res else "-", limit(r, req),
         ])  # fmt: skip
     widths = [max(len(x) for x in col) for col in zip(head, *table)]
-    right = {0, 2, 3, 4, 6, 7, 8, 10, 11, 12, 13}
+    right = {0, 2, 3, 4, 7, 8, 9, 11, 12, 13, 14}
     for line in [head, *table]:
         cells = [
             x.rjust(w) if k in right else x.ljust(w) for k, (x, w) in enumerate(zip(line, widths))
@@ -204,12 +205,15 @@ def render(plan: Plan, models: list[str] | None = None) -> str:
     out.append(f"({foot}; <=: upper bound, dispatch not counted; peak: {peak}"
                + ("; *: fake-tensor estimate" if plan.estimated else "") + ")")  # fmt: skip
     if any(c.kv_bucket for c in plan.candidates if c.spec):
-        out.append("(the analytic memory models whole head groups: a KV bucket's saving shows "
-                   "only with --estimate)")  # fmt: skip
+        out.append(
+            "(kvb: KV heads per gather, 0 the whole head group; the analytic memory "
+            "models whole head groups: a bucket's saving shows only with --estimate)"
+        )
     for c in plan.estimated:
         out.append(
             f"estimator: {strategies()[c.strategy].label(c.layout)} D={c.layout.degree} "
-            f"B={c.batch} {c.recompute} kvb={c.kv_bucket}: {c.peak / GiB:.1f} GiB, "
+            f"B={c.batch} {c.recompute} mlp={c.mlp_schedule} kvb={c.kv_bucket}: "
+            f"{c.peak / GiB:.1f} GiB, "
             f"{'fits' if c.fits else 'OVER the cap'} ({c.estimate['estimate_s']:.1f} s"
             f"{', cached' if c.estimate.get('cached') else ''})"
         )
@@ -226,7 +230,8 @@ def render(plan: Plan, models: list[str] | None = None) -> str:
     lines = run_lines(req, c.spec)
     out += [
         f"best plan: {best.config.label} D={c.layout.degree} dp={c.layout.dp} B={c.batch} "
-        f"recompute={c.recompute} kv_bucket={c.kv_bucket}: {c.peak / GiB:.1f} GiB per GPU "
+        f"recompute={c.recompute} mlp_schedule={c.mlp_schedule} kv_bucket={c.kv_bucket}: "
+        f"{c.peak / GiB:.1f} GiB per GPU "
         f"({c.peak_source}), {c.tokens_per_s:,.0f} tokens/s projected",
         f"  {lines['run']}",
         f"  {lines['srun']}",

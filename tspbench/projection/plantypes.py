@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tspbench.core.config import ConfigError, ModelConfig, load_model
-from tspbench.core.strategy import Layout
+from tspbench.core.strategy import MLP_SCHEDULES, Layout
 from tspbench.projection import costmodel
 from tspbench.projection.plancache import OpsCache
 from tspbench.runtime.registry import strategies
@@ -37,6 +37,7 @@ class Request:
     global_batch: int | None = None
     max_batch: int = 16
     recompute: tuple[str, ...] = ("none", "full")
+    mlp_schedule: tuple[str, ...] = MLP_SCHEDULES  # TSP's, each tried (the rest: ring)
     model: str = ""  # as the user named it (preset or path)
     notes: tuple[str, ...] = ()
 
@@ -125,6 +126,7 @@ class Candidate:
     batch: int
     recompute: str
     kv_bucket: int
+    mlp_schedule: str = "ring"
     spec: RunSpec | None = None
     reason: str | None = None  # the validation rule it breaks
     peak: float | None = None  # bytes per GPU
@@ -149,14 +151,23 @@ class Candidate:
 
 @dataclass
 class Config:
-    """A strategy's group with one recomputation and bucket, over its micro-batches."""
+    """A strategy's group with one recomputation, MLP schedule and KV bucket, over its
+    micro-batches."""
 
     strategy: str
     layout: Layout
     recompute: str
     kv_bucket: int
+    mlp_schedule: str = "ring"
     candidates: list[Candidate] = field(default_factory=list)
     ops: int | None = None
+    bound_ops: int = 0  # operations its bounds charge (a KV bucket: its counted twin's)
+
+    @property
+    def twin(self) -> tuple:
+        """What it shares with its whole-group twin (bucket 0): all but the bucket."""
+        lay = self.layout
+        return (self.strategy, lay.degree, lay.tp, lay.sp, self.recompute, self.mlp_schedule)
 
     @property
     def label(self) -> str:
