@@ -18,7 +18,7 @@ responding (SIGSTOP, a native hang that holds the GIL): it is alive but does not
 is the only rank no peer times out. :func:`start_heartbeat`, also from the first line, touches
 the file the launcher named in ``TSPBENCH_HEARTBEAT`` twice a second from a thread of its own;
 such a rank stops touching it, and the launcher kills it once the file is older than the run's
-``--timeout`` (:func:`tspbench.runtime.launch.spawn_local`).
+``--timeout`` (:func:`tspbench.runtime.local.spawn_local`).
 
 A signal can also come before the guard exists, while Python imports torch (seconds on a loaded
 machine): :func:`hold_signals`, called on the first line of ``python -m tspbench``, remembers it,

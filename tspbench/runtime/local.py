@@ -1,6 +1,8 @@
 """``--launch local``: spawn the ranks on this machine and make sure a record exists afterwards.
 
-Rank 0 writes the record; this launcher only amends it with what it alone saw (which rank died
+``spawn_local`` starts the ranks with torchrun's variables, polls every one of them and kills
+those that outlive a failed peer or stop responding (a heartbeat file each). Rank 0 writes the
+record; this launcher only amends it with what it alone saw (which rank died
 of which signal, which rank it had to kill itself) or, if rank 0 died before writing, writes it
 itself. A SIGINT/SIGTERM sent to the launcher, at any moment from its first line on, is passed
 to every rank and named in the record; the launcher then exits 128 + signal. The launcher dies
@@ -9,18 +11,170 @@ with its parent, and its ranks with it (parent-death signals): a killed pipeline
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import shutil
 import signal
+import subprocess
+import sys
+import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tspbench.core.config import ConfigError
-from tspbench.runtime.launch import LocalRanks, die_with_parent, spawn_local
+from tspbench.runtime.launch import MPI_VARS, free_port
 from tspbench.runtime.record import interrupted_path, utc_now, write_json
 from tspbench.runtime.spec import RunSpec
 
 GRACE_S = 10.0  # how long the other ranks get after one fails
+
+
+def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> Callable[[], None]:
+    """A function that asks Linux to send ``sig`` to the calling process when its parent exits
+    (prctl PR_SET_PDEATHSIG), so that a killed launcher or pipeline leaves no orphan; it exits
+    at once if the parent is already gone. ``parent``: the pid that parent has (default: this
+    process, for a child's ``preexec_fn``, which must not import: made here, called there).
+    Elsewhere than Linux: a no-op."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return lambda: None
+    parent = os.getpid() if parent is None else parent
+
+    def arm() -> None:
+        prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os._exit(128 + int(sig))
+
+    return arm
+
+
+@dataclass
+class LocalRanks:
+    """What ``spawn_local`` saw: each rank's exit code (negative: killed by that signal), the
+    ranks it killed itself (they had not ended ``grace_s`` after a peer failed, or had stopped
+    responding: ``silent``), and the signal the launcher received, if any."""
+
+    codes: list[int]
+    killed_by_launcher: list[int]
+    signal: int | None
+    silent: dict[int, float] = field(default_factory=dict)  # rank -> seconds without a beat
+
+
+def spawn_local(
+    argv: list[str],
+    nproc: int,
+    grace_s: float = 10.0,
+    after_rank0_s: float = 2.0,
+    deadline_s: float | None = None,
+    silent_s: float = 300.0,
+) -> LocalRanks:
+    """Run ``python -m tspbench <argv>`` as ``nproc`` local ranks (torchrun's variables set).
+
+    Every rank is polled. When one fails, the others get ``grace_s`` to finish (only
+    ``after_rank0_s`` once rank 0, the record's writer, has ended), then are killed: none is
+    left behind. ``deadline_s``: the launcher's own limit for the whole job. A rank whose
+    heartbeat file (:func:`tspbench.runtime.guard.start_heartbeat`) is older than ``silent_s``
+    (at least :data:`MIN_SILENT_S`) has stopped responding: it is killed, and its peers then
+    fail or finish as after any death. A SIGINT/SIGTERM to
+    the launcher (held since start-up: :mod:`tspbench.runtime.guard`) is passed on to every
+    rank, and no rank is started after it. Ranks die with the launcher (parent-death signal).
+    """
+    from tspbench.runtime.guard import HEARTBEAT_ENV, SIGNALS, held_signal
+
+    got: list[int] = []
+    silent: dict[int, float] = {}
+    beats = Path(tempfile.mkdtemp(prefix="tspbench-heartbeat-"))
+    silent_s = max(silent_s, MIN_SILENT_S)
+    procs: list[subprocess.Popen] = []
+    mine: set[int] = set()
+
+    def kill_all(sig: int = signal.SIGKILL, by_launcher: bool = False) -> None:
+        for r, p in enumerate(procs):
+            if p.poll() is None:
+                p.send_signal(sig)
+                if by_launcher:
+                    mine.add(r)
+
+    def forward(signum, _frame):  # Ctrl-C / scancel reach every rank
+        got.append(signum)
+        kill_all(signum)
+
+    old = {s: signal.signal(s, forward) for s in SIGNALS}
+    if held_signal() is not None:
+        got.append(held_signal())
+    port, start, arm = free_port(), time.monotonic(), die_with_parent()
+    try:
+        for r in range(nproc):
+            if got:
+                break
+            env = dict(
+                os.environ,
+                RANK=str(r),
+                WORLD_SIZE=str(nproc),
+                LOCAL_RANK=str(r),
+                LOCAL_WORLD_SIZE=str(nproc),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                TSPBENCH_LAUNCHER="local",
+                **{HEARTBEAT_ENV: str(beats / str(r))},
+            )
+            for k in ("SLURM_PROCID", "SLURM_NTASKS", *MPI_VARS):
+                env.pop(k, None)
+            cmd = [sys.executable, "-m", "tspbench", *argv]
+            procs.append(subprocess.Popen(cmd, env=env, preexec_fn=arm))
+        if got:  # signalled while starting the ranks: pass it on to those already started
+            kill_all(got[0])
+        failed_at = None
+        while [p for p in procs if p.poll() is None]:  # poll every rank, every time
+            for r, quiet in _silent_ranks(procs, beats, start, silent_s).items():
+                if r not in silent:
+                    procs[r].kill()
+                    silent[r] = quiet
+                    mine.add(r)
+            now = time.monotonic()
+            if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
+                failed_at = now
+            grace = after_rank0_s if procs[0].returncode is not None else grace_s
+            late = deadline_s is not None and now - start > deadline_s
+            if late or (failed_at is not None and now - failed_at > grace):
+                kill_all(by_launcher=True)
+            time.sleep(0.05)
+    finally:
+        kill_all()
+        for p in procs:
+            p.wait()
+        for s, h in old.items():
+            signal.signal(s, h)
+        shutil.rmtree(beats, ignore_errors=True)
+    codes = [p.returncode for p in procs]
+    killed = sorted(r for r in mine if codes[r] < 0)
+    return LocalRanks(codes, killed, got[0] if got else None, silent)
+
+
+MIN_SILENT_S = 10.0  # a rank may hold the GIL this long while loading torch's libraries
+
+
+def _silent_ranks(
+    procs: list[subprocess.Popen], beats: Path, start: float, silent_s: float
+) -> dict[int, float]:
+    """Running ranks whose heartbeat file (or, before the first beat, whose start) is more than
+    ``silent_s`` seconds old: rank -> seconds."""
+    now, out = time.time(), {}
+    started = now - (time.monotonic() - start)
+    for r, p in enumerate(procs):
+        if p.poll() is not None:
+            continue
+        try:
+            last = (beats / str(r)).stat().st_mtime
+        except FileNotFoundError:
+            last = started
+        if now - last > silent_s:
+            out[r] = now - last
+    return out
 
 
 def max_local_ranks() -> int:
