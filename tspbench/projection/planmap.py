@@ -92,7 +92,7 @@ def cell_rows(p: Plan, focus: str) -> list[dict]:
             "degree": c.layout.degree if c else None, "tp": c.layout.tp if c else None,
             "sp": c.layout.sp if c else None, "dp": c.layout.dp if c else None,
             "batch": c.batch if c else None, "recompute": c.recompute if c else None,
-            "mlp_schedule": c.mlp_schedule if c else None,
+            "mlp_schedule": c.schedule if c else None,
             "kv_bucket": c.kv_bucket if c else None, "fits": bool(c and c.fits),
             "peak_gib": c.peak / GiB if c else None,
             "cap_gib": req.memory_cap / GiB,

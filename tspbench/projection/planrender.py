@@ -47,7 +47,7 @@ def candidate_dict(c: Candidate, req: Request) -> dict[str, Any]:
         "mode": req.mode,
         "dtype": req.dtype,
         "recompute": c.recompute,
-        "mlp_schedule": c.mlp_schedule,
+        "mlp_schedule": c.schedule,
         "kv_bucket": c.kv_bucket,
         **serving,
         "fits": bool(c.fits),
@@ -181,7 +181,7 @@ def render(plan: Plan, models: list[str] | None = None) -> str:
         src = "*" if c.peak_source != "analytic" else ""
         table.append([
             str(i), r.config.label, str(c.layout.degree), str(c.layout.dp), str(c.batch),
-            c.recompute, c.mlp_schedule, str(c.kv_bucket), f"{c.peak / GiB:.1f}{src}",
+            c.recompute, c.schedule or "-", str(c.kv_bucket), f"{c.peak / GiB:.1f}{src}",
             f"{(req.memory_cap - c.peak) / GiB:.1f}", "yes" if c.fits else "NO", _fmt_rate(c),
             ("" if c.exact else "<=") + f"{res['tokens_per_s'] / req.gpus:,.0f}" if res else "-",
             f"{res['mfu']:.1%}" if res.get("mfu") is not None else "-",
@@ -212,7 +212,7 @@ def render(plan: Plan, models: list[str] | None = None) -> str:
     for c in plan.estimated:
         out.append(
             f"estimator: {strategies()[c.strategy].label(c.layout)} D={c.layout.degree} "
-            f"B={c.batch} {c.recompute} mlp={c.mlp_schedule} kvb={c.kv_bucket}: "
+            f"B={c.batch} {c.recompute} mlp={c.schedule or '-'} kvb={c.kv_bucket}: "
             f"{c.peak / GiB:.1f} GiB, "
             f"{'fits' if c.fits else 'OVER the cap'} ({c.estimate['estimate_s']:.1f} s"
             f"{', cached' if c.estimate.get('cached') else ''})"
@@ -230,7 +230,9 @@ def render(plan: Plan, models: list[str] | None = None) -> str:
     lines = run_lines(req, c.spec)
     out += [
         f"best plan: {best.config.label} D={c.layout.degree} dp={c.layout.dp} B={c.batch} "
-        f"recompute={c.recompute} mlp_schedule={c.mlp_schedule} kv_bucket={c.kv_bucket}: "
+        f"recompute={c.recompute}"
+        + (f" mlp_schedule={c.schedule}" if c.schedule else "")
+        + f" kv_bucket={c.kv_bucket}: "
         f"{c.peak / GiB:.1f} GiB per GPU "
         f"({c.peak_source}), {c.tokens_per_s:,.0f} tokens/s projected",
         f"  {lines['run']}",

@@ -141,6 +141,12 @@ class Candidate:
         return self.proj is not None
 
     @property
+    def schedule(self) -> str | None:
+        """Its MLP schedule where the strategy has a choice (TSP), else None: a baseline's MLP
+        is not a ring, whatever the spec's default says."""
+        return self.mlp_schedule if len(strategies()[self.strategy].mlp_schedules) > 1 else None
+
+    @property
     def result(self) -> dict | None:
         return self.proj or self.bound
 
