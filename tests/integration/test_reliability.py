@@ -172,9 +172,11 @@ def test_a_slow_healthy_step_is_not_a_hang_and_a_hung_one_says_which_limit(tmp_p
 
 def test_a_real_allocator_failure_is_recorded_as_oom(tmp_path):
     """The host allocator really fails: the run's address space is capped (RLIMIT_AS) at what
-    Python and torch take once imported plus 500 MiB, and the step needs about 750 MiB of
-    tensors. The record says ``oom`` (exit 0), not ``error`` and not nothing: reporting it must
-    not need the memory the failed step held."""
+    Python and torch take once imported plus 500 MiB, and the model's first weight (a
+    2**20 x 256 fp32 embedding, 1 GiB, allocated whole before it is sharded) cannot fit. The
+    record says ``oom`` (exit 0), not ``error`` and not nothing: reporting it must not need the
+    memory the failed step held. (One large request, so the cap bites in torch's allocator and
+    not in one of Python's small ones, which fail without a usable message.)"""
     import resource
 
     probe = "import tspbench.cli, tspbench.runtime.run; print(open('/proc/self/status').read())"
@@ -186,9 +188,10 @@ def test_a_real_allocator_failure_is_recorded_as_oom(tmp_path):
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 
     out = tmp_path / "oom.json"
-    run = ["run", "--strategy", "single", "--seq-len", "16384", "--batch", "4", "--steps", "1"]
+    run = ["run", "--strategy", "single", "--seq-len", "32", "--mode", "infer", "--steps", "1",
+           "--set", "vocab=1048576", "--set", "hidden=256", "--warmup", "0"]  # fmt: skip
     p = subprocess.run(
-        [sys.executable, "-m", "tspbench", *run, "--warmup", "0", "--out", str(out)],
+        [sys.executable, "-m", "tspbench", *run, "--out", str(out)],
         capture_output=True, text=True, preexec_fn=capped, timeout=300,
     )  # fmt: skip
     rec = json.loads(out.read_text())
