@@ -99,3 +99,23 @@ def test_the_subject_is_the_claims_files_own(tmp_path):
         path.write_text(yaml.safe_dump({**spec, "subject": subject, "claims": [lowest]}))
         reason = claims_table(path, REFS).iloc[0]["reason"]
         assert f"< {subject} " in reason and f"< {other} " not in reason, reason
+
+
+def test_every_claim_runs_with_another_subject(tmp_path):
+    """No check assumes the subject is TSP: with ``subject: tp`` every claim still gives a row
+    (TP has no K/V backward choice, so its memory rows carry no design-choice note)."""
+    spec = yaml.safe_load((ROOT / "workflows/paper/claims.yaml").read_text())
+    path = tmp_path / "claims.yaml"
+    path.write_text(yaml.safe_dump({**spec, "subject": "tp"}))
+    table = claims_table(path, REFS)
+    assert len(table) >= len(spec["claims"])
+    assert not table["reason"].str.contains("--kv-backward").any()
+
+
+def test_claims_schema_enums_are_the_registries():
+    from tspbench.core.config import PRESETS
+    from tspbench.runtime.registry import strategies
+
+    schema = yaml.safe_load((ROOT / "workflows/schemas/claims.schema.yaml").read_text())
+    assert sorted(schema["$defs"]["strategy"]["enum"]) == sorted(strategies())
+    assert schema["properties"]["model"]["enum"] == list(PRESETS)

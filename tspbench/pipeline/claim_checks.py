@@ -15,6 +15,7 @@ from tspbench.core.config import ModelConfig
 from tspbench.pipeline.aggregate import per_sweep
 from tspbench.projection import analytic
 from tspbench.projection.costmodel import load_preset
+from tspbench.runtime.registry import get_strategy
 from tspbench.runtime.spec import RunSpec
 
 GB, GiB = 1e9, 2**30
@@ -98,12 +99,17 @@ def memory_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
                 "paper's recompute setting is not stated; a live-tensor count does not see the "
                 "CUDA context, NCCL buffers or allocator fragmentation (several GB on a GPU). "
                 + _growth(mem, best.strategy)
-                + (_tsp_choices(cfg, c) if c["strategy"] == c["subject"] else ""),
+                + (_tsp_choices(cfg, c) if _has_choices(c["strategy"], c["subject"]) else ""),
                 c["source"],
                 f"{_rel(src.projected)}/memory.csv: {best.strategy}, S={c['seq_len']}",
             )
         )
     return rows
+
+
+def _has_choices(strategy: str, subject: str) -> bool:
+    """The subject's row, when the subject has the K/V backward design choice (TSP)."""
+    return strategy == subject and len(get_strategy(subject).kv_backwards) > 1
 
 
 def _tsp_choices(cfg: ModelConfig, c: dict, D: int = 8) -> str:

@@ -28,6 +28,7 @@ from tspbench.core import attention
 from tspbench.core.config import get_config
 from tspbench.core.mesh import build_mesh
 from tspbench.core.reference import ReferenceModel, make_batch
+from tspbench.pipeline.labels import REFERENCE
 from tspbench.runtime.record import versions, write_json
 from tspbench.runtime.registry import strategies
 
@@ -149,7 +150,7 @@ def strategy_check(device: torch.device, name: str, dtype: str = "fp32") -> str:
 
 def two_gpu_check(name: str) -> str:
     """TSP or TP at D = 2 on two GPUs (NCCL/RCCL) gives the single device's loss and norm."""
-    recs, single = {}, next(n for n, s in strategies().items() if s.reference)
+    recs, single = {}, REFERENCE
     with tempfile.TemporaryDirectory() as tmp:
         for strategy, degree in ((name, 2), (single, 1)):
             out = Path(tmp) / f"{strategy}.json"

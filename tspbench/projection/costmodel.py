@@ -225,7 +225,7 @@ def project(c: RunSpec, preset: dict, ops: int | None = None) -> dict[str, Any]:
         "comm_overlappable_s": ovl,
         "comm_hidden_s": hidden,
         "ops_per_step": ops,
-        "op_s": r["op_overhead_s"] * straggler,  # dispatch time per operation
+        "dispatch_s_per_op": r["op_overhead_s"] * straggler,
         "flops_per_rank": fl["gemm"] + fl["attention"],
         "mfu": (fl["gemm"] + fl["attention"]) / step / preset["peak_flops"]
         if "peak_flops" in preset
@@ -237,7 +237,7 @@ def recharge(p: dict[str, Any], ops: int) -> dict[str, Any]:
     """A projection of :func:`project` with ``ops`` operations charged instead of its own: the
     dispatch term is the only one that depends on them (what a plan does to a configuration's
     bound once its operations are counted, for hundreds of candidates)."""
-    dispatch = ops * p["op_s"]
+    dispatch = ops * p["dispatch_s_per_op"]
     step = p["step_time_s"] - p["dispatch_s"] + dispatch
     scale = p["step_time_s"] / step
     return p | {

@@ -8,9 +8,9 @@ a choice of MLP schedule (TSP) ring and broadcast, and for a strategy that reads
 bucket that splits a head group's KV heads (0: the whole group; then each proper divisor).
 :class:`RunSpec` validates each candidate (a rule it breaks is the candidate's binding
 constraint); the analytic model (:func:`tspbench.projection.analytic.memory`, steady state)
-decides whether it fits the memory cap; the cost model (:func:`tspbench.projection.costmodel.
-project`) projects step time, tokens/s and MFU. A D=1 group of every multi-rank strategy is the
-single-device model: only the one-rank strategy (``single``) stands for it.
+decides whether it fits the memory cap; the cost model
+(:func:`tspbench.projection.costmodel.project`) projects step time, tokens/s and MFU. A D=1
+group of every multi-rank strategy is the single-device model: only ``single`` stands for it.
 
 Serving (``--mode decode`` or ``generate``, ``docs/decode.md``): the strategies with a decode
 path, each model group a run of its own (dp = 1) and the G / D groups serving apart, each its

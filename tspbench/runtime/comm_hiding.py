@@ -1,6 +1,7 @@
 """How much of a strategy's communication hides behind its compute (``tspbench overlap``): any
-strategy whose schedule overlaps a collective (TSP's prefetched broadcasts and ring hops,
-FSDP+CP's prefetched all-gathers and drained reduce-scatters, DP's gradient buckets).
+strategy whose model group's schedule overlaps a collective when ``--overlap`` is on (TSP's
+prefetched broadcasts and ring hops, FSDP+CP's prefetched all-gathers and drained
+reduce-scatters).
 
 Per step, measured in one run on the same shapes: the overlapped step (prefetch on), the same step
 with overlap off, compute alone (collectives skipped: correctly shaped results, no transfer), and
@@ -108,9 +109,8 @@ def check_hides(spec: RunSpec) -> None:
     overlap on and off are the same step."""
     from tspbench.core.config import ConfigError
 
-    on = spec.replace(overlap=True)
-    dp_buckets = on.train and on.layout.dp > 1  # issued while the backward goes on
-    if not dp_buckets and not any(ev.overlapped for ev in on.impl.schedule(on)):
+    on = spec.replace(overlap=True)  # (DP's gradient buckets overlap with the switch on or off)
+    if not any(ev.overlapped for ev in on.impl.schedule(on)):
         raise ConfigError(
             f"--strategy={spec.strategy}: overlaps none of its collectives in this layout "
             "(overlap on and off are the same step): nothing for the overlap benchmark to measure"

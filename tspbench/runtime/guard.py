@@ -59,10 +59,11 @@ def start_heartbeat() -> None:
     def beat() -> None:
         while True:
             try:
-                with open(path, "a"):
-                    os.utime(path)
-            except OSError:  # the launcher's directory went away with the launcher
+                os.utime(path)  # the launcher made the file; only its time moves
+            except FileNotFoundError:  # the launcher's directory went away with the launcher
                 return
+            except OSError:  # a passing failure (EINTR, a busy file system): beat again later
+                pass
             time.sleep(HEARTBEAT_S)
 
     threading.Thread(target=beat, daemon=True, name="tspbench-heartbeat").start()

@@ -88,6 +88,7 @@ def spawn_local(
     got: list[int] = []
     silent: dict[int, float] = {}
     beats = Path(tempfile.mkdtemp(prefix="tspbench-heartbeat-"))
+    heard: dict[int, tuple[int, float]] = {}  # rank -> (heartbeat mtime, when first seen)
     silent_s = max(silent_s, MIN_SILENT_S)
     procs: list[subprocess.Popen] = []
     mine: set[int] = set()
@@ -125,12 +126,13 @@ def spawn_local(
             for k in ("SLURM_PROCID", "SLURM_NTASKS", *MPI_VARS):
                 env.pop(k, None)
             cmd = [sys.executable, "-m", "tspbench", *argv]
+            (beats / str(r)).touch()  # its start counts as its first beat
             procs.append(subprocess.Popen(cmd, env=env, preexec_fn=arm))
         if got:  # signalled while starting the ranks: pass it on to those already started
             kill_all(got[0])
         failed_at = None
         while [p for p in procs if p.poll() is None]:  # poll every rank, every time
-            for r, quiet in _silent_ranks(procs, beats, start, silent_s).items():
+            for r, quiet in _silent_ranks(procs, beats, heard, silent_s).items():
                 if r not in silent:
                     procs[r].kill()
                     silent[r] = quiet
@@ -159,21 +161,23 @@ MIN_SILENT_S = 10.0  # a rank may hold the GIL this long while loading torch's l
 
 
 def _silent_ranks(
-    procs: list[subprocess.Popen], beats: Path, start: float, silent_s: float
+    procs: list[subprocess.Popen], beats: Path, seen: dict[int, tuple[int, float]], silent_s: float
 ) -> dict[int, float]:
-    """Running ranks whose heartbeat file (or, before the first beat, whose start) is more than
-    ``silent_s`` seconds old: rank -> seconds."""
-    now, out = time.time(), {}
-    started = now - (time.monotonic() - start)
+    """Running ranks whose heartbeat file has not changed for more than ``silent_s`` seconds:
+    rank -> seconds. ``seen`` keeps, per rank, the file's last modification time and when (on
+    this launcher's monotonic clock) it was first seen, so a wall-clock jump changes nothing."""
+    now, out = time.monotonic(), {}
     for r, p in enumerate(procs):
         if p.poll() is not None:
             continue
         try:
-            last = (beats / str(r)).stat().st_mtime
-        except FileNotFoundError:
-            last = started
-        if now - last > silent_s:
-            out[r] = now - last
+            mtime = (beats / str(r)).stat().st_mtime_ns
+        except OSError:
+            continue  # (the launcher made it; a failed stat is not silence)
+        if seen.get(r, (None, 0.0))[0] != mtime:
+            seen[r] = (mtime, now)
+        elif now - seen[r][1] > silent_s:
+            out[r] = now - seen[r][1]
     return out
 
 
