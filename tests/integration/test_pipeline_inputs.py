@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import math
 import resource
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -56,9 +55,7 @@ def bomb_config() -> str:
 def test_projected_config_with_a_shell_command_is_refused_by_the_dry_run(tmp_path):
     """workflows/config/projected.yaml is read at parse time; a value that is not one of the
     schema's stops the dry run naming it, and nothing in it is ever run."""
-    for item in ("Snakefile", "workflows", "env"):
-        src = ROOT / item
-        (shutil.copytree if src.is_dir() else shutil.copy)(src, tmp_path / item)
+    copy_workflow(tmp_path)
     proj = tmp_path / "workflows/config/projected.yaml"
     cfg = yaml.safe_load(proj.read_text())
     cfg["dtype"] = f"fp32$(touch {tmp_path / 'PWNED'})"

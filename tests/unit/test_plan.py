@@ -53,12 +53,6 @@ def counted(monkeypatch):
     return keys
 
 
-@pytest.fixture
-def stub_ops(counted):
-    """The stubbed count, for tests that do not look at what was counted."""
-    return counted
-
-
 def plan_cli(capsys, *argv) -> tuple[int, str, str]:
     rc = main(["plan", *map(str, argv)])
     out, err = capsys.readouterr()
@@ -80,7 +74,7 @@ def table_rows(out: str) -> list[list[str]]:
     return rows
 
 
-def test_ranks_strategies_and_prints_commands(capsys, stub_ops, tmp_path):
+def test_ranks_strategies_and_prints_commands(capsys, counted, tmp_path):
     rc, out, _ = plan_cli(capsys, "--model", "7b", "--hardware", "mi300x", "--seq-len", 131072,
                           "--gpus", 8, "--cache", tmp_path)  # fmt: skip
     assert rc == 0
@@ -106,7 +100,7 @@ def test_ranks_strategies_and_prints_commands(capsys, stub_ops, tmp_path):
     assert cells[0].spec.mlp_schedule == mlp
 
 
-def test_json_best_7b_128k_on_8_mi300x_fits(capsys, stub_ops, tmp_path):
+def test_json_best_7b_128k_on_8_mi300x_fits(capsys, counted, tmp_path):
     rc, out, _ = plan_cli(capsys, "--model", "7b", "--hardware", "mi300x", "--seq-len", 131072,
                           "--gpus", 8, "--json", "--cache", tmp_path)  # fmt: skip
     assert rc == 0
@@ -125,7 +119,7 @@ def test_json_best_7b_128k_on_8_mi300x_fits(capsys, stub_ops, tmp_path):
     assert "tspbench run" in best["run"] and best["srun"].startswith("srun ")
 
 
-def test_from_a_hugging_face_config(capsys, stub_ops, tmp_path):
+def test_from_a_hugging_face_config(capsys, counted, tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(LLAMA3_8B))
     cfg, notes = hf_config(LLAMA3_8B)
@@ -171,7 +165,7 @@ def test_missing_key_and_sliding_window_null_accepted():
     assert cfg.kv_heads == 8 and notes and "rope_scaling" in notes[0]
 
 
-def test_gqa_explains_why_tsp_is_filtered_at_d16(capsys, stub_ops, tmp_path):
+def test_gqa_explains_why_tsp_is_filtered_at_d16(capsys, counted, tmp_path):
     rc, out, _ = plan_cli(capsys, "--model", "llama3-8b", "--hardware", "h100", "--seq-len",
                           65536, "--gpus", 16, "--max-degree", 16, "--cache", tmp_path)  # fmt: skip
     assert rc == 0
@@ -196,7 +190,7 @@ def test_gqa_explains_why_tsp_is_filtered_at_d16(capsys, stub_ops, tmp_path):
         (["--model", "70b"], "--model='70b'"),
     ],
 )
-def test_bad_input_is_one_line_exit_2(capsys, stub_ops, argv, needle):
+def test_bad_input_is_one_line_exit_2(capsys, counted, argv, needle):
     args = {"--model": "7b", "--seq-len": "131072", "--gpus": "8"}
     args.update(zip(argv[::2], argv[1::2]))
     try:
@@ -207,7 +201,7 @@ def test_bad_input_is_one_line_exit_2(capsys, stub_ops, argv, needle):
     assert rc == 2 and not out and needle in err and len(err.strip().splitlines()) == 1, err
 
 
-def test_global_batch_sets_the_micro_batch(stub_ops):
+def test_global_batch_sets_the_micro_batch(counted):
     req = Request.make("7b", "mi300x", 32768, 16, global_batch=8)
     p = planner.plan(req, use_cache=False)
     for c in p.candidates:
@@ -216,7 +210,7 @@ def test_global_batch_sets_the_micro_batch(stub_ops):
     assert p.best is not None and planner.limit(p.rows[0], req) == "global batch"
 
 
-def test_answers_in_seconds_for_1024_gpus(stub_ops):
+def test_answers_in_seconds_for_1024_gpus(counted):
     t0 = time.perf_counter()
     p = planner.plan(Request.make("7b", "mi300x", 131072, 1024), use_cache=False)
     assert time.perf_counter() - t0 < 20 and p.best is not None and p.best.fits
@@ -285,7 +279,7 @@ def test_counts_operations_for_real_and_caches_them(tmp_path):
     assert again.best.cand.tokens_per_s == first.best.cand.tokens_per_s
 
 
-def test_estimate_rechecks_the_best_rows(capsys, stub_ops, tmp_path):
+def test_estimate_rechecks_the_best_rows(capsys, counted, tmp_path):
     argv = ["--model", "tiny", "--seq-len", 256, "--gpus", 4, "--dtype", "fp32",
             "--max-batch", 2, "--estimate", "--estimate-top", 1, "--kernel", "cpu_flash",
             "--cache", tmp_path]  # fmt: skip
@@ -295,7 +289,7 @@ def test_estimate_rechecks_the_best_rows(capsys, stub_ops, tmp_path):
     assert "cached" in out.split("estimator:")[1].splitlines()[0]
 
 
-def test_map_sweep_and_figures(stub_ops, tmp_path):
+def test_map_sweep_and_figures(counted, tmp_path):
     cfg_path = tmp_path / "plan.yaml"
     cfg_path.write_text(
         "name: t\nmaps: [{model: 7b, hardware: mi300x}]\nseq_lens: [65536, 1048576]\n"
@@ -335,7 +329,7 @@ def test_spearman_ranks_with_ties():
     assert plancheck.spearman([1, 1, 2], [5, 5, 9]) == pytest.approx(1.0)
 
 
-def test_plan_check_compares_each_analytic_peak_with_the_same_step(stub_ops, tmp_path):
+def test_plan_check_compares_each_analytic_peak_with_the_same_step(counted, tmp_path):
     """A record's peak_mem_bytes is the steady state and peak_mem_bytes_first_step the first
     step's: where the measured peaks are the analytic ones, the check reports no error for
     either (it once set the analytic first step against the measured steady state)."""
