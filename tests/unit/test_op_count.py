@@ -29,7 +29,7 @@ import torch
 
 from tspbench.core.config import get_config
 from tspbench.projection import costmodel
-from tspbench.projection.estimate import OpCounter, count_rank_ops
+from tspbench.projection.estimate import OpCounter, count_rank_ops, fake_rank
 from tspbench.runtime.spec import RunSpec
 
 CASE = {"degree": 8, "seq_len": 16384, "dtype": "bf16", "recompute": "full"}
@@ -55,16 +55,9 @@ def test_dispatched_operations_do_not_regress(strategy, mlp):
 def test_counting_alone_counts_what_the_estimators_probe_step_dispatches(strategy):
     """``count_rank_ops`` runs the estimator's two steps without its memory tracker and FLOP
     counter (the counter sits above both): the same count as the probe's second step."""
-    import torch.distributed as dist
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from tspbench.core import attention
-    from tspbench.core.mesh import build_mesh
     from tspbench.core.optim import AdamW
     from tspbench.core.reference import make_batch
-    from tspbench.runtime.measure import build_strategy, one_step, probe
-    from tspbench.runtime.registry import get_strategy
+    from tspbench.runtime.measure import one_step, probe
 
     tp = 2 if strategy == "tpsp" else 1
     spec = costmodel.count_key(
@@ -78,18 +71,12 @@ def test_counting_alone_counts_what_the_estimators_probe_step_dispatches(strateg
             recompute="full",
         )  # fmt: skip
     )
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        mesh = build_mesh(get_strategy(strategy).mesh_dims(spec.layout))
-        with FakeTensorMode(), attention.forced("fused"):
-            strat = build_strategy(spec, mesh, torch.device("cpu"))
-            batch = strat.shard_batch(*make_batch(spec.cfg, spec.batch, spec.seq_len, 0))
-            opt = AdamW(strat.parameters())
-            ops = OpCounter()
-            probe(lambda: one_step(strat, batch, opt), strat, batch, opt, torch.device("cpu"),
-                  also=ops, fake=True)  # fmt: skip
-    finally:
-        dist.destroy_process_group()
+    with fake_rank(spec, 0) as (_, strat):
+        batch = strat.shard_batch(*make_batch(spec.cfg, spec.batch, spec.seq_len, 0))
+        opt = AdamW(strat.parameters())
+        ops = OpCounter()
+        probe(lambda: one_step(strat, batch, opt), strat, batch, opt, torch.device("cpu"),
+              also=ops, fake=True)  # fmt: skip
     assert count_rank_ops(spec) == ops.n > 0
 
 

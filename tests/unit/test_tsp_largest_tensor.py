@@ -10,18 +10,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from tspbench.core.config import get_config
-from tspbench.core.mesh import build_mesh
 from tspbench.core.optim import AdamW
 from tspbench.core.reference import make_batch
-from tspbench.runtime.measure import build_strategy, one_step
-from tspbench.runtime.registry import get_strategy
+from tspbench.projection.estimate import fake_rank
+from tspbench.runtime.measure import one_step
 from tspbench.runtime.spec import RunSpec
 
 
@@ -56,16 +52,10 @@ def test_no_tsp_tensor_exceeds_a_shard_in_flight(model, S, mlp_schedule):
     spec = RunSpec.make("tsp", get_config(model), degree=4, seq_len=S, mlp_schedule=mlp_schedule)
     limit = bound(spec)
     for rank in range(4):
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=4)
-        try:
-            mesh = build_mesh(get_strategy("tsp").mesh_dims(spec.layout))
-            with FakeTensorMode():
-                strat = build_strategy(spec, mesh, torch.device("cpu"))
-                batch = strat.shard_batch(*make_batch(spec.cfg, 1, S, 0))
-                opt = AdamW(strat.parameters())
-                largest = Largest()
-                with largest:
-                    one_step(strat, batch, opt)
-        finally:
-            dist.destroy_process_group()
+        with fake_rank(spec, rank, kernel=None) as (_, strat):
+            batch = strat.shard_batch(*make_batch(spec.cfg, 1, S, 0))
+            opt = AdamW(strat.parameters())
+            largest = Largest()
+            with largest:
+                one_step(strat, batch, opt)
         assert largest.nbytes <= limit, f"rank {rank}: {largest.op} {largest.nbytes} > {limit}"

@@ -22,7 +22,9 @@ Faithfulness notes:
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -61,66 +63,66 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@contextlib.contextmanager
+def fake_rank(spec: RunSpec, rank: int, kernel: str | None = "fused") -> Iterator[tuple[Any, Any]]:
+    """(mesh, strategy) of ``spec``'s rank ``rank`` on torch's fake process group, built under
+    ``FakeTensorMode`` with the attention ``kernel`` forced (None: the device's own); the group
+    is destroyed on exit, so one process can play every rank in turn."""
+    if dist.is_initialized():
+        raise RuntimeError("a fake rank needs a process without a process group")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=spec.layout.world_size)
+    try:
+        mesh = build_mesh(get_strategy(spec.strategy).mesh_dims(spec.layout))
+        with FakeTensorMode(), attention.forced(kernel):
+            yield mesh, build_strategy(spec, mesh, torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
+
+
 def count_rank_ops(spec: RunSpec) -> int:
     """Operations rank 0 dispatches in a (steady-state) step of ``spec``: a first step, then
     the second under the :class:`OpCounter` alone. The estimator's probe runs the same steps
     under its memory tracker and FLOP counter too; the counter sits above both (entered last),
     so they change no count (tests/unit/test_op_count.py) and are left out: a quarter of the
     time, which the planner spends on cold counts."""
-    if dist.is_initialized():
-        raise RuntimeError("count_rank_ops needs a process without a process group")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=spec.layout.world_size)
-    try:
-        mesh = build_mesh(get_strategy(spec.strategy).mesh_dims(spec.layout))
-        with FakeTensorMode(), attention.forced("fused"):
-            strat = build_strategy(spec, mesh, torch.device("cpu"))
-            tokens, labels = make_batch(spec.cfg, spec.batch * spec.layout.dp, spec.seq_len, 0)
-            batch = strat.shard_batch(tokens, labels)
-            opt = AdamW(strat.parameters()) if spec.mode == "train" else None
-            one_step(strat, batch, opt)  # AdamW's state and the strategy's tables are made
-            ops = OpCounter()
-            with ops:
-                one_step(strat, batch, opt)
-            return ops.n
-    finally:
-        dist.destroy_process_group()
+    with fake_rank(spec, 0) as (_, strat):
+        tokens, labels = make_batch(spec.cfg, spec.batch * spec.layout.dp, spec.seq_len, 0)
+        batch = strat.shard_batch(tokens, labels)
+        opt = AdamW(strat.parameters()) if spec.mode == "train" else None
+        one_step(strat, batch, opt)  # AdamW's state and the strategy's tables are made
+        ops = OpCounter()
+        with ops:
+            one_step(strat, batch, opt)
+        return ops.n
 
 
 def estimate_rank(spec: RunSpec, rank: int, kernel: str = "fused") -> dict[str, Any]:
     """Peak memory (first and steady step), FLOPs and bytes of one rank, on fake tensors."""
-    if dist.is_initialized():
-        raise RuntimeError("estimate_rank needs a process without a process group")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=spec.layout.world_size)
-    try:
-        mesh = build_mesh(get_strategy(spec.strategy).mesh_dims(spec.layout))
-        with FakeTensorMode(), attention.forced(kernel):
-            strat = build_strategy(spec, mesh, torch.device("cpu"))
-            if spec.decoding:
-                return {"rank": rank, **_decode_rank(spec, strat, mesh)}
-            tokens, labels = make_batch(spec.cfg, spec.batch * spec.layout.dp, spec.seq_len, 0)
-            batch = strat.shard_batch(tokens, labels)
-            del tokens, labels
-            train = spec.mode == "train"
-            opt = AdamW(strat.parameters()) if train else None
-            at_rest_bytes = MemoryTracker()
-            at_rest_bytes.track(*at_rest(strat, batch, opt))
-            found, _ = probe(  # as a measured run's probe steps
-                lambda: one_step(strat, batch, opt), strat, batch, opt, torch.device("cpu"),
-                fake=True,
-            )  # fmt: skip
-            return {
-                "rank": rank,
-                "at_rest_bytes": at_rest_bytes.live,
-                "peak_first_bytes": found["tracked_peak_first"],
-                "peak_bytes": found["tracked_peak"],
-                "flops": found["flops"],
-                "comm_by_kind": dict(mesh.counter.by_kind()),
-                "comm_by_axis": dict(mesh.counter.by_axis()),
-                "param_numel": strat.local_numel(),
-                "optimizer_numel": opt.state_numel() if opt else 0,
-            }
-    finally:
-        dist.destroy_process_group()
+    with fake_rank(spec, rank, kernel) as (mesh, strat):
+        if spec.decoding:
+            return {"rank": rank, **_decode_rank(spec, strat, mesh)}
+        tokens, labels = make_batch(spec.cfg, spec.batch * spec.layout.dp, spec.seq_len, 0)
+        batch = strat.shard_batch(tokens, labels)
+        del tokens, labels
+        train = spec.mode == "train"
+        opt = AdamW(strat.parameters()) if train else None
+        at_rest_bytes = MemoryTracker()
+        at_rest_bytes.track(*at_rest(strat, batch, opt))
+        found, _ = probe(  # as a measured run's probe steps
+            lambda: one_step(strat, batch, opt), strat, batch, opt, torch.device("cpu"),
+            fake=True,
+        )  # fmt: skip
+        return {
+            "rank": rank,
+            "at_rest_bytes": at_rest_bytes.live,
+            "peak_first_bytes": found["tracked_peak_first"],
+            "peak_bytes": found["tracked_peak"],
+            "flops": found["flops"],
+            "comm_by_kind": dict(mesh.counter.by_kind()),
+            "comm_by_axis": dict(mesh.counter.by_axis()),
+            "param_numel": strat.local_numel(),
+            "optimizer_numel": opt.state_numel() if opt else 0,
+        }
 
 
 def _decode_rank(spec: RunSpec, strat, mesh) -> dict[str, Any]:
