@@ -119,3 +119,17 @@ def test_claims_schema_enums_are_the_registries():
     schema = yaml.safe_load((ROOT / "workflows/schemas/claims.schema.yaml").read_text())
     assert sorted(schema["$defs"]["strategy"]["enum"]) == sorted(strategies())
     assert schema["properties"]["model"]["enum"] == list(PRESETS)
+
+
+def test_competitive_throughput_is_judged_on_both_halves_of_the_claim():
+    """'Competitive with TP+SP, and better with longer sequences': TSP's forward tokens/s over
+    the best TP+SP on MI300X (projected references: 1.12 at 16K up to 1.27 at 64K, 1.21 at
+    128K) is competitive at every length but does not rise all the way, so partly; a half
+    alone is never 'differs'."""
+    df = claims_table(src=REFS).set_index("claim")
+    row = df.loc[
+        "Throughput is competitive with TP+SP, and better with longer sequences and larger D"
+    ]
+    ratios = [float(x.split(": ")[1]) for x in row["ours"].split("{")[1].rstrip("}").split(", ")]
+    assert min(ratios) > 0.8 and ratios != sorted(ratios), ratios
+    assert row["verdict"] == "partly"

@@ -1,8 +1,9 @@
 """The figure helpers the measured figures (``figures``) and the projected ones (``projected``)
 share, kept apart so both draw alike: a strategy's colour, marker and dash style, the same in
 every figure (``palette``, ``styles``); lines with TSP drawn last, on top (``draw_lines``); the
-legend outside the axes (``legend``); readable log-axis ticks (``log_ticks``, ``compact``); red
-crosses for failed cells (``failed_markers``); and PNG + PDF written atomically (``save``).
+legend outside the axes (``legend``); readable log-axis ticks (``log_ticks``, ``compact``; one
+per swept value: ``log_x``, ``seq_axis``); red crosses for failed cells (``failed_markers``);
+and PNG + PDF written atomically (``save``).
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ __all__ = [
     "failed_markers",
     "legend",
     "log_ticks",
+    "log_x",
     "palette",
     "save",
+    "seq_axis",
     "styles",
 ]
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
@@ -177,3 +180,16 @@ def failed_markers(ax, failed: pd.DataFrame, x: str) -> None:
             color="red",
             ha="right",
         )
+
+
+def log_x(ax, values, fmt) -> None:
+    """Log-scaled x axis with a labelled tick at each swept value and nothing else."""
+    ticks = sorted(set(values))
+    ax.set_xscale("log")
+    ax.set_xticks(ticks, [fmt(v) for v in ticks])
+    ax.xaxis.set_minor_locator(ticker.NullLocator())
+
+
+def seq_axis(ax, seq_lens) -> None:
+    """Log-scaled sequence axis labelled 16K, 32K, ... and nothing else."""
+    log_x(ax, seq_lens, lambda s: f"{s // 1024}K")

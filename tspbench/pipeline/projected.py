@@ -18,15 +18,23 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from matplotlib.ticker import NullLocator
 
 from tspbench.core.config import get_config
 from tspbench.core.strategy import Layout
-from tspbench.pipeline.plotting import draw_lines, legend, log_ticks, palette, save, styles
+from tspbench.pipeline.plotting import (
+    draw_lines,
+    legend,
+    log_ticks,
+    log_x,
+    palette,
+    save,
+    seq_axis,
+    styles,
+)
 from tspbench.pipeline.projected_decode import write_decode_report
 from tspbench.pipeline.tables import label_order
 from tspbench.projection.analytic import memory
-from tspbench.projection.costmodel import load_preset, project
+from tspbench.projection.costmodel import default_mlp_schedule, load_preset, project
 from tspbench.runtime.record import write_atomic
 from tspbench.runtime.registry import get_strategy
 from tspbench.runtime.spec import RunSpec
@@ -108,21 +116,32 @@ def memory_table(cfg: dict, estimates: Path) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _row(c: RunSpec, hw: str) -> dict[str, str | None]:
+    """A row's hardware, strategy (one label on every preset) and MLP schedule (TSP's only)."""
+    schedule = c.mlp_schedule if len(c.impl.mlp_schedules) > 1 else None
+    return {"hardware": hw, "strategy": c.impl.label(c.layout), "mlp_schedule": schedule}
+
+
 def throughput_tables(cfg: dict) -> dict[str, pd.DataFrame]:
+    """The cost model's tables on every preset, TSP with the preset's MLP schedule, as
+    ``tspbench project`` and the planner take it."""
     t = cfg["throughput"]
     by_seq, scaling, batches = [], [], []
     for hw in cfg["hardware"]:
         preset = load_preset(hw)
         cap = preset["memory_bytes"]
+
+        def spec(*args, preset=preset, **kw) -> RunSpec:  # TSP: the preset's MLP schedule
+            return default_mlp_schedule(_spec(cfg, *args, **kw), preset)
+
         for s, lay in layouts(cfg, t["strategies"]):
             for mode in ("train", "infer"):
                 for S in t["seq_lens"]:
-                    c = _spec(cfg, s, lay, S, mode=mode, rc=t["recompute"])
+                    c = spec(s, lay, S, mode=mode, rc=t["recompute"])
                     p, m = project(c, preset), memory(c)
                     by_seq.append(
                         {
-                            "hardware": hw,
-                            "strategy": c.label,
+                            **_row(c, hw),
                             "mode": mode,
                             "seq_len": S,
                             "tokens_per_s_per_gpu": p["tokens_per_s"] / c.degree,
@@ -134,12 +153,11 @@ def throughput_tables(cfg: dict) -> dict[str, pd.DataFrame]:
                     )
             for gpus in t["gpus"]:
                 for S in t["scaling_seq_lens"]:
-                    c = _spec(cfg, s, lay, S, dp=gpus // cfg["degree"], mode="infer")
+                    c = spec(s, lay, S, dp=gpus // cfg["degree"], mode="infer")
                     p = project(c, preset)
                     scaling.append(
                         {
-                            "hardware": hw,
-                            "strategy": c.label,
+                            **_row(c, hw),
                             "gpus": gpus,
                             "seq_len": S,
                             "tokens_per_s": p["tokens_per_s"],
@@ -147,20 +165,12 @@ def throughput_tables(cfg: dict) -> dict[str, pd.DataFrame]:
                         }
                     )
             for B in t["batches"]:
-                c = _spec(
-                    cfg,
-                    s,
-                    lay,
-                    t["batch_seq_len"],
-                    dp=t["batch_gpus"] // 8,
-                    batch=B,
-                    rc=t["recompute"],
-                )
+                S, dp = t["batch_seq_len"], t["batch_gpus"] // 8
+                c = spec(s, lay, S, dp=dp, batch=B, rc=t["recompute"])
                 p, m = project(c, preset), memory(c)
                 batches.append(
                     {
-                        "hardware": hw,
-                        "strategy": c.label,
+                        **_row(c, hw),
                         "batch": B,
                         "tokens_per_s": p["tokens_per_s"],
                         "peak_gib_analytic": m["peak"] / GiB,
@@ -205,19 +215,6 @@ def _figure(path: Path, ncols: int = 1, **kw) -> Iterator[tuple[Any, Any]]:
     plt.close(fig)
 
 
-def _log_x(ax, values, fmt) -> None:
-    """Log-scaled x axis with a labelled tick at each swept value and nothing else."""
-    ticks = sorted(set(values))
-    ax.set_xscale("log")
-    ax.set_xticks(ticks, [fmt(v) for v in ticks])
-    ax.xaxis.set_minor_locator(NullLocator())
-
-
-def _seq_axis(ax, seq_lens) -> None:
-    """Log-scaled sequence axis labelled 16K, 32K, ... and nothing else."""
-    _log_x(ax, seq_lens, lambda s: f"{s // 1024}K")
-
-
 def _md(df: pd.DataFrame, title: str, note: str) -> str:
     return f"# {title}\n\n{note}\n\n" + df.to_markdown(index=False, floatfmt=".3g") + "\n"
 
@@ -237,9 +234,11 @@ def write_report(cfg: dict, estimates: Path, out: Path, plots: Path, command: st
     hw0 = cfg["hardware"][0]
     note = (
         f"**Projected**, not measured: {cfg['model']} model, {cfg['dtype']}, D = {cfg['degree']}. "
-        f"Memory: fake-tensor estimates of the real code (rank 0, fused flash-attention memory), "
+        f"Memory: fake-tensor estimates of the real code (rank 0, fused flash-attention memory; "
+        f"TSP with the ring MLP, `tspbench run`'s default), "
         f"device memory {cfg['device_memory_gib']} GiB ({hw0} preset). Throughput: cost model on "
-        f"the named hardware preset (tspbench/projection/hardware.json). Made by: `{command}`."
+        f"the named hardware preset (tspbench/projection/hardware.json), TSP with the preset's MLP "
+        f"schedule (`mlp_schedule`). Made by: `{command}`."
     )
     mem = memory_table(cfg, estimates)
     wide = mem.assign(
@@ -278,7 +277,7 @@ def write_report(cfg: dict, estimates: Path, out: Path, plots: Path, command: st
             )
             ax.set(yscale="log", xlabel="sequence length", ylabel="peak GiB per GPU")
             ax.set_title(f"recompute {rc}")
-            _seq_axis(ax, d.seq_len)
+            seq_axis(ax, d.seq_len)
             log_ticks(ax.yaxis, [*mem.peak_gib, mem_gib])
         _legend(axes[-1], mem, oom)
         fig.suptitle(
@@ -293,8 +292,10 @@ def write_report(cfg: dict, estimates: Path, out: Path, plots: Path, command: st
         for ax, hw in zip(np.atleast_1d(axes), cfg["hardware"]):
             d = ts[(ts.hardware == hw) & (ts["mode"] == "train")]
             oom |= _lines(ax, d, "seq_len", "tokens_per_s_per_gpu", colors, marks)
-            ax.set(xlabel="sequence length", ylabel="tokens/s per GPU", title=f"{hw} (projected)")
-            _seq_axis(ax, d.seq_len)
+            mlp = "/".join(d.mlp_schedule.dropna().unique())  # TSP's, the preset's
+            ax.set(xlabel="sequence length", ylabel="tokens/s per GPU")
+            ax.set_title(f"{hw} (projected; TSP: {mlp} MLP)")
+            seq_axis(ax, d.seq_len)
         _legend(np.atleast_1d(axes)[-1], ts, oom)
         fig.suptitle(
             f"PROJECTED training throughput, {cfg['model']}, one node (D={cfg['degree']}); "
@@ -314,7 +315,7 @@ def write_report(cfg: dict, estimates: Path, out: Path, plots: Path, command: st
         oom |= _lines(ax2, rel, "gpus", "ratio", colors, marks)
         ax2.set(xlabel="GPUs", ylabel=f"tokens/s relative to {ref}", title=f"relative to {ref}")
         for a in (ax, ax2):
-            _log_x(a, d.gpus, str)
+            log_x(a, d.gpus, str)
         _legend(ax2, d, oom)
         fig.suptitle(
             f"PROJECTED forward scaling on {hw0}, S={S // 1024}K (D={cfg['degree']} per node, "
@@ -331,7 +332,7 @@ def write_report(cfg: dict, estimates: Path, out: Path, plots: Path, command: st
             title=f"PROJECTED micro-batch sweep, {cfg['throughput']['batch_gpus']} x {hw0}\n"
             f"{_fits(oom, hw0)} (analytic memory)",
         )
-        _log_x(ax, d.batch, str)
+        log_x(ax, d.batch, str)
         _legend(ax, d, oom)
     if "decode" in cfg:  # serving: KV cache per GPU, longest prompt per memory budget
         write_decode_report(cfg, out, plots, note)
