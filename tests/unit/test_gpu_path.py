@@ -1,6 +1,7 @@
 """The GPU path as far as a CPU can check it: which attention kernel a dtype gets, and the
-flash-attn calls (layouts, the saved log-sum-exp, the backward adapter for two releases'
-signatures) through a stand-in package written in plain math."""
+flash-attn calls (layouts, the saved log-sum-exp, the backward adapter for three releases'
+backward entry points, the last a torch custom op) through a stand-in package written in plain
+math, and the fallback to SDPA, with its reason, of a flash-attn that cannot be used."""
 
 from __future__ import annotations
 
@@ -24,18 +25,56 @@ from tspbench.core import attention
     ],
 )
 def test_flash_attn_only_for_half_precision(monkeypatch, device, dtype, has_flash, want):
-    monkeypatch.setattr(attention, "HAS_FLASH_ATTN", has_flash)
+    problem = None if has_flash else "flash-attn is not installed"
+    monkeypatch.setattr(attention, "flash_attn_problem", lambda: problem)
     assert attention.backend_for(torch.device(device), dtype) == want
 
 
-@pytest.fixture(params=["2.5", "2.7"])
-def fake_flash(request, tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(install(tmp_path, request.param)))
+def _use(monkeypatch, root) -> None:
+    """Make the package under ``root`` the importable flash_attn, judged afresh."""
+    monkeypatch.syspath_prepend(str(root))
     for name in ("flash_attn", "flash_attn.flash_attn_interface"):
         monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setattr(attention, "HAS_FLASH_ATTN", True)
+    attention.flash_attn_problem.cache_clear()
+
+
+@pytest.fixture(params=["2.5", "2.7", "2.7.4"])
+def fake_flash(request, tmp_path, monkeypatch):
+    _use(monkeypatch, install(tmp_path, request.param))
     yield request.param
     for name in ("flash_attn", "flash_attn.flash_attn_interface"):
         sys.modules.pop(name, None)
+    attention.flash_attn_problem.cache_clear()
+
+
+def test_an_installed_flash_attn_is_used(fake_flash):
+    assert attention.flash_attn_problem() is None
+    assert attention.backend_for(torch.device("cuda"), torch.bfloat16) == "flash_attn"
+
+
+@pytest.mark.parametrize(
+    "version, broken, reason",
+    [
+        ("2.0.9", False, "aligns causal masks top-left"),  # before 2.1: wrong for zigzag
+        ("2.7.4", True, "does not import (OSError"),  # built against another torch
+    ],
+)
+def test_an_unusable_flash_attn_falls_back_to_sdpa_and_says_why(
+    tmp_path, monkeypatch, version, broken, reason
+):
+    root = install(tmp_path, "2.7", version=version)
+    if broken:  # what an ABI-mismatched extension raises when it loads
+        interface = root / "flash_attn/flash_attn_interface.py"
+        interface.write_text("raise OSError('undefined symbol: _ZN3c10...')\n")
+    _use(monkeypatch, root)
+    try:
+        assert reason in (attention.flash_attn_problem() or "")
+        assert attention.backend_for(torch.device("cuda"), torch.bfloat16) == "sdpa"
+    finally:
+        for name in ("flash_attn", "flash_attn.flash_attn_interface"):
+            sys.modules.pop(name, None)
+        attention.flash_attn_problem.cache_clear()
 
 
 @pytest.mark.parametrize("lq, lk, hq, hkv", [(16, 16, 4, 4), (8, 24, 4, 2)])
@@ -85,3 +124,76 @@ def test_the_gpu_build_check_is_the_host_torch_unless_cells_run_in_an_image():
         check_gpu_build({"gpu": True})
     check_gpu_build({"gpu": True}, in_image=True)
     check_gpu_build({"gpu": False})
+
+
+@pytest.mark.parametrize(
+    "local_rank, visible, want",
+    [(0, 8, 0), (7, 8, 7), (3, 1, 0), (5, 1, 0), (2, 2, None), (8, 8, None)],
+)
+def test_each_rank_gets_its_own_gpu_or_a_clear_refusal(local_rank, visible, want):
+    """A local rank takes the GPU of its number; one visible GPU is the one its launcher bound
+    it to (Slurm --gpus-per-task); more local ranks than visible GPUs is refused up front,
+    not left for NCCL's 'Duplicate GPU' at the first collective."""
+    from tspbench.core.config import ConfigError
+    from tspbench.runtime.launch import gpu_index
+
+    if want is None:
+        with pytest.raises(ConfigError, match=f"local rank {local_rank}: only {visible} GPUs"):
+            gpu_index(local_rank, visible)
+    else:
+        assert gpu_index(local_rank, visible) == want
+
+
+def test_metrics_and_step_times_are_reduced_on_the_step_device():
+    """NCCL's process group has no CPU backend: every tensor a rank all-reduces must live on
+    its device. The reductions of step times and of an empty gradient norm make theirs there
+    (read from the code: no CUDA here to run them)."""
+    import inspect
+
+    from tspbench.core.optim import grad_sq_sum
+    from tspbench.projection import calibrate
+    from tspbench.runtime import comm_hiding, decode, measure
+
+    for module in (measure, decode, comm_hiding, calibrate):
+        src = inspect.getsource(module)
+        for line in src.splitlines():
+            if "torch.tensor(" in line and "float64" in line:
+                assert "device=device" in line, f"{module.__name__}: {line.strip()}"
+    meta = torch.nn.Parameter(torch.empty(2, device="meta"))
+    assert grad_sq_sum([meta]).device.type == "meta"  # no gradient: on the parameters' device
+
+
+def test_the_doctor_names_the_flash_attn_in_use_and_fails_an_unusable_one(tmp_path, monkeypatch):
+    """``tspbench doctor``'s flash-attn line: the version the bf16 runs use, or FAILED with
+    the reason when an installed flash-attn cannot be used (runs would silently take SDPA)."""
+    from tspbench.pipeline import doctor
+
+    _use(monkeypatch, install(tmp_path / "good", "2.7.4"))
+    try:
+        assert doctor.flash_attn_line().startswith("flash-attn 2.7.4:")
+        _use(monkeypatch, install(tmp_path / "old", "2.7", version="2.0.9"))
+        with pytest.raises(AssertionError, match="top-left.*falls back to PyTorch's SDPA"):
+            doctor.flash_attn_line()
+    finally:
+        for name in ("flash_attn", "flash_attn.flash_attn_interface"):
+            sys.modules.pop(name, None)
+        attention.flash_attn_problem.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "name, peak",
+    [
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H100 NVL", 835e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("AMD Instinct MI300X", 1307e12),
+        ("NVIDIA GeForce RTX 4090", None),
+    ],
+)
+def test_mfu_uses_the_parts_own_peak(name, peak):
+    """The H100's PCIe and NVL parts are not the SXM's 989 TFLOP/s; an unlisted GPU gets no
+    MFU rather than a wrong one."""
+    from tspbench.runtime.flops import device_peak
+
+    assert device_peak(name) == peak

@@ -23,6 +23,7 @@ Backends, picked per device:
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -32,7 +33,8 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
 _aten = torch.ops.aten
-HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
+HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None  # installed (maybe broken)
+FLASH_MIN = (2, 1)  # causal=True is lower-right aligned from flash-attn 2.1 (top-left before)
 BACKENDS = ("flash_attn", "cpu_flash", "sdpa", "fused")
 _forced: str | None = None
 
@@ -74,11 +76,34 @@ def _count_flash(kind: str, q: torch.Tensor, k: torch.Tensor) -> None:
         listen(f"flash_attn.{kind}", n)
 
 
+@functools.cache
+def flash_attn_problem() -> str | None:
+    """Why the installed flash-attn cannot be used (None: it can). A wheel built against
+    another torch imports with an undefined symbol, and a release before 2.1 aligns its causal
+    mask top-left (wrong for zigzag chunks, Lq < Lk): either falls back to SDPA, and
+    ``tspbench doctor`` prints the reason, rather than failing in the first attention call."""
+    if not HAS_FLASH_ATTN:
+        return "flash-attn is not installed"
+    try:
+        import flash_attn
+        import flash_attn.flash_attn_interface  # noqa: F401  (the compiled extension loads here)
+    except Exception as e:  # an ImportError, or the OSError of an ABI-mismatched extension
+        return f"flash-attn does not import ({type(e).__name__}: {e})"
+    version = getattr(flash_attn, "__version__", "0")
+    try:
+        release = tuple(int(x) for x in version.split(".")[:2])
+    except ValueError:
+        return f"flash-attn version {version!r} is not a release number"
+    if release < FLASH_MIN:
+        return f"flash-attn {version} aligns causal masks top-left (needs >= 2.1)"
+    return None
+
+
 def backend_for(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
     """The kernel this module uses on ``device`` for ``dtype``."""
     if _forced is not None:
         return _forced
-    if device.type == "cuda" and HAS_FLASH_ATTN and dtype in FLASH_DTYPES:
+    if device.type == "cuda" and dtype in FLASH_DTYPES and flash_attn_problem() is None:
         return "flash_attn"
     if device.type == "cpu":
         return "cpu_flash"
@@ -116,8 +141,8 @@ def _flash(q, k, v):
 def _flash_bwd(dout, q, k, v, out, lse):
     """flash-attn's backward kernel for :func:`_flash`'s call. Its private entry point's
     arguments changed between releases (``window_size`` became ``window_size_left/right``,
-    ``softcap`` and ``deterministic`` appeared): they are passed by name, as its signature has
-    them, so one adapter covers 2.5 to 2.8."""
+    ``softcap`` and ``deterministic`` appeared, and from 2.6.3 it is a torch custom op): they
+    are passed by name, as its signature has them, so one adapter covers 2.5 to 2.8."""
     import inspect
 
     from flash_attn import flash_attn_interface as fa
@@ -130,11 +155,14 @@ def _flash_bwd(dout, q, k, v, out, lse):
         "causal": True, "window_size": (-1, -1), "window_size_left": -1, "window_size_right": -1,
         "softcap": 0.0, "alibi_slopes": None, "deterministic": False, "rng_state": None,
     }  # fmt: skip
-    params = inspect.signature(fa._flash_attn_backward).parameters
+    # from flash-attn 2.6.3 (torch >= 2.4) the kernel is a torch.library custom op whose own
+    # signature is (*args, **kwargs): its Python function, _init_fn, has the names
+    fn = fa._flash_attn_backward
+    params = inspect.signature(getattr(fn, "_init_fn", fn)).parameters
     missing = [n for n, p in params.items() if n not in values and p.default is p.empty]
     if missing:
         raise RuntimeError(f"flash-attn {fa.__name__}: unknown backward arguments {missing}")
-    fa._flash_attn_backward(**{n: values[n] for n in params if n in values})
+    fn(**{n: values[n] for n in params if n in values})
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 

@@ -58,6 +58,6 @@ def grad_sq_sum(params: list[torch.nn.Parameter]) -> torch.Tensor:
     """Sum of the squared gradient elements of ``params``, in fp32, by one multi-tensor norm (as
     ``clip_grad_norm_`` computes it): every strategy uses it, so none pays per-tensor kernels."""
     grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return torch.zeros(())
+    if not grads:  # on the parameters' device: NCCL all-reduces no CPU tensor
+        return torch.zeros((), device=params[0].device if params else "cpu")
     return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()

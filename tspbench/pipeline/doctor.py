@@ -4,7 +4,9 @@ skipped: why), run before committing GPU-hours.
 What it checks: the devices and versions; the zigzag attention of every kernel this node has,
 forward and backward, against PyTorch's SDPA on the same inputs (fp32, and bf16 where the kernel
 takes it); every strategy at D = 1 against the single-device reference on the device (loss and
-every gradient); on 2+ GPUs, TSP and TP at D = 2 with NCCL/RCCL against the single device; the
+every gradient), on a GPU in bf16 too (flash-attn's kernels and TSP's own backward); which
+flash-attn the runs use (an installed one that cannot be used fails the check); on 2+ GPUs,
+TSP and TP at D = 2 with NCCL/RCCL against the single device; the
 real ``torch.cuda.max_memory_allocated`` peak of a cell against the fake-tensor estimate of the
 same cell; and GEMM/attention rates as a hardware preset (``tspbench calibrate --device cuda``).
 On a CPU machine the CPU parts run and the rest are skipped, saying why.
@@ -120,11 +122,11 @@ def attention_check(device: torch.device, kernel: str, dtype: str) -> str:
         out = zigzag.unshard(outs, dim=2) if degree > 1 else outs[0]
         dq = zigzag.unshard([x[0] for x in grads], dim=2) if degree > 1 else grads[0][0]
         dk, dv = sum(x[1] for x in grads), sum(x[2] for x in grads)
-        for got, want, what in ((out, ref, "out"), (dq, ref_q.grad, "dq"), (dk, ref_k.grad, "dk")):
+        pairs = ((out, ref, "out"), (dq, ref_q.grad, "dq"), (dk, ref_k.grad, "dk"))
+        for got, want, what in (*pairs, (dv, ref_v.grad, "dv")):
             e = _err(got, want)
             worst = max(worst, e)
             assert e <= TOL[dtype], f"D={degree} {what}: error {e:.2e} > {TOL[dtype]:g}"
-        worst = max(worst, _err(dv, ref_v.grad))
     return f"D=1 and D=2 forward/backward within {worst:.1e} of SDPA (tolerance {TOL[dtype]:g})"
 
 
@@ -146,6 +148,17 @@ def strategy_check(device: torch.device, name: str, dtype: str = "fp32") -> str:
     worst = max(errors, key=errors.get)
     assert errors[worst] <= TOL[dtype], f"{worst}: error {errors[worst]:.2e} > {TOL[dtype]:g}"
     return f"loss and {len(errors) - 1} gradients within {errors[worst]:.1e}"
+
+
+def flash_attn_line() -> str:
+    """Which flash-attn the bf16 runs use; raises (FAILED) when one is installed but unusable
+    (the runs then fall back to SDPA: slower, other memory)."""
+    problem = attention.flash_attn_problem()
+    if problem and attention.HAS_FLASH_ATTN:
+        raise AssertionError(f"{problem}: bf16 attention falls back to PyTorch's SDPA")
+    import flash_attn
+
+    return f"flash-attn {flash_attn.__version__}: bf16/fp16 attention uses its kernels"
 
 
 def two_gpu_check(name: str) -> str:
@@ -181,16 +194,32 @@ def memory_check(device: torch.device) -> str:
         measured = json.loads(out.read_text())["peak_mem_bytes"]
     est = estimate(spec, [0], "fused")["peak_mem_bytes"]
     ratio = measured / est
-    assert 0.5 < ratio < 2.0, f"measured {measured / 2**20:.1f} MiB, estimate {est / 2**20:.1f}"
+    # the allocator's rounding, cuBLAS workspaces and flash-attn's own buffers are not in the
+    # estimate; how far they take a GPU's peak has not been measured yet: a first bound
+    assert 0.75 < ratio < 1.33, f"measured {measured / 2**20:.1f} MiB, estimate {est / 2**20:.1f}"
     return f"measured/estimate = {ratio:.3f} ({measured / 2**20:.1f} / {est / 2**20:.1f} MiB)"
 
 
-def calibrate_check(out_dir: Path) -> str:
+def calibrate_check(out_dir: Path, gpus: int) -> str:
+    """A preset from this node's rates; its collectives too where two GPUs can measure them
+    (on one GPU the preset has no measured link: its collective rates are placeholders)."""
     path = out_dir / "calibrated-gpu.json"
-    argv = ["calibrate", "--device", "cuda", "--dtype", "bf16", "--ranks", "1", "--out", str(path)]
+    ranks = "1,2" if gpus >= 2 else "1"
+    argv = [
+        "calibrate",
+        "--device",
+        "cuda",
+        "--dtype",
+        "bf16",
+        "--ranks",
+        ranks,
+        "--out",
+        str(path),
+    ]
     p = subprocess.run([sys.executable, "-m", "tspbench", *argv], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr[-400:]
-    return p.stdout.strip().splitlines()[0] + f"; preset {path}"
+    links = "" if gpus >= 2 else " (one GPU: no link measured)"
+    return p.stdout.strip().splitlines()[0] + f"; preset {path}{links}"
 
 
 def doctor(out_dir: Path | None = None) -> list[Check]:
@@ -204,15 +233,22 @@ def doctor(out_dir: Path | None = None) -> list[Check]:
     for kernel, dtype in kernels(device):
         plan.append((f"attention {kernel} {dtype}", lambda k=kernel, t=dtype: attention_check(
             device, k, t), None))  # fmt: skip
+    flash = None if gpus and attention.HAS_FLASH_ATTN else "no GPU visible"
+    if gpus and not attention.HAS_FLASH_ATTN:
+        flash = "flash-attn is not installed: bf16 attention runs on PyTorch's SDPA"
+    plan.append(("flash-attn", flash_attn_line, flash))
     for name in strategies():
         plan.append((f"strategy {name} D=1 on {device.type}", lambda n=name: strategy_check(
             device, n), None))  # fmt: skip
+        if gpus:  # bf16: the kernels real runs take (flash-attn and TSP's own backward)
+            plan.append((f"strategy {name} D=1 bf16", lambda n=name: strategy_check(
+                device, n, "bf16"), None))  # fmt: skip
     two = None if gpus >= 2 else f"needs 2 GPUs ({gpus} visible)"
     for name in ("tsp", "tp"):
         plan.append((f"{name} D=2 with NCCL/RCCL", lambda n=name: two_gpu_check(n), two))
     plan.append(("peak memory vs estimate", lambda: memory_check(device), no_gpu))
     where = out_dir or Path(".")
-    plan.append(("calibrate GEMM/attention rates", lambda: calibrate_check(where), no_gpu))
+    plan.append(("calibrate rates", lambda: calibrate_check(where, gpus), no_gpu))
     checks = []
     for name, fn, skip in plan:
         checks.append(_run(name, fn, skip))

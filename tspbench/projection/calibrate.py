@@ -149,7 +149,7 @@ def _straggler(device: torch.device, dtype: torch.dtype) -> float:
         for _ in range(50):
             torch.mm(a, a).relu_()
         _sync(device)
-        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
         ts = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
         dist.all_gather(ts, t)
         ts = torch.cat(ts)

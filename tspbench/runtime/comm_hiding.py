@@ -40,7 +40,7 @@ def _timed(fn, steps: int, device: torch.device) -> float:
         fn()
         _sync(device)
         times.append(time.perf_counter() - t0)
-    t = torch.tensor(times, dtype=torch.float64)
+    t = torch.tensor(times, dtype=torch.float64, device=device)  # (NCCL: on the GPU)
     with blocked_in_collective():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return statistics.median(t.tolist())

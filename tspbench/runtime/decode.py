@@ -130,7 +130,7 @@ def measure_decode_rank(spec: RunSpec, device: torch.device, beat=lambda: None) 
             ms = statistics.median(g["steps_s"]) * 1e3
             print(f"[tspbench] generation {i + 1}/{spec.steps}: prefill {g['prefill_s'] * 1e3:.1f}"
                   f" ms, decode {ms:.2f} ms/token (rank 0)", flush=True)  # fmt: skip
-    times = torch.tensor(prefill_s + steps_s, dtype=torch.float64)
+    times = torch.tensor(prefill_s + steps_s, dtype=torch.float64, device=device)
     with blocked_in_collective():  # a step lasts as long as its slowest rank
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
     k = spec.steps

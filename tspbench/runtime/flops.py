@@ -66,11 +66,14 @@ def counter() -> FlopCounterMode:
     return Counter(display=False)
 
 
-# Dense bf16 peak FLOP/s by device-name substring (datasheets, as in projection/hardware.json).
-PEAK_FLOPS = {"MI300X": 1307e12, "H100": 989e12, "H200": 989e12}
+# Dense bf16 peak FLOP/s by device-name substring (datasheets, as in projection/hardware.json),
+# the more specific names first: "NVIDIA H100 PCIe" and "H100 NVL" are not the SXM part.
+PEAK_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 989e12,
+              "A100": 312e12, "MI300X": 1307e12}  # fmt: skip
 
 
 def device_peak(device_name: str) -> float | None:
+    """The device's dense bf16 peak (None: not listed, so no MFU rather than a wrong one)."""
     for key, peak in PEAK_FLOPS.items():
         if key in device_name:
             return peak

@@ -196,12 +196,27 @@ def check_device(choice: str) -> None:
         )
 
 
+def gpu_index(local_rank: int, visible: int | None = None) -> int:
+    """This rank's GPU: its local rank among the visible GPUs, or the one GPU a launcher bound
+    it to (Slurm's --gpus-per-task, one visible each). More local ranks than visible GPUs
+    would put two ranks on one GPU, which NCCL refuses at the first collective: say so here."""
+    visible = torch.cuda.device_count() if visible is None else visible
+    if visible == 1:
+        return 0
+    if local_rank >= visible:
+        raise ConfigError(
+            f"local rank {local_rank}: only {visible} GPUs visible on this node; start at most "
+            f"{visible} ranks per node, or make more GPUs visible (CUDA_VISIBLE_DEVICES)"
+        )
+    return local_rank
+
+
 def init(env: RankEnv, timeout_s: float, device: str = "auto") -> tuple[torch.device, str]:
     """Join the process group; return this rank's device and the backend (``device``: auto
     takes a GPU when one is visible)."""
     check_device(device)
     if device != "cpu" and torch.cuda.is_available():
-        device, backend = torch.device("cuda", env.local_rank % torch.cuda.device_count()), "nccl"
+        device, backend = torch.device("cuda", gpu_index(env.local_rank)), "nccl"
         torch.cuda.set_device(device)
     else:
         device, backend = torch.device("cpu"), "gloo"
@@ -213,6 +228,7 @@ def init(env: RankEnv, timeout_s: float, device: str = "auto") -> tuple[torch.de
         rank=env.rank,
         world_size=env.world_size,
         timeout=timedelta(seconds=timeout_s),
+        device_id=device if backend == "nccl" else None,  # NCCL: its communicator up front
     )
     return device, backend
 

@@ -73,13 +73,15 @@ def gc_held() -> Iterator[None]:
         gc.enable()
 
 
-def gemm_rate(device: torch.device, dtype: torch.dtype, n: int = 384, reps: int = 4) -> float:
+def gemm_rate(device: torch.device, dtype: torch.dtype, n: int = 0, reps: int = 4) -> float:
     """GFLOP/s of a fixed square matmul, measured now on this rank (a few ms).
 
     The run samples it before every timed step, on every rank, under the same contention as the
     steps; ``tokens_per_s / calib_gflops`` (medians) then cancels the machine's speed and load,
-    and is what the regression check compares instead of raw tokens/s.
+    and is what the regression check compares instead of raw tokens/s. Its size (``n`` 0: the
+    device's): 384 on a CPU; 4096 on a GPU, where a small one would time the launches.
     """
+    n = n or (4096 if device.type == "cuda" else 384)
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     _sync(device)
@@ -167,7 +169,7 @@ def measure_rank(spec: RunSpec, device: torch.device, beat=lambda: None) -> dict
         times.append(dt)
         if not spec.quiet and rank0:
             print(f"[tspbench] step {i + 1}/{spec.steps}: {dt * 1e3:.1f} ms (rank 0)", flush=True)
-    slowest = torch.tensor(times, dtype=torch.float64)
+    slowest = torch.tensor(times, dtype=torch.float64, device=device)  # (NCCL: on the GPU)
     with blocked_in_collective():  # a step lasts as long as its slowest rank
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     out["step_times"] = slowest.tolist()
