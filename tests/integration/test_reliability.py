@@ -170,6 +170,21 @@ def test_a_slow_healthy_step_is_not_a_hang_and_a_hung_one_says_which_limit(tmp_p
     assert "--step-timeout 2" in rec["error_message"]
 
 
+def test_a_peers_oom_is_the_record_when_rank_0_is_stopped_by_its_watchdog(tmp_path):
+    """Rank 1 runs out of memory while rank 0 hangs in its step: rank 0's watchdog ends the run
+    (--step-timeout) and the record names the root cause, rank 1's OOM, with status ``oom``:
+    a sweep's expected OOM cells must not read as errors (they once did on this path)."""
+    out = tmp_path / "oom.json"
+    p = tspbench(
+        "run", "--strategy", "tsp", "--degree", "2", "--seq-len", "64", "--launch", "local",
+        "--timeout", "10", "--step-timeout", "8", "--out", out,
+        env={"TSPBENCH_FAULT": "oom:rank=1,stall:rank=0"},
+    )  # fmt: skip
+    rec = json.loads(out.read_text())
+    assert rec["status"] == "oom" and rec["failed_ranks"] == [1], (p.stderr[-2000:], rec)
+    assert "injected out of memory" in rec["error_message"]
+
+
 def test_a_real_allocator_failure_is_recorded_as_oom(tmp_path):
     """The host allocator really fails: the run's address space is capped (RLIMIT_AS) at what
     Python and torch take once imported plus 500 MiB, and the model's first weight (a

@@ -168,7 +168,8 @@ def _measure(spec: RunSpec, device: torch.device, header: dict, beat) -> dict | 
         dist.gather_object(mine, gathered, dst=0)
     if dist.get_rank() != 0:
         return None
-    peak = device_peak(header["hardware"]["device_name"]) if device.type == "cuda" else None
+    bf16_gpu = device.type == "cuda" and spec.dtype == "bf16"  # the peaks are bf16's
+    peak = device_peak(header["hardware"]["device_name"]) if bf16_gpu else None
     return (summarize_decode if spec.decoding else summarize)(spec, gathered, peak)
 
 
@@ -274,7 +275,7 @@ def run_env(
 
     def on_fatal(reason: str) -> None:
         print(f"[tspbench] rank {env.rank}: {reason}", file=sys.stderr, flush=True)
-        own, failed = ("error", reason), [env.rank]
+        own, failed, status = ("error", reason), [env.rank], "error"
         if dist.is_initialized():
             _post(*own)
             if env.rank != 0:
@@ -282,7 +283,8 @@ def run_env(
             if env.rank == 0 and "interrupted by" not in reason:  # wait a watchdog tick more:
                 causes = _causes(world, wait_s=5.0, quiet_s=2.0)  # a silent rank is the suspect
                 status, reason, failed = root_cause(causes, own, world)
-        write({**header, "status": "error", "error_message": reason, "failed_ranks": failed})
+        # the root cause's status: a peer's OOM that left this rank waiting is an OOM
+        write({**header, "status": status, "error_message": reason, "failed_ranks": failed})
 
     guard = Guard(timeout_s, on_fatal, time_limit_s, step_timeout_s)
     guard.rendezvous = f"{env.master_addr}:{env.master_port}"
