@@ -12,7 +12,7 @@ from tspbench.core import costs
 from tspbench.core.config import ConfigError, ModelConfig
 from tspbench.core.decode import DecodeHooks, head_step, local_attend, prefill_layers, run_layers
 from tspbench.core.kvcache import KVCache, Step
-from tspbench.core.layers import LayerHooks, rope_tables
+from tspbench.core.layers import LayerHooks, cached, rope_on
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.optim import grad_sq_sum
 from tspbench.core.reference import LAYER_PARAMS, ReferenceModel
@@ -132,8 +132,7 @@ class Single(DP):
         cfg, (B, P) = self.cfg, tokens.shape
         x = F.embedding(tokens.to(self.device), self.model.p("embed"))
         cache = KVCache.empty(cfg.layers, B, cfg.kv_heads, max_len, cfg.head_dim, x)
-        cos, sin = rope_tables(torch.arange(P), cfg.head_dim, cfg.rope_theta, x.dtype)
-        cos, sin = cos.to(x.device), sin.to(x.device)
+        cos, sin = cached(self, ("rope", P, x.dtype), lambda: rope_on(torch.arange(P), cfg, x))
         x = prefill_layers(cfg, self._layers(), x, cos, sin, LayerHooks(), cache)
         cache.start(P, P)
         return cache, self._step(x[:, -1])

@@ -35,7 +35,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from tspbench.core import costs, zigzag
 from tspbench.core.comm import Pending
 from tspbench.core.config import ModelConfig
-from tspbench.core.context_parallel import context_parallel_hooks, zigzag_rope
+from tspbench.core.context_parallel import cp_tables
 from tspbench.core.layers import rms_norm, transformer_layer
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.optim import grad_sq_sum
@@ -269,8 +269,7 @@ class FSDPCP(Strategy):
         cfg = self.cfg
         S = batch.tokens.shape[1] * self.comm.size
         x = self.run_unit(0, lambda w: F.embedding(batch.tokens, w["embed"]))
-        cos, sin = zigzag_rope(S, self.comm, cfg, x.dtype, self.device)
-        hooks = context_parallel_hooks(S, self.comm, self.device)
+        cos, sin, hooks = cp_tables(self, S, self.comm, cfg, x)
         for i in range(cfg.layers):
             x = self.checkpointed(
                 self.run_unit,

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from tspbench.core import costs, zigzag
 from tspbench.core.config import ModelConfig
-from tspbench.core.context_parallel import context_parallel_hooks, zigzag_rope
+from tspbench.core.context_parallel import cp_tables
 from tspbench.core.decode import (
     DecodeHooks,
     head_step,
@@ -68,8 +68,7 @@ class SP(Strategy):
         cfg, p = self.cfg, self.params
         S = batch.tokens.shape[1] * self.comm.size
         x = F.embedding(batch.tokens, p["embed"])
-        cos, sin = zigzag_rope(S, self.comm, cfg, x.dtype, self.device)
-        hooks = context_parallel_hooks(S, self.comm, self.device)
+        cos, sin, hooks = cp_tables(self, S, self.comm, cfg, x)
         for i in range(cfg.layers):
             lp = {k: p[f"layers.{i}.{k}"] for k in LAYER_PARAMS}
             x = self.checkpointed(
@@ -135,8 +134,7 @@ class SP(Strategy):
         x = F.embedding(zigzag.shard(tokens, D, r).to(self.device), self.params["embed"])
         slots = KVCache.capacity(P, max_len, D)
         cache = KVCache.empty(cfg.layers, B, cfg.kv_heads, slots, cfg.head_dim, x, D, r)
-        cos, sin = zigzag_rope(P, comm, cfg, x.dtype, self.device)
-        hooks = context_parallel_hooks(P, comm, self.device)
+        cos, sin, hooks = cp_tables(self, P, comm, cfg, x)
         x = prefill_layers(cfg, self._layers(), x, cos, sin, hooks, cache)
         cache.start(P // D, P)
         last = x[:, -1].contiguous()  # position P-1 ends chunk 2D-1: rank 0's last local token

@@ -27,7 +27,7 @@ from tspbench.core.decode import (
     run_layers,
 )
 from tspbench.core.kvcache import KVCache, Step
-from tspbench.core.layers import LayerHooks, rms_norm, rope_tables, transformer_layer
+from tspbench.core.layers import LayerHooks, cached, rms_norm, rope_on, transformer_layer
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.optim import grad_sq_sum
 from tspbench.core.reference import LAYER_PARAMS, param_shapes
@@ -87,10 +87,8 @@ class TP(Strategy):
     def hidden_local(self, batch: Batch) -> torch.Tensor:
         cfg, p = self.cfg, self.params
         x = embedding(batch.tokens, p["embed"], self.comm)
-        pos = torch.arange(batch.tokens.shape[1])
-        cos, sin = (
-            t.to(self.device) for t in rope_tables(pos, cfg.head_dim, cfg.rope_theta, x.dtype)
-        )
+        L = batch.tokens.shape[1]
+        cos, sin = cached(self, ("rope", L, x.dtype), lambda: rope_on(torch.arange(L), cfg, x))
         for i in range(cfg.layers):
             lp = {k: p[f"layers.{i}.{k}"] for k in LAYER_PARAMS}
             x = self.checkpointed(
@@ -153,8 +151,7 @@ class TP(Strategy):
         x = embedding(tokens.to(self.device), self.params["embed"], self.comm)
         heads = kv_heads_local(cfg.kv_heads, self.comm.size)
         cache = KVCache.empty(cfg.layers, B, heads, max_len, cfg.head_dim, x)
-        cos, sin = rope_tables(torch.arange(P), cfg.head_dim, cfg.rope_theta, x.dtype)
-        cos, sin = cos.to(x.device), sin.to(x.device)
+        cos, sin = cached(self, ("rope", P, x.dtype), lambda: rope_on(torch.arange(P), cfg, x))
         x = prefill_layers(cfg, self._layers(), x, cos, sin, self.hooks, cache)
         cache.start(P, P)
         return cache, self._step(x[:, -1])

@@ -14,7 +14,7 @@ import torch
 from tspbench.core import costs, zigzag
 from tspbench.core.collectives import copy_to, reduce_from
 from tspbench.core.config import ConfigError, ModelConfig
-from tspbench.core.context_parallel import context_parallel_hooks, zigzag_rope
+from tspbench.core.context_parallel import cp_tables
 from tspbench.core.decode import (
     DecodeHooks,
     check_kv_split,
@@ -122,14 +122,10 @@ class TPSP(Strategy):
         cfg, p = self.cfg, self.params
         S = batch.tokens.shape[1] * self.sp.size
         x = embedding(batch.tokens, p["embed"], self.tp)
-        cos, sin = zigzag_rope(S, self.sp, cfg, x.dtype, self.device)
-        hooks = context_parallel_hooks(
-            S,
-            self.sp,
-            self.device,
-            enter=lambda t: copy_to(t, self.tp),
-            exit=lambda t: reduce_from(t, self.tp),
-        )
+        cos, sin, hooks = cp_tables(
+            self, S, self.sp, cfg, x,
+            enter=lambda t: copy_to(t, self.tp), exit=lambda t: reduce_from(t, self.tp),
+        )  # fmt: skip
         for i in range(cfg.layers):
             lp = {k: p[f"layers.{i}.{k}"] for k in LAYER_PARAMS}
             x = self.checkpointed(
@@ -206,8 +202,7 @@ class TPSP(Strategy):
         slots = KVCache.capacity(P, max_len, sp.size)
         heads = kv_heads_local(cfg.kv_heads, self.tp.size)
         cache = KVCache.empty(cfg.layers, B, heads, slots, cfg.head_dim, x, sp.size, sp.rank)
-        cos, sin = zigzag_rope(P, sp, cfg, x.dtype, self.device)
-        hooks = context_parallel_hooks(P, sp, self.device, exit=lambda t: reduce_from(t, self.tp))
+        cos, sin, hooks = cp_tables(self, P, sp, cfg, x, exit=lambda t: reduce_from(t, self.tp))
         x = prefill_layers(cfg, self._layers(), x, cos, sin, hooks, cache)
         cache.start(P // sp.size, P)
         last = x[:, -1].contiguous()  # position P-1 ends chunk 2 Sigma - 1: sp rank 0's last

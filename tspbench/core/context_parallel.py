@@ -11,7 +11,7 @@ from tspbench.core.attention import attention
 from tspbench.core.collectives import GatherSequence
 from tspbench.core.comm import Comm
 from tspbench.core.config import ModelConfig
-from tspbench.core.layers import LayerHooks, rope_tables
+from tspbench.core.layers import LayerHooks, cached, rope_tables
 
 
 def zigzag_rope(
@@ -21,6 +21,20 @@ def zigzag_rope(
     pos = zigzag.positions(seq_len, comm.size, comm.rank)
     cos, sin = rope_tables(pos, cfg.head_dim, cfg.rope_theta, dtype)
     return cos.to(device), sin.to(device)
+
+
+def cp_tables(
+    owner: object, seq_len: int, comm: Comm, cfg: ModelConfig, like: torch.Tensor, **tp_hooks
+) -> tuple[torch.Tensor, torch.Tensor, LayerHooks]:
+    """(cos, sin, hooks) of context parallelism over ``comm`` at ``seq_len`` for activations
+    like ``like``: :func:`zigzag_rope` and :func:`context_parallel_hooks`, built once and kept
+    with ``owner`` (:func:`tspbench.core.layers.cached`)."""
+    device = like.device
+    key = ("cp", seq_len, like.dtype, comm.size, comm.rank, *sorted(tp_hooks))
+    return cached(owner, key, lambda: (
+        *zigzag_rope(seq_len, comm, cfg, like.dtype, device),
+        context_parallel_hooks(seq_len, comm, device, **tp_hooks),
+    ))  # fmt: skip
 
 
 def context_parallel_hooks(

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
+
+T = TypeVar("T")
 
 
 def rms_norm_fwd(
@@ -71,6 +74,24 @@ def rope_tables(
     ang = pos.to(torch.float64)[:, None] * inv[None, :]
     ang = torch.cat([ang, ang], dim=-1)
     return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def rope_on(pos: torch.Tensor, cfg, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rope_tables` for ``pos`` (``cfg``'s head dim and theta) in ``like``'s dtype, on
+    its device."""
+    cos, sin = rope_tables(pos, cfg.head_dim, cfg.rope_theta, like.dtype)
+    return cos.to(like.device), sin.to(like.device)
+
+
+def cached(owner: object, key: Hashable, make: Callable[[], T]) -> T:
+    """``make()``, built once per ``owner`` (a strategy, the reference model) and ``key``: the
+    tables that depend only on the sequence length (RoPE at the local tokens' positions, the
+    zigzag gather orders) stay with their owner, as TSP's plan keeps its own
+    (tsp_impl/plan.py), so that no strategy rebuilds them inside a timed step."""
+    store = owner.__dict__.setdefault("_cached_tables", {})
+    if key not in store:
+        store[key] = make()
+    return store[key]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

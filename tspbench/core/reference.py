@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from tspbench.core.config import ModelConfig
-from tspbench.core.layers import LayerHooks, rms_norm, rope_tables, transformer_layer
+from tspbench.core.layers import LayerHooks, cached, rms_norm, rope_on, transformer_layer
 
 LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w1", "w3", "w2")
 
@@ -91,8 +91,8 @@ class ReferenceModel(torch.nn.Module):
         cfg = self.cfg
         layer_call = layer_call or (lambda fn, *args: fn(*args))
         x = F.embedding(tokens, self.p("embed"))
-        cos, sin = rope_tables(torch.arange(tokens.shape[1]), cfg.head_dim, cfg.rope_theta, x.dtype)
-        cos, sin = cos.to(x.device), sin.to(x.device)
+        L = tokens.shape[1]
+        cos, sin = cached(self, ("rope", L, x.dtype), lambda: rope_on(torch.arange(L), cfg, x))
         for i in range(cfg.layers):
             p = {k: self.p(f"layers.{i}.{k}") for k in LAYER_PARAMS}
             x = layer_call(
