@@ -123,13 +123,15 @@ def test_claims_schema_enums_are_the_registries():
 
 def test_competitive_throughput_is_judged_on_both_halves_of_the_claim():
     """'Competitive with TP+SP, and better with longer sequences': TSP's forward tokens/s over
-    the best TP+SP on MI300X (projected references: 1.12 at 16K up to 1.27 at 64K, 1.21 at
-    128K) is competitive at every length but does not rise all the way, so partly; a half
-    alone is never 'differs'."""
+    the best factored TP+SP of the tables (2x4, 4x2) on MI300X (projected references: 1.12 at
+    16K up to 1.27 at 64K, 1.21 at 128K) is competitive at every length but does not rise all
+    the way, so partly; a half alone is never 'differs'. (Against pure TP, TP+SP 8x1, it is
+    0.98-1.16: competitive too.)"""
     df = claims_table(src=REFS).set_index("claim")
     row = df.loc[
         "Throughput is competitive with TP+SP, and better with longer sequences and larger D"
     ]
-    ratios = [float(x.split(": ")[1]) for x in row["ours"].split("{")[1].rstrip("}").split(", ")]
+    inner = row["ours"].split("{")[1].split("}")[0]
+    ratios = [float(x.split(": ")[1]) for x in inner.split(", ")]
     assert min(ratios) > 0.8 and ratios != sorted(ratios), ratios
     assert row["verdict"] == "partly"

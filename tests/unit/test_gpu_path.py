@@ -132,8 +132,8 @@ def test_the_gpu_build_check_is_the_host_torch_unless_cells_run_in_an_image():
 )
 def test_each_rank_gets_its_own_gpu_or_a_clear_refusal(local_rank, visible, want):
     """A local rank takes the GPU of its number; one visible GPU is the one its launcher bound
-    it to (Slurm --gpus-per-task); more local ranks than visible GPUs is refused up front,
-    not left for NCCL's 'Duplicate GPU' at the first collective."""
+    it to (Slurm --gpus-per-task); a local rank beyond several visible GPUs is refused up
+    front, not left to share a GPU."""
     from tspbench.core.config import ConfigError
     from tspbench.runtime.launch import gpu_index
 
@@ -154,11 +154,14 @@ def test_metrics_and_step_times_are_reduced_on_the_step_device():
     from tspbench.projection import calibrate
     from tspbench.runtime import comm_hiding, decode, measure
 
+    seen = 0
     for module in (measure, decode, comm_hiding, calibrate):
         src = inspect.getsource(module)
         for line in src.splitlines():
             if "torch.tensor(" in line and "float64" in line:
                 assert "device=device" in line, f"{module.__name__}: {line.strip()}"
+                seen += 1
+    assert seen == 4  # the reductions of run, decode, the overlap benchmark, calibration
     meta = torch.nn.Parameter(torch.empty(2, device="meta"))
     assert grad_sq_sum([meta]).device.type == "meta"  # no gradient: on the parameters' device
 

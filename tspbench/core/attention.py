@@ -89,7 +89,9 @@ def flash_attn_problem() -> str | None:
         import flash_attn.flash_attn_interface  # noqa: F401  (the compiled extension loads here)
     except Exception as e:  # an ImportError, or the OSError of an ABI-mismatched extension
         return f"flash-attn does not import ({type(e).__name__}: {e})"
-    version = getattr(flash_attn, "__version__", "0")
+    version = getattr(flash_attn, "__version__", None)
+    if version is None:
+        return "flash-attn has no __version__ (not a release)"
     try:
         release = tuple(int(x) for x in version.split(".")[:2])
     except ValueError:

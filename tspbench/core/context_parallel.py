@@ -30,7 +30,7 @@ def cp_tables(
     like ``like``: :func:`zigzag_rope` and :func:`context_parallel_hooks`, built once and kept
     with ``owner`` (:func:`tspbench.core.layers.cached`)."""
     device = like.device
-    key = ("cp", seq_len, like.dtype, comm.size, comm.rank, *sorted(tp_hooks))
+    key = ("cp", seq_len, like.dtype, device, id(comm), *sorted(tp_hooks))
     return cached(owner, key, lambda: (
         *zigzag_rope(seq_len, comm, cfg, like.dtype, device),
         context_parallel_hooks(seq_len, comm, device, **tp_hooks),

@@ -92,7 +92,8 @@ class ReferenceModel(torch.nn.Module):
         layer_call = layer_call or (lambda fn, *args: fn(*args))
         x = F.embedding(tokens, self.p("embed"))
         L = tokens.shape[1]
-        cos, sin = cached(self, ("rope", L, x.dtype), lambda: rope_on(torch.arange(L), cfg, x))
+        key = ("rope", L, x.dtype, x.device)
+        cos, sin = cached(self, key, lambda: rope_on(torch.arange(L), cfg, x))
         for i in range(cfg.layers):
             p = {k: self.p(f"layers.{i}.{k}") for k in LAYER_PARAMS}
             x = layer_call(

@@ -10,8 +10,9 @@ second thread watches progress: if the main thread has not called :meth:`Guard.b
 ``step_timeout`` seconds outside any collective (this rank hung), or the run passes its
 ``time_limit`` (set below a scheduler's limit, so the run ends itself and says so instead of
 being killed), the rank gives up.
-Either way ``on_fatal(reason)`` runs once (it writes the record and tells the peers), then the
-process exits at once.
+Either way ``on_fatal(reason)`` runs once (it writes the record and tells the peers, and returns
+the record's status), then the process exits at once: 0 if the status is ``oom``, as a run
+that ran out of memory exits on every path.
 
 A launcher that spawned this rank (``--launch local``) cannot see a rank that stopped
 responding (SIGSTOP, a native hang that holds the GIL): it is alive but does nothing, and if it
@@ -96,7 +97,7 @@ class Guard:
     def __init__(
         self,
         timeout_s: float,
-        on_fatal: Callable[[str], None],
+        on_fatal: Callable[[str], str | None],
         time_limit_s: float | None = None,
         step_timeout_s: float = 3600.0,
     ) -> None:
@@ -124,10 +125,11 @@ class Guard:
     def fatal(self, reason: str, code: int) -> None:
         if not self._once.acquire(blocking=False):
             return
+        status = None
         try:
-            self.on_fatal(reason)
-        finally:
-            os._exit(code)
+            status = self.on_fatal(reason)
+        finally:  # a run that ran out of memory exits 0 on every path (its record says oom)
+            os._exit(0 if code == 1 and status == "oom" else code)
 
     def _signals(self) -> None:
         while True:

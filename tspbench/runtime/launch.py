@@ -197,9 +197,10 @@ def check_device(choice: str) -> None:
 
 
 def gpu_index(local_rank: int, visible: int | None = None) -> int:
-    """This rank's GPU: its local rank among the visible GPUs, or the one GPU a launcher bound
-    it to (Slurm's --gpus-per-task, one visible each). More local ranks than visible GPUs
-    would put two ranks on one GPU, which NCCL refuses at the first collective: say so here."""
+    """This rank's GPU: its local rank among the visible GPUs. With one GPU visible every local
+    rank takes it: right where a launcher binds one GPU per task (Slurm's --gpus-per-task), two
+    ranks on one GPU otherwise, which NCCL refuses when it starts ("Duplicate GPU"). A local
+    rank beyond several visible GPUs is refused here."""
     visible = torch.cuda.device_count() if visible is None else visible
     if visible == 1:
         return 0

@@ -273,7 +273,7 @@ def run_env(
                 print(f"[tspbench] {record['status']}: wrote {path}", flush=True)
             return record["status"]
 
-    def on_fatal(reason: str) -> None:
+    def on_fatal(reason: str) -> str:
         print(f"[tspbench] rank {env.rank}: {reason}", file=sys.stderr, flush=True)
         own, failed, status = ("error", reason), [env.rank], "error"
         if dist.is_initialized():
@@ -285,6 +285,7 @@ def run_env(
                 status, reason, failed = root_cause(causes, own, world)
         # the root cause's status: a peer's OOM that left this rank waiting is an OOM
         write({**header, "status": status, "error_message": reason, "failed_ranks": failed})
+        return status
 
     guard = Guard(timeout_s, on_fatal, time_limit_s, step_timeout_s)
     guard.rendezvous = f"{env.master_addr}:{env.master_port}"
