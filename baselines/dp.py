@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tspbench.core import costs
+from tspbench.core.attention import attention
 from tspbench.core.config import ConfigError, ModelConfig
 from tspbench.core.decode import DecodeHooks, head_step, local_attend, prefill_layers, run_layers
 from tspbench.core.kvcache import KVCache, Step
@@ -21,7 +22,6 @@ from tspbench.core.strategy import Batch, Layout, Strategy
 
 class DP(Strategy):
     name = "dp"
-    plain_attention = True  # whole sequences per rank: the reference layer's SDPA
 
     @classmethod
     def replica_batch(cls, layout: Layout, per_rank: int = 1) -> int:
@@ -53,6 +53,9 @@ class DP(Strategy):
         super().__init__(cfg, mesh, **kw)
         self.comm = mesh[Axis.MODEL]
         self.model = ReferenceModel(cfg, seed=self.seed, dtype=self.dtype, device=self.device)
+        # whole sequences per rank, attended by the kernel every strategy takes (flash-attn on a
+        # GPU), not the reference layer's own SDPA: the comparison is of layouts, not kernels
+        self.hooks = LayerHooks(attn=attention)
 
     def shard_batch(self, tokens: torch.Tensor, labels: torch.Tensor) -> Batch:
         n, r = self.comm.size, self.comm.rank
@@ -63,7 +66,8 @@ class DP(Strategy):
         return Batch(rows(tokens), rows(labels), tokens.numel())
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = (self.model(batch.tokens, self.checkpointed) @ self.model.p("head").T).float()
+        hidden = self.model(batch.tokens, self.checkpointed, self.hooks)
+        logits = (hidden @ self.model.p("head").T).float()
         ce = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), reduction="sum")
         local = ce / batch.n_tokens
         return local, self.total_loss(local)
@@ -80,7 +84,7 @@ class DP(Strategy):
 
     def hidden(self, batch: Batch) -> torch.Tensor:
         with torch.no_grad():
-            return self.comm.all_gather(self.model(batch.tokens), dim=0)
+            return self.comm.all_gather(self.model(batch.tokens, hooks=self.hooks), dim=0)
 
     def full_params(self, grads: bool = False) -> dict[str, torch.Tensor]:
         return {
@@ -133,7 +137,7 @@ class Single(DP):
         x = F.embedding(tokens.to(self.device), self.model.p("embed"))
         cache = KVCache.empty(cfg.layers, B, cfg.kv_heads, max_len, cfg.head_dim, x)
         cos, sin = cached(self, ("rope", P, x.dtype), lambda: rope_on(torch.arange(P), cfg, x))
-        x = prefill_layers(cfg, self._layers(), x, cos, sin, LayerHooks(), cache)
+        x = prefill_layers(cfg, self._layers(), x, cos, sin, self.hooks, cache)
         cache.start(P, P)
         return cache, self._step(x[:, -1])
 

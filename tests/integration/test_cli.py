@@ -222,8 +222,7 @@ def test_overlap_benchmark_reports_every_part(tmp_path):
 def test_records_say_which_attention_kernel_ran(records):
     """CPU: the zigzag entry point's CPU flash kernel, or PyTorch's SDPA for the plain layer."""
     for name, rec in records.items():
-        want = "sdpa" if rec["strategy"] in ("dp", "single") else "cpu_flash"
-        assert rec["attention_backend"] == want, name
+        assert rec["attention_backend"] == "cpu_flash", name  # every strategy's kernel
         assert rec["versions"]["backend"] == "gloo" and "nccl" in rec["versions"]
 
 

@@ -86,8 +86,11 @@ class ReferenceModel(torch.nn.Module):
     def named_full_params(self) -> dict[str, torch.Tensor]:
         return {n: self.p(n) for n in param_shapes(self.cfg)}
 
-    def forward(self, tokens: torch.Tensor, layer_call=None) -> torch.Tensor:
-        """Final normed hidden states; ``layer_call(fn, *args)`` wraps each layer (recompute)."""
+    def forward(
+        self, tokens: torch.Tensor, layer_call=None, hooks: LayerHooks | None = None
+    ) -> torch.Tensor:
+        """Final normed hidden states; ``layer_call(fn, *args)`` wraps each layer (recompute);
+        ``hooks`` (default: the single-device layer, PyTorch's SDPA) picks the attention."""
         cfg = self.cfg
         layer_call = layer_call or (lambda fn, *args: fn(*args))
         x = F.embedding(tokens, self.p("embed"))
@@ -97,7 +100,7 @@ class ReferenceModel(torch.nn.Module):
         for i in range(cfg.layers):
             p = {k: self.p(f"layers.{i}.{k}") for k in LAYER_PARAMS}
             x = layer_call(
-                transformer_layer, x, p, cfg.norm_eps, cfg.head_dim, cos, sin, LayerHooks()
+                transformer_layer, x, p, cfg.norm_eps, cfg.head_dim, cos, sin, hooks or LayerHooks()
             )
         return rms_norm(x, self.p("norm"), cfg.norm_eps)
 

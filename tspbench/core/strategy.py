@@ -52,7 +52,6 @@ class Batch:
 
 class Strategy(Decoding, ABC):  # Decoding: prefill/decode_step (docs/decode.md)
     name: ClassVar[str]
-    plain_attention: ClassVar[bool] = False  # PyTorch's SDPA, not the zigzag entry point
     reference: ClassVar[bool] = False  # the single-device reference the others are checked on
     factored: ClassVar[bool] = False  # takes a sweep's T x Sigma factor list (its `tpsp` key)
 

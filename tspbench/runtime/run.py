@@ -200,10 +200,8 @@ def placement(spec: RunSpec, env: RankEnv) -> dict:
 
 
 def attention_kernel(spec: RunSpec, device: torch.device) -> str:
-    """The attention kernel this run's strategy calls on ``device``: the shared entry point's
-    (flash_attn, cpu_flash, sdpa), or PyTorch's own SDPA for the plain replicated layer."""
-    if spec.impl.plain_attention:
-        return "sdpa"
+    """The attention kernel every strategy calls on ``device`` through the shared entry point
+    (flash_attn, cpu_flash, sdpa)."""
     return attention.backend_for(device, DTYPES[spec.dtype])
 
 
