@@ -7,8 +7,10 @@ from pathlib import Path
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
+    from tspbench.core.compat import require_torch
     from tspbench.pipeline.doctor import doctor
 
+    require_torch()
     out = Path(args.out) if args.out else None
     checks = doctor(out)
     failed = [c.name for c in checks if c.status == "FAILED"]

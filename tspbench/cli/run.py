@@ -11,8 +11,10 @@ from tspbench.runtime.spec import RunSpec
 
 def _checked(args: argparse.Namespace) -> RunSpec:
     """The spec, the output path and the host's memory checked before anything starts."""
+    from tspbench.core.compat import require_torch
     from tspbench.runtime.launch import check_device, check_host_memory
 
+    require_torch()
     check_device(args.device)
     spec = RunSpec.from_args(args)
     check_out(args.out, args.cell)

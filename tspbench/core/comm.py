@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from tspbench.core import compat
+
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduce", "send_recv")
 
 
@@ -262,7 +264,7 @@ class Comm:
             out.zero_()
             return self._ret(None, finish, async_op)
 
-        return self._issue(dist.all_gather_single, (out, tc), finish, async_op, flat=True)
+        return self._issue(compat.all_gather_flat, (out, tc), finish, async_op, flat=True)
 
     def reduce_scatter(self, t: torch.Tensor, dim: int, async_op: bool = False):
         """Sum over the group, then keep block ``rank`` of ``size`` equal blocks along ``dim``."""
@@ -276,7 +278,7 @@ class Comm:
         out = t.new_empty(stacked.shape[1:])
 
         return self._issue(
-            dist.reduce_scatter_single, (out, stacked), lambda: out, async_op, flat=True
+            compat.reduce_scatter_flat, (out, stacked), lambda: out, async_op, flat=True
         )
 
     def ring_exchange(self, send: torch.Tensor, recv: torch.Tensor, async_op: bool = False):
