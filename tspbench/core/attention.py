@@ -298,3 +298,34 @@ class ZigzagAttention(torch.autograd.Function):
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int = 0, degree: int = 1):
     """Differentiable zigzag-causal attention (degree 1: plain causal attention)."""
     return ZigzagAttention.apply(q, k, v, rank, degree)
+
+
+def _math_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Lower-right causal attention written out in float64: the oracle of the alignment check."""
+    q, k, v = (t.double() for t in (q, k, v))
+    lq, lk = q.shape[-2], k.shape[-2]
+    seen = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+    s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    return s.masked_fill(~seen, float("-inf")).softmax(-1) @ v
+
+
+@functools.cache
+def causal_alignment_problem(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why this device's kernel cannot run zigzag chunks (None: it can). SDPA on some ROCm
+    builds aligns a causal mask top-left when queries are fewer than keys, which makes every
+    zigzag chunk silently wrong: one tiny call with 4 queries over 12 keys against the math
+    oracle tells the alignments apart (query 0 sees 9 keys lower-right, 1 top-left)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 16, generator=g) for n in (4, 12, 12))
+    want = _math_causal(q, k, v)
+    got, _ = causal_fwd(*(t.to(device=device, dtype=dtype) for t in (q, k, v)))
+    err = float((got.double().cpu() - want).abs().max() / want.abs().max())
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    if err <= tol:
+        return None
+    kernel = backend_for(device, dtype)
+    return (
+        f"attention kernel {kernel} on {device} ({str(dtype).removeprefix('torch.')}) does not "
+        f"align its causal mask lower-right (error {err:.2g} against the math oracle, limit "
+        f"{tol:g}): zigzag chunks would be wrong; refusing to run"
+    )

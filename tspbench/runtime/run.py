@@ -205,6 +205,14 @@ def attention_kernel(spec: RunSpec, device: torch.device) -> str:
     return attention.backend_for(device, DTYPES[spec.dtype])
 
 
+def _require_causal_alignment(device: torch.device, spec: RunSpec) -> None:
+    """Refuse a kernel whose causal mask is aligned top-left (some ROCm SDPA builds): one tiny
+    call per device and dtype, before any step, rather than records of wrong attention."""
+    problem = attention.causal_alignment_problem(device, DTYPES[spec.dtype])
+    if problem:
+        raise ConfigError(problem)
+
+
 def _finite(record: dict) -> dict:
     """A record that strict JSON parsers accept: a non-finite loss or gradient norm makes an
     otherwise ``ok`` run an error (the numbers are not results), non-finite numbers become null."""
@@ -305,6 +313,7 @@ def run_env(
     )
     status, completed, failure = "ok", False, None
     try:
+        _require_causal_alignment(device, spec)
         result = work(spec, device, header, guard.beat)
         completed = True
         if env.rank == 0:
