@@ -19,7 +19,22 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def cmd_gpu_check(args: argparse.Namespace) -> int:
+    from tspbench.core.compat import require_torch
+    from tspbench.pipeline.gpucheck import gpu_check
+
+    require_torch()
+    return 1 if gpu_check(Path(args.out)) else 0
+
+
 def add_parsers(sub) -> None:
     d = sub.add_parser("doctor", help="check this node: kernels, strategies, NCCL, memory, rates")
     d.add_argument("--out", default=None, help="folder for doctor.json (and a GPU preset)")
     d.set_defaults(func=cmd_doctor)
+    g = sub.add_parser(
+        "gpu-check",
+        help="one GPU, no network: versions, doctor, three real runs and the rank probe, "
+        "into one folder (env/gpu-check.sh)",
+    )
+    g.add_argument("--out", required=True, help="folder for summary.json, log.txt and records")
+    g.set_defaults(func=cmd_gpu_check)

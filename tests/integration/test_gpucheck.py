@@ -1,0 +1,38 @@
+"""``tspbench gpu-check`` (env/gpu-check.sh) on this CPU: every step runs, with only torch,
+numpy and pyyaml importable besides the suite, and everything lands in one folder of at most 8
+files, as a lent GPU machine sends back."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_gpu_check_runs_on_common_packages_only(tmp_path):
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable,
+           "PYTHONPATH": str(ROOT / "tests/helpers/common_only")}  # fmt: skip
+    p = subprocess.run(["bash", str(ROOT / "env/gpu-check.sh"), str(out)], env=env,
+                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert [s["name"] for s in summary["steps"]] == [
+        "doctor", "run-tsp", "run-tp", "run-decode", "rank probe"]  # fmt: skip
+    assert all(s["rc"] == 0 for s in summary["steps"]), summary["steps"]
+    assert all(r and r["status"] == "ok" for r in summary["records"].values())
+    files = sorted(f.name for f in out.iterdir())
+    assert len(files) <= 8 and all(f.is_file() for f in out.iterdir()), files
+    log = (out / "log.txt").read_text()
+    assert "absent on a bare GPU image" not in log
+
+
+def test_the_blocker_blocks(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests/helpers/common_only")}
+    p = subprocess.run([sys.executable, "-c", "import pandas"], env=env, capture_output=True,
+                       text=True)  # fmt: skip
+    assert p.returncode != 0 and "absent on a bare GPU image" in p.stderr
