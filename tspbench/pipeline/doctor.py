@@ -6,10 +6,14 @@ forward and backward, against PyTorch's SDPA on the same inputs (fp32, and bf16 
 takes it); every strategy at D = 1 against the single-device reference on the device (loss and
 every gradient), on a GPU in bf16 too (flash-attn's kernels and TSP's own backward); which
 flash-attn the runs use (an installed one that cannot be used fails the check); on 2+ GPUs,
-TSP and TP at D = 2 with NCCL/RCCL against the single device; the
-real ``torch.cuda.max_memory_allocated`` peak of a cell against the fake-tensor estimate of the
-same cell; and GEMM/attention rates as a hardware preset (``tspbench calibrate --device cuda``).
-On a CPU machine the CPU parts run and the rest are skipped, saying why.
+every registered strategy that takes D = 2 (each T x Sigma of a factored one) with NCCL/RCCL
+against the single device; the rank probe (:mod:`tspbench.pipeline.rank_probe`: rank 0 of
+every strategy's D = 8 cell run for real on torch's fake process group, so one GPU, or a CPU,
+runs the kernels and allocations a sweep's ranks will, its peak against the fake-tensor
+estimate); the real ``torch.cuda.max_memory_allocated`` peak of a D = 1 cell against its
+estimate; and GEMM/attention rates as a hardware preset (``tspbench calibrate --device cuda``).
+On a CPU machine the CPU parts run (the rank probe on a small fp32 cell) and the rest are
+skipped, saying why.
 """
 
 from __future__ import annotations
