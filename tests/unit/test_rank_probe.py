@@ -29,6 +29,13 @@ def test_every_strategy_is_probed_at_d8_and_the_reference_skipped():
     ]
 
 
+def test_a_cell_a_strategy_refuses_is_skipped_saying_why():
+    cells = rp.probe_specs(torch.device("cpu"), 8, ("tiny", 1, 100, "fp32"), ["tsp", "tp"])
+    (tsp, spec, why), (tp, tp_spec, _) = cells
+    assert spec is None and "zigzag" in why and tsp == "rank probe tsp D=8 (tiny)"
+    assert tp_spec is not None and tp == "rank probe tp D=8 (tiny, 1 layer, S=100, fp32)"
+
+
 def test_a_wrong_estimate_fails_and_the_group_is_gone(monkeypatch, tmp_path):
     """An estimate twice the measured peak is FAILED with its ratio; the results name it, the
     JSON holds them, and a real group can be made afterwards."""

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from tspbench.core.config import get_config
+from tspbench.core.config import ConfigError, get_config
 from tspbench.core.mesh import build_mesh
 from tspbench.core.optim import AdamW
 from tspbench.core.reference import make_batch
@@ -67,7 +67,8 @@ def layouts(impl: type[Strategy], degree: int) -> list[Layout]:
 
 def cell_name(spec: RunSpec) -> str:
     """``tsp D=8 (7b, 2 layers, S=16384, bf16)``: the strategy and the cell, as lines print it."""
-    what = f"{spec.cfg.name}, {spec.cfg.layers} layers, S={spec.seq_len}, {spec.dtype}"
+    n = spec.cfg.layers
+    what = f"{spec.cfg.name}, {n} layer{'s' * (n != 1)}, S={spec.seq_len}, {spec.dtype}"
     return f"{spec.impl.label(spec.layout)} D={spec.degree} ({what})"
 
 
@@ -155,10 +156,14 @@ def probe_specs(
                 (f"rank probe {name} D={degree}", None, f"{why}: D = {degree} makes no sense")
             )
         for lay in lays:
-            spec = RunSpec(
-                strategy=name, cfg=cfg, layout=lay, seq_len=seq_len,
-                batch=impl.replica_batch(lay), dtype=dtype,
-            )  # fmt: skip
+            try:
+                spec = RunSpec(
+                    strategy=name, cfg=cfg, layout=lay, seq_len=seq_len,
+                    batch=impl.replica_batch(lay), dtype=dtype,
+                )  # fmt: skip
+            except ConfigError as e:  # the cell is not one this strategy runs: say so
+                out.append((f"rank probe {impl.label(lay)} D={degree} ({model})", None, str(e)))
+                continue
             out.append((f"rank probe {cell_name(spec)}", spec, None))
     return out
 
