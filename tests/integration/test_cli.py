@@ -246,8 +246,11 @@ def test_doctor_runs_the_cpu_parts_and_fails_on_a_wrong_kernel(tmp_path, monkeyp
     assert status["attention cpu_flash fp32"] == "ok" and status["strategy tsp D=1 on cpu"] == "ok"
     assert sum(s == "ok" for s in status.values()) >= 10
     assert {c["detail"] for c in checks if c["status"] == "skipped"} <= {
-        "no GPU visible", "needs 2 GPUs (0 visible)"
+        "no GPU visible", "needs 2 GPUs (0 visible)",
+        "the single-device reference: D = 8 makes no sense",
     }  # fmt: skip
+    probed = json.loads((tmp_path / "doctor.json").read_text())["rank_probe"]
+    assert [r["status"] for r in probed].count("ok") == len(probed) - 1  # single: skipped
     real = attention.causal_fwd
 
     def wrong(q, k, v):

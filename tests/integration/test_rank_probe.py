@@ -1,0 +1,27 @@
+"""The doctor's rank probe on CPU: rank 0 of every registered strategy at D = 8 runs for real
+on the fake process group, and its tracked peak is the fake-tensor estimate's (on a CPU both
+count the same tensors of the same ops: a bound on the ratio checks that the real and the fake
+run take the same code path); twice in one process."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tspbench.pipeline.check import in_bound
+from tspbench.pipeline.rank_probe import rank_probe
+from tspbench.runtime.registry import strategies
+
+CELL = ("tiny", 2, 256, "fp32")
+
+
+def test_every_strategy_probes_ok_within_the_bound(report):
+    checks, res = rank_probe(torch.device("cpu"), 8, CELL, echo=False)
+    assert not dist.is_initialized()  # destroyed after each strategy's rank
+    status = {r["name"]: r["status"] for r in res}
+    ran = [r for r in res if r["status"] != "skipped"]
+    assert {r["strategy"] for r in ran} == {n for n, s in strategies().items() if not s.reference}
+    assert all(s == "ok" for n, s in status.items() if "single" not in n), status
+    assert all(in_bound(r["ratio"]) for r in ran)
+    assert all(abs(r["ratio"] - 1) < 1e-9 for r in ran)  # CPU: the same tensors, to the byte
+    report("rank probe on CPU", "\n".join(c.line() for c in checks))
