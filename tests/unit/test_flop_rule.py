@@ -93,3 +93,28 @@ def test_strategies_count_the_same_model_flops_for_the_same_work(rc):
     ref = total("single", 1)
     for strategy, D in (("tsp", 2), ("tp", 2), ("tsp", 8), ("sp", 8)):
         assert total(strategy, D) == ref, (strategy, D)
+
+
+EFF = (None, None, None, None, None, 0.0)  # bias .. dropout_p, then custom_mask_type
+
+
+@pytest.mark.parametrize("op, args, layout, want", [
+    ("_scaled_dot_product_efficient_attention", (None, False, 0.0, True), "bhld", (4, 12, False)),
+    ("_scaled_dot_product_flash_attention", (0.0, True), "bhld", (4, 12, False)),
+    ("_scaled_dot_product_flash_attention", (0.0, False), "bhld", None),
+    ("_flash_attention_forward", (None, None, 4, 12, 0.0, True, False), "blhd", (4, 12, True)),
+    ("_efficient_attention_forward", (*EFF, 2), "blhd", (4, 12, True)),
+    ("_efficient_attention_forward", (*EFF, 1), "blhd", (4, 12, False)),
+    ("_efficient_attention_forward", (*EFF, 0), "blhd", None),
+])  # fmt: skip
+def test_gpu_attention_ops_count_their_causal_pairs(op, args, layout, want):
+    """The GPU kernels' ops (not run here) are scaled by their own causal argument and
+    alignment: SDPA's is_causal is top-left, flash's lower-right, the efficient kernels say
+    which in ``custom_mask_type``; without a causal mask the formula's count stands."""
+    from tspbench.runtime.flops import causal_share
+
+    shape = {"bhld": lambda n: (1, 2, n, 8), "blhd": lambda n: (1, n, 2, 8)}[layout]
+    q, k = torch.empty(shape(4), device="meta"), torch.empty(shape(12), device="meta")
+    full = 1000 * 4 * 12
+    n = causal_share(getattr(torch.ops.aten, op), full, (q, k, k, *args), {})
+    assert n == (full if want is None else 1000 * attention.causal_pairs(*want))

@@ -77,7 +77,8 @@ def causal_share(func_packet, flops: int, args: tuple, kwargs: dict) -> int:
     schema = func_packet.default._schema.arguments
     bound = {a.name: v for a, v in zip(schema, args)} | kwargs
     lower_right, dim = _CAUSAL[name]
-    if bound.get("cu_seqlens_q") is not None or bound.get("cum_seq_q") is not None:
+    varlen = bound.get("cu_seqlens_q", bound.get("cum_seq_q"))
+    if not name.startswith("_scaled_dot_product") and varlen is not None:
         return flops  # packed variable-length batches: not called here
     if lower_right is None:
         mask = bound.get("custom_mask_type", 0)
