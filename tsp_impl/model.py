@@ -21,7 +21,7 @@ from tsp_impl.decode import TSPDecoding
 from tsp_impl.mlp import BroadcastMLP, RingMLP
 from tsp_impl.plan import TSPPlan
 from tsp_impl.vocab import VocabEmbedding, VocabParallelLoss
-from tspbench.core import zigzag
+from tspbench.core import recompute, zigzag
 from tspbench.core.config import ConfigError, ModelConfig
 from tspbench.core.costs import Schedule, Spec
 from tspbench.core.layers import rms_norm
@@ -174,7 +174,8 @@ class TSP(TSPDecoding, Strategy):  # decode: tsp_impl/decode.py
         def recomputing():
             self.recomputing = True
             try:
-                yield
+                with recompute.recomputing():
+                    yield
             finally:
                 self.recomputing = False
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from tsp_impl.ops import accumulate
 from tsp_impl.overlap import owner_shards
+from tspbench.core import recompute
 from tspbench.core.comm import Comm
 
 
@@ -99,8 +100,12 @@ class VocabParallelLoss(torch.autograd.Function):
         dlogits = x2.new_empty((x2.shape[0], n))  # (p * scale) in x's dtype, shard by shard
         dx, dw_own, reducing = None, None, None
         for r, w in owner_shards(w_own, comm, ctx.overlap):
-            # this shard's softmax: x's-dtype logits minus the fp32 lse promote to fp32
-            p = torch.sub(x2 @ w.T, lse.view(-1, 1)).exp_()
+            # this shard's softmax: x's-dtype logits minus the fp32 lse promote to fp32; the
+            # logits are forward's again (recomputed: no model FLOPs)
+            with recompute.recomputing():
+                logits = x2 @ w.T
+            p = torch.sub(logits, lse.view(-1, 1)).exp_()
+            del logits
             p.scatter_add_(-1, rows2, onehot[r].flatten(0, -2))
             torch.mul(p, scale, out=dlogits)
             del p

@@ -187,5 +187,6 @@ def measure_case(case: dict) -> dict:
         "peak": found["tracked_peak_first"],
         "peak_steady": found["tracked_peak"],
         "flops": found["flops"],
+        "flops_executed": found["flops_executed"],
         "bytes": by_kind,
     }

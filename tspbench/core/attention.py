@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
+from tspbench.core import recompute
+
 _aten = torch.ops.aten
 HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None  # installed (maybe broken)
 FLASH_MIN = (2, 1)  # causal=True is lower-right aligned from flash-attn 2.1 (top-left before)
@@ -58,20 +60,35 @@ FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLOP_LISTENERS: list[Callable[[str, int], None]] = []
 
 
+def causal_pairs(lq: int, lk: int, lower_right: bool = True) -> int:
+    """(query, key) pairs a causal call of Lq queries over Lk keys computes: what FLOPs are
+    counted by, for every strategy alike (a full mask's Lq x Lk would count a causal call at
+    D = 1 twice over, and zigzag chunks, with fewer masked pairs, less so)."""
+    if not lower_right:  # top-left: query i sees keys [0, i]
+        m = min(lq, lk)
+        return m * (m + 1) // 2 + (lq - m) * lk
+    if lq <= lk:  # query i sees keys [0, Lk - Lq + i]
+        return lq * (lk - lq) + lq * (lq + 1) // 2
+    return lk * (lk + 1) // 2
+
+
 def _count_flash(kind: str, q: torch.Tensor, k: torch.Tensor) -> None:
-    """Tell the listeners a flash-attn call's FLOPs, by torch's SDPA formulas (the same ones
-    the CPU kernels are counted with): 4 b h s_q s_k d forward, 2.5 times that backward."""
+    """Tell the listeners a flash-attn call's FLOPs, by torch's SDPA formulas over the causal
+    (lower-right) call's pairs, as the CPU kernels are counted: 4 b h d per pair forward, 2.5
+    times that backward."""
     if not FLOP_LISTENERS:
         return
     from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
     b, h, s_q, d = q.shape
-    qs, ks = (b, h, s_q, d), (b, h, k.shape[-2], d)
+    s_k = k.shape[-2]
+    qs, ks = (b, h, s_q, d), (b, h, s_k, d)
     n = (
         sdpa_flop_count(qs, ks, ks)
         if kind == "forward"
         else sdpa_backward_flop_count(qs, qs, ks, ks)
     )
+    n = n * causal_pairs(s_q, s_k) // (s_q * s_k)
     for listen in FLOP_LISTENERS:
         listen(f"flash_attn.{kind}", n)
 
@@ -223,7 +240,9 @@ def causal_bwd(
         return _flash_bwd(dout, q, k, v, out, lse)
     with torch.enable_grad():
         qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-        grads = torch.autograd.grad(_sdpa(qq, kk, vv), (qq, kk, vv), dout)
+        with recompute.recomputing():  # forward's again: no model FLOPs
+            out = _sdpa(qq, kk, vv)
+        grads = torch.autograd.grad(out, (qq, kk, vv), dout)
     return grads[0], grads[1], grads[2]
 
 

@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch
 import torch.utils.checkpoint
 
-from tspbench.core import costs, zigzag
+from tspbench.core import costs, recompute, zigzag
 from tspbench.core.comm import Comm
 from tspbench.core.config import ConfigError, ModelConfig
 from tspbench.core.decode import Decoding
@@ -85,7 +85,9 @@ class Strategy(Decoding, ABC):  # Decoding: prefill/decode_step (docs/decode.md)
         does so for the same layers in the same order, so collective order stays identical.
         """
         if self.recompute == "full" and torch.is_grad_enabled():
-            return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+            return torch.utils.checkpoint.checkpoint(
+                fn, *args, use_reentrant=False, context_fn=recompute.contexts
+            )
         return fn(*args)
 
     # -- construction ---------------------------------------------------------------------------

@@ -52,6 +52,7 @@ SCALARS = [
     "comm_bytes_model_group",
     "comm_bytes_dp",
     "flops_per_step",
+    "flops_executed_per_step",
     "mfu",
     "loss",
     "grad_norm",

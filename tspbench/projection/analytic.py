@@ -7,8 +7,9 @@ Each strategy writes its schedule out as the list of collectives it issues (docs
 section 6, extended to backward, recomputation, embeddings and the loss; the data-parallel
 gradient all-reduce is appended here), and bytes are counted with the same :func:`bus_bytes`
 rule as the measured counter, so the two must agree exactly; tests assert it. FLOPs are what
-torch's FlopCounterMode counts: matmuls (2mnk) and the attention kernel's formula (4 b h s_q s_k
-d forward, 2.5 times that backward), with the kernel's blocks as the implementation calls them.
+the FLOP counter counts: matmuls (2mnk) and the attention kernel's formula over the (query, key)
+pairs its causal mask keeps (4 b h d per pair forward, 2.5 times that backward), model FLOPs
+(no recomputation) or executed ones.
 Memory is model state plus saved activations plus the largest transient, per part (section 7);
 see :func:`memory`.
 
@@ -83,51 +84,51 @@ def comm_by_kind(c: RunSpec) -> dict[str, float]:
 
 
 # -- FLOPs ------------------------------------------------------------------------------------
-def attention_blocks(c: RunSpec) -> int:
-    """Sum of s_q * s_k over the kernel calls of one sequence and head on this rank.
+def attention_pairs(c: RunSpec) -> int:
+    """(query, key) pairs the causal kernel calls of one sequence and head compute on this rank
+    (:func:`tspbench.core.attention.causal_pairs`, the counter's rule).
 
-    One rank holds zigzag chunks r and 2P-1-r of size s = S/2P; chunk j is one call over its
-    (j+1)s keys (the CPU kernel splits it into a prefix and a diagonal block: the same sum), so
-    every rank has s^2 (2P+1). Without a split sequence (P = 1) the kernel sees S x S.
+    One rank holds zigzag chunks r and 2P-1-r of size s = S/2P; chunk j sees j s keys in full
+    and its diagonal s x s block causally (whether one call or the CPU kernel's prefix and
+    diagonal block), so every rank has (2P-1) s^2 + s(s+1) = 2P s^2 + s, and the P ranks
+    together S(S+1)/2, as one causal call over S (P = 1).
     """
     P, S = c.cp, c.seq_len
     if P == 1:
-        return S * S
+        return S * (S + 1) // 2
     s = S // (2 * P)
-    return s * s * (2 * P + 1)
+    return 2 * P * s * s + s
 
 
-def flop_parts(c: RunSpec, executed: bool = False) -> dict[str, int]:
-    """FLOPs one rank runs per step, GEMMs and attention apart, as FlopCounterMode counts them;
-    ``executed``: attention as a causal kernel runs it (a diagonal block costs half)."""
+def flop_parts(c: RunSpec, model: bool = False) -> dict[str, int]:
+    """FLOPs one rank executes per step, GEMMs and attention apart, as the FLOP counter counts
+    them (:mod:`tspbench.runtime.flops`); ``model``: without what is recomputed (MFU's count)."""
     cfg, B, impl = c.cfg, c.batch, c.impl
     h, kv, f, V, L, d = cfg.hidden, cfg.kv_dim, cfg.ffn, cfg.vocab, cfg.layers, cfg.head_dim
     t = c.tokens
     T = impl.tensor_degree(c.layout)  # weight split of the GEMMs on a rank
     seqs = B // impl.replica_batch(c.layout)  # sequences of the micro-batch on this rank
     gemm = 2 * t * (2 * h * h + 2 * h * kv + 3 * h * f) // T  # one layer, forward
-    blocks = attention_blocks(c)
-    if executed:  # each call's diagonal s_q x s_q block is half masked
-        blocks -= (c.seq_len**2 // 2) if c.cp == 1 else (c.seq_len // (2 * c.cp)) ** 2
-    attn = 4 * seqs * (cfg.heads // T) * d * blocks  # one layer, forward
+    attn = 4 * seqs * (cfg.heads // T) * d * attention_pairs(c)  # one layer, forward
     head = 2 * t * h * V // T
     if not c.train:
         return {"gemm": L * gemm + head, "attention": L * attn}
     # backward: GEMMs twice, attention 2.5x; a loss may recompute its logits (TSP's, shard by
     # shard: loss_head_passes)
-    g = L * 3 * gemm + impl.loss_head_passes * head
+    g = L * 3 * gemm + (3 if model else impl.loss_head_passes) * head
     a = L * (attn + 5 * attn // 2)
-    if c.rc:  # autograd's recompute stops after the last op that saves a tensor: custom layers
-        # that save at their very end recompute everything; a plain autograd layer skips its
-        # final W2 GEMM (recompute_skips_w2)
+    if c.rc and not model:  # autograd's recompute stops after the last op that saves a tensor:
+        # custom layers that save at their very end recompute everything; a plain autograd
+        # layer skips its final W2 GEMM (recompute_skips_w2)
         g += L * (gemm - (2 * t * f * h // T if impl.recompute_skips_w2 else 0))
         a += L * attn
     return {"gemm": g, "attention": a}
 
 
-def flops(c: RunSpec) -> int:
-    """FLOPs one rank executes per step, as FlopCounterMode counts them."""
-    return sum(flop_parts(c).values())
+def flops(c: RunSpec, model: bool = True) -> int:
+    """FLOPs one rank counts per step: model FLOPs (the record's ``flops_per_step`` share), or
+    with ``model`` False all it executes."""
+    return sum(flop_parts(c, model).values())
 
 
 def gemm_size(c: RunSpec) -> float:

@@ -188,7 +188,7 @@ def project(c: RunSpec, preset: dict, ops: int | None = None) -> dict[str, Any]:
     per_node = preset.get("gpus_per_node", 8)
     world = c.degree * c.dp
     r = rates(preset, min(world, per_node))
-    fl = analytic.flop_parts(c, executed=True)
+    fl = analytic.flop_parts(c)  # executed: recomputation takes time too
     elem = analytic.elementwise_bytes(c)
     gemm_rate = _rate(r, "gemm_flops", analytic.gemm_size(c))
     attn_rate = _rate(r, "attention_flops", c.cfg.head_dim, key="attention_flops_by_d")
@@ -216,6 +216,7 @@ def project(c: RunSpec, preset: dict, ops: int | None = None) -> dict[str, Any]:
     hidden = min(ovl, r["overlap_efficiency"] * compute)
     step = compute + dispatch + crit + ovl - hidden
     tokens = c.batch * c.seq_len * c.dp
+    model = analytic.flops(c)  # MFU counts model FLOPs, as a record's (no recomputation)
     return {
         "step_time_s": step,
         "tokens_per_s": tokens / step,
@@ -226,10 +227,9 @@ def project(c: RunSpec, preset: dict, ops: int | None = None) -> dict[str, Any]:
         "comm_hidden_s": hidden,
         "ops_per_step": ops,
         "dispatch_s_per_op": r["op_overhead_s"] * straggler,
-        "flops_per_rank": fl["gemm"] + fl["attention"],
-        "mfu": (fl["gemm"] + fl["attention"]) / step / preset["peak_flops"]
-        if "peak_flops" in preset
-        else None,
+        "flops_per_rank": model,
+        "flops_executed_per_rank": fl["gemm"] + fl["attention"],
+        "mfu": model / step / preset["peak_flops"] if "peak_flops" in preset else None,
     }
 
 

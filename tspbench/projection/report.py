@@ -49,7 +49,9 @@ def model_report(c: RunSpec) -> tuple[dict[str, Any], str]:
     for (p, k), b in sorted(comm.items()):
         lines.append(f"  {p + '/' + k:28s} {b / 2**20:12.3f}")
     what = "prefill FLOPs" if c.decoding else "FLOPs"
-    lines.append(f"{what} per rank: GEMM {fl['gemm']:.4g}, attention {fl['attention']:.4g}")
+    lines.append(  # executed: with what recomputation adds (records' flops_per_step do not)
+        f"{what} per rank (executed): GEMM {fl['gemm']:.4g}, attention {fl['attention']:.4g}"
+    )
     return obj, "\n".join(lines)
 
 

@@ -220,7 +220,9 @@ def summarize_decode(spec: RunSpec, ranks: list[dict[str, Any]], peak_flops: flo
             else sum(r["prefill_bytes"].values()) + (n - 1) * sum(r["decode_bytes"].values())
             for r in ranks
         ],
+        "flops_counted": "model",  # generation recomputes nothing: executed is the same
         "flops_per_step": int(flops),
+        "flops_executed_per_step": int(flops),
         "flops_per_rank": [int(f) for f in flops_rank],
         "mfu": flops / (step_time * world * peak_flops) if peak_flops else None,
         "param_numel_per_rank": [r["param_numel"] for r in ranks],

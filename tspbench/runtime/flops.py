@@ -1,10 +1,19 @@
-"""FLOP counting with torch's FlopCounterMode, taught the attention kernels it misses.
+"""FLOP counting with torch's FlopCounterMode, taught the attention kernels it misses, causal
+masks, and which work is recomputed.
 
 torch 2.13 has no FLOP formula for ``_scaled_dot_product_flash_attention_for_cpu`` (it counts 0),
 so the same formulas as the CUDA flash kernel are registered for it, forward and backward.
 flash-attn's kernels never reach the dispatcher as an op torch knows: the attention entry point
 reports their FLOPs to the active :class:`Counter` instead (without it, MFU at 7B/128K would
 read about 3x low: attention is about 70% of the FLOPs there).
+
+torch's SDPA formulas count every call as unmasked (Lq x Lk pairs): a causal call at D = 1 would
+count twice its useful FLOPs, zigzag chunks at D = 8 1.06 times, so MFU would favour the
+strategies that do not split the sequence. The counter scales each causal call's count to the
+pairs its mask keeps (:func:`tspbench.core.attention.causal_pairs`), one rule for every
+strategy and kernel, and counts apart what runs under :func:`tspbench.core.recompute.recomputing`
+(activation recomputation, a loss's recomputed logits): :meth:`Counter.model_flops` is MFU's
+count, ``get_total_flops`` what was executed.
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ from torch.utils.flop_counter import (
     sdpa_flop_count,
 )
 
-from tspbench.core import attention
+from tspbench.core import attention, recompute
 
 _aten = torch.ops.aten
 _registered = False
@@ -44,14 +53,75 @@ def _register() -> None:
         )
 
 
+# attention ops whose formula ignores their causal mask: (mask alignment of ``is_causal``, the
+# sequence dim of query and key). SDPA's is_causal is top-left; the CPU flash kernel is called
+# causal only square (the entry point's diagonal block) or as the estimator's stand-in for
+# flash-attn's lower-right call; flash's kernels are lower-right. ``custom_mask_type`` (the
+# efficient kernels) says its own: 1 top-left, 2 lower-right.
+_CAUSAL = {
+    "_scaled_dot_product_flash_attention_for_cpu": (True, -2),
+    "_scaled_dot_product_flash_attention": (False, -2),
+    "_scaled_dot_product_efficient_attention": (False, -2),
+    "_scaled_dot_product_cudnn_attention": (False, -2),
+    "_flash_attention": (True, 1),
+    "_efficient_attention": (None, 1),
+}
+
+
+def causal_share(func_packet, flops: int, args: tuple, kwargs: dict) -> int:
+    """``flops`` (an unmasked formula's count of one attention call) over the pairs its causal
+    mask keeps; any other op's count unchanged."""
+    name = func_packet.__name__.removesuffix("_backward").removesuffix("_forward")
+    if name not in _CAUSAL or not flops:
+        return flops
+    schema = func_packet.default._schema.arguments
+    bound = {a.name: v for a, v in zip(schema, args)} | kwargs
+    lower_right, dim = _CAUSAL[name]
+    varlen = bound.get("cu_seqlens_q", bound.get("cum_seq_q"))
+    if not name.startswith("_scaled_dot_product") and varlen is not None:
+        return flops  # packed variable-length batches: not called here
+    if lower_right is None:
+        mask = bound.get("custom_mask_type", 0)
+        causal, lower_right = mask in (1, 2), mask == 2
+    else:
+        causal = bool(bound.get("is_causal", False))
+    if not causal:
+        return flops
+    s_q, s_k = bound["query"].shape[dim], bound["key"].shape[dim]
+    return flops * attention.causal_pairs(s_q, s_k, lower_right) // (s_q * s_k)
+
+
 class Counter(FlopCounterMode):
-    """FlopCounterMode that also counts the attention kernels it cannot see (flash-attn), as
-    :mod:`tspbench.core.attention` reports them while this counter is active."""
+    """FlopCounterMode that counts causal attention by its unmasked pairs, also counts the
+    kernels it cannot see (flash-attn, as :mod:`tspbench.core.attention` reports them while
+    this counter is active), and keeps recomputed work apart."""
+
+    def __init__(self) -> None:
+        super().__init__(display=False)
+        self.recomputed = 0
+
+    def model_flops(self) -> int:
+        """FLOPs of forward and backward without recomputation (MFU's count)."""
+        return int(self.get_total_flops()) - self.recomputed
+
+    def _add(self, parents, key, flops: int) -> None:
+        for par in parents:
+            self.flop_counts[par][key] += flops
+        if recompute.active():
+            self.recomputed += flops
 
     def _heard(self, kernel: str, flops: int) -> None:
-        self.flop_counts["Global"][kernel] += flops
+        self._add(["Global"], kernel, flops)
+
+    def _count_flops(self, func_packet, out, args, kwargs):
+        if func_packet in self.flop_registry:
+            n = self.flop_registry[func_packet](*args, **kwargs, out_val=out)
+            n = causal_share(func_packet, n, args, kwargs)
+            self._add(set(self.mod_tracker.parents), func_packet, n)
+        return out
 
     def __enter__(self):
+        self.recomputed = 0
         attention.FLOP_LISTENERS.append(self._heard)
         return super().__enter__()
 
@@ -60,10 +130,10 @@ class Counter(FlopCounterMode):
         return super().__exit__(*exc)
 
 
-def counter() -> FlopCounterMode:
-    """A FlopCounterMode that also counts the CPU flash kernels and flash-attn's."""
+def counter() -> Counter:
+    """A :class:`Counter` (which also counts the CPU flash kernels and flash-attn's)."""
     _register()
-    return Counter(display=False)
+    return Counter()
 
 
 # Dense bf16 peak FLOP/s by device-name substring (datasheets, as in projection/hardware.json),

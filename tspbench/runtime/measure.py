@@ -233,7 +233,8 @@ def probe(
         with gc_held(), flops, also or nullcontext():
             step()
     out = {
-        "flops": int(flops.get_total_flops()),
+        "flops": flops.model_flops(),
+        "flops_executed": int(flops.get_total_flops()),
         "tracked_peak_first": peaks[0],
         "tracked_peak": peaks[1],
     }
@@ -274,7 +275,9 @@ def summarize(spec: RunSpec, ranks: list[dict[str, Any]], device_peak_flops: flo
         "comm_bytes_model_group": sum(b for a, b in by_axis.items() if a != "dp"),
         "comm_bytes_dp": by_axis.get("dp", 0.0),
         "comm_bytes_per_rank": [sum(r["comm_by_kind"].values()) for r in ranks],
+        "flops_counted": "model",
         "flops_per_step": flops,
+        "flops_executed_per_step": sum(r["flops_executed"] for r in ranks),
         "flops_per_rank": [r["flops"] for r in ranks],
         "mfu": flops / (step_time * world * device_peak_flops) if device_peak_flops else None,
         "param_numel_per_rank": [r["param_numel"] for r in ranks],
