@@ -171,21 +171,33 @@ class FSDPCP(Strategy):
     def __init__(self, cfg: ModelConfig, mesh: Mesh, **kw) -> None:
         super().__init__(cfg, mesh, **kw)
         self.comm = mesh[Axis.MODEL]
-        D, r = self.comm.size, self.comm.rank
         shapes = param_shapes(cfg)
         groups = [["embed"]]
         groups += [[f"layers.{i}.{k}" for k in LAYER_PARAMS] for i in range(cfg.layers)]
         groups += [["norm", "head"]]
         self.units = []
         for names in groups:
-            flat = torch.cat([self.init_full(n).flatten() for n in names])
-            flat = F.pad(flat, (0, -flat.numel() % D))
             self.units.append(
-                Unit(names, [shapes[n] for n in names], self.to_param(flat.chunk(D)[r]))
+                Unit(names, [shapes[n] for n in names], self.to_param(self.shard(names)))
             )
         self.regathered: dict[int, torch.Tensor] = {}
         self.prefetched: dict[int, Pending] = {}  # at most one unit's gather in flight
         self.reducing: list[tuple[int, torch.Tensor, Pending]] = []  # (unit, gradient, its RS)
+
+    def shard(self, names: list[str]) -> torch.Tensor:
+        """This rank's chunk of the unit's flat, zero-padded concatenation of ``names``: only the
+        parts of each parameter that fall in the chunk are generated."""
+        D, r, shapes = self.comm.size, self.comm.rank, param_shapes(self.cfg)
+        total = sum(math.prod(shapes[n]) for n in names)
+        size = -(-total // D)
+        lo, hi, parts, offset = r * size, (r + 1) * size, [], 0
+        for n in names:
+            numel = math.prod(shapes[n])
+            if offset < hi and lo < offset + numel:
+                parts.append(self.init_flat(n, lo - offset, hi - offset))
+            offset += numel
+        flat = torch.cat(parts) if parts else torch.zeros(0, device=self.device)
+        return F.pad(flat, (0, size - flat.numel()))
 
     # -- the FSDP mechanics ---------------------------------------------------------------------
     reduce_scatters_in_flight: ClassVar[int] = 1  # FSDP2's: the next waits for the previous

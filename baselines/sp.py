@@ -59,7 +59,7 @@ class SP(Strategy):
     def __init__(self, cfg: ModelConfig, mesh: Mesh, **kw) -> None:
         super().__init__(cfg, mesh, **kw)
         self.comm = mesh[Axis.MODEL]
-        self.params = {n: self.to_param(self.init_full(n)) for n in param_shapes(cfg)}
+        self.params = {n: self.to_param(self.init_block(n)) for n in param_shapes(cfg)}
 
     def shard_batch(self, tokens: torch.Tensor, labels: torch.Tensor) -> Batch:
         return self.zigzag_batch(tokens, labels, self.comm)

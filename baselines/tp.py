@@ -20,8 +20,8 @@ from tspbench.core.decode import (
     head_step,
     kv_heads_local,
     local_attend,
+    megatron_block,
     megatron_events,
-    megatron_param,
     named_layers,
     prefill_layers,
     run_layers,
@@ -69,8 +69,8 @@ class TP(Strategy):
         T, r = self.comm.size, self.comm.rank
         self.params: dict[str, torch.nn.Parameter] = {}
         for name in param_shapes(cfg):
-            full, dim = self.init_full(name), shard_dim(name)
-            self.params[name] = self.to_param(megatron_param(cfg, name, full, T, r, dim))
+            rows, cols = megatron_block(cfg, name, T, r, shard_dim(name))
+            self.params[name] = self.to_param(self.init_block(name, rows, cols))
         self.hooks = LayerHooks(
             enter=lambda t: copy_to(t, self.comm),
             exit=lambda t: reduce_from(t, self.comm),

@@ -20,8 +20,8 @@ from tspbench.core.decode import (
     check_kv_split,
     head_step,
     kv_heads_local,
+    megatron_block,
     megatron_events,
-    megatron_param,
     merge_events,
     named_layers,
     prefill_layers,
@@ -112,8 +112,8 @@ class TPSP(Strategy):
         T, r = self.tp.size, self.tp.rank
         self.params: dict[str, torch.nn.Parameter] = {}
         for name in param_shapes(cfg):
-            full, dim = self.init_full(name), shard_dim(name)
-            self.params[name] = self.to_param(megatron_param(cfg, name, full, T, r, dim))
+            rows, cols = megatron_block(cfg, name, T, r, shard_dim(name))
+            self.params[name] = self.to_param(self.init_block(name, rows, cols))
 
     def shard_batch(self, tokens: torch.Tensor, labels: torch.Tensor) -> Batch:
         return self.zigzag_batch(tokens, labels, self.sp)

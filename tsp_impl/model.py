@@ -24,9 +24,11 @@ from tsp_impl.vocab import VocabEmbedding, VocabParallelLoss
 from tspbench.core import recompute, zigzag
 from tspbench.core.config import ConfigError, ModelConfig
 from tspbench.core.costs import Schedule, Spec
+from tspbench.core.init import chunk_slice
 from tspbench.core.layers import rms_norm
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.optim import grad_sq_sum
+from tspbench.core.reference import param_shapes
 from tspbench.core.strategy import KV_BACKWARDS, MLP_SCHEDULES, Batch, Layout, Strategy
 
 MLP = {"ring": RingMLP, "broadcast": BroadcastMLP}
@@ -102,27 +104,30 @@ class TSP(TSPDecoding, Strategy):  # decode: tsp_impl/decode.py
             )
         self.comm = mesh[Axis.MODEL]
         D, r = self.comm.size, self.comm.rank
-        self.embed = self.to_param(self.init_full("embed").chunk(D)[r])
-        self.head = self.to_param(self.init_full("head").chunk(D)[r])
-        self.norm = self.to_param(self.init_full("norm"))
+        rows = {n: chunk_slice(param_shapes(cfg)[n][0], D, r) for n in ("embed", "head")}
+        self.embed = self.to_param(self.init_block("embed", rows["embed"]))
+        self.head = self.to_param(self.init_block("head", rows["head"]))
+        self.norm = self.to_param(self.init_block("norm"))
+        h, f, kv = cfg.hidden, cfg.ffn, cfg.kv_dim
+        own = {n: chunk_slice(n_out, D, r) for n, n_out in (("h", h), ("f", f), ("kv", kv))}
         self.layers = []
         for i in range(cfg.layers):
-            full = {k: self.init_full(f"layers.{i}.{k}") for k in ("wq", "wk", "wv", "wo")}
+            n = f"layers.{i}."  # each rank generates only its head group's rows (Wo, W2: columns)
             attn = torch.cat(
                 [
-                    full["wq"].chunk(D)[r],
-                    full["wk"].chunk(D)[r],
-                    full["wv"].chunk(D)[r],
-                    full["wo"].chunk(D, dim=1)[r].T,
+                    self.init_block(n + "wq", own["h"]),
+                    self.init_block(n + "wk", own["kv"]),
+                    self.init_block(n + "wv", own["kv"]),
+                    self.init_block(n + "wo", cols=own["h"]).T,
                 ]
             )
-            w1, w3, w2 = (self.init_full(f"layers.{i}.{k}") for k in ("w1", "w3", "w2"))
-            mlp = torch.cat([w1.chunk(D)[r], w3.chunk(D)[r], w2.chunk(D, dim=1)[r].T])
+            w13 = [self.init_block(n + k, own["f"]) for k in ("w1", "w3")]
+            mlp = torch.cat([*w13, self.init_block(n + "w2", cols=own["f"]).T])
             self.layers.append(
                 {
-                    "attn_norm": self.to_param(self.init_full(f"layers.{i}.attn_norm")),
+                    "attn_norm": self.to_param(self.init_block(n + "attn_norm")),
                     "attn": self.to_param(attn),
-                    "mlp_norm": self.to_param(self.init_full(f"layers.{i}.mlp_norm")),
+                    "mlp_norm": self.to_param(self.init_block(n + "mlp_norm")),
                     "mlp": self.to_param(mlp),
                 }
             )

@@ -18,9 +18,10 @@ import torch.nn.functional as F
 from tspbench.core import costs
 from tspbench.core.comm import Comm
 from tspbench.core.config import ConfigError, ModelConfig
+from tspbench.core.init import Index, chunk_slice
 from tspbench.core.kvcache import KVCache, Step, partial_attention
 from tspbench.core.layers import LayerHooks, apply_rope, rms_norm, rope_tables, transformer_layer
-from tspbench.core.reference import LAYER_PARAMS
+from tspbench.core.reference import LAYER_PARAMS, param_shapes
 
 FP32 = 4
 
@@ -121,13 +122,15 @@ def kv_rows(cfg: ModelConfig, T: int, r: int) -> slice:
     return slice(first * d, (first + n) * d)
 
 
-def megatron_param(cfg: ModelConfig, name: str, full: torch.Tensor, T: int, r: int, dim):
-    """Rank r's Megatron shard of a full parameter (``dim``: its shard dim, None: whole)."""
+def megatron_block(cfg: ModelConfig, name: str, T: int, r: int, dim) -> tuple[Index, Index]:
+    """(rows, cols) of a full parameter in rank r's Megatron shard (``dim``: its shard dim, None:
+    whole), for :meth:`Strategy.init_block` to generate only that block."""
     if dim is None:
-        return full
+        return None, None
     if name.rsplit(".", 1)[-1] in ("wk", "wv") and cfg.kv_heads < T:
-        return full[kv_rows(cfg, T, r)]
-    return full.chunk(T, dim)[r]
+        return kv_rows(cfg, T, r), None
+    part = chunk_slice(param_shapes(cfg)[name][dim], T, r)
+    return (part, None) if dim == 0 else (None, part)
 
 
 # -- one decode layer ---------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tspbench.core import init
 from tspbench.core.config import ModelConfig
 from tspbench.core.layers import LayerHooks, cached, rms_norm, rope_on, transformer_layer
 
@@ -37,17 +38,34 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def init_param(cfg: ModelConfig, name: str, seed: int) -> torch.Tensor:
-    """Deterministic full fp32 value of one parameter, independent of the others.
+def init_param(
+    cfg: ModelConfig,
+    name: str,
+    seed: int,
+    rows: init.Index = None,
+    cols: init.Index = None,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """Deterministic fp32 ``full[rows][:, cols]`` of one parameter, made on ``device``.
 
-    Every strategy calls this per parameter and keeps only its slice, so no rank ever holds the
-    whole model at once and all strategies start from bit-identical weights.
+    Each element is a function of (seed, name, its index in the full tensor) only, so every
+    strategy generates just its shard and all start from bit-identical weights (norms: ones).
     """
     shape = param_shapes(cfg)[name]
     if len(shape) == 1:
-        return torch.ones(shape)
-    g = torch.Generator().manual_seed(seed * 1_000_003 + sorted(param_shapes(cfg)).index(name))
-    return torch.randn(shape, generator=g) * cfg.init_std
+        return torch.ones(shape, device=device)[rows if rows is not None else slice(None)]
+    return init.block(shape, init.param_keys(seed, name), cfg.init_std, rows, cols, device)
+
+
+def init_param_flat(
+    cfg: ModelConfig, name: str, seed: int, start: int, stop: int, device: torch.device | str
+) -> torch.Tensor:
+    """Elements [start, stop) of one parameter's flattened full fp32 value (FSDP's shards)."""
+    shape = param_shapes(cfg)[name]
+    if len(shape) == 1:
+        return torch.ones(max(0, min(stop, shape[0]) - max(0, start)), device=device)
+    numel = shape[0] * shape[1]
+    return init.flat_range(numel, init.param_keys(seed, name), cfg.init_std, start, stop, device)
 
 
 def make_batch(
@@ -74,7 +92,7 @@ class ReferenceModel(torch.nn.Module):
         self.params = torch.nn.ParameterDict(
             {
                 n.replace(".", "_"): torch.nn.Parameter(
-                    init_param(cfg, n, seed).to(device=device, dtype=dtype)
+                    init_param(cfg, n, seed, device=device).to(dtype)
                 )
                 for n in param_shapes(cfg)
             }

@@ -20,7 +20,9 @@ from tspbench.core.comm import Comm
 from tspbench.core.config import ConfigError, ModelConfig
 from tspbench.core.decode import Decoding
 from tspbench.core.grad_sync import BucketedAllReduce
+from tspbench.core.init import Index
 from tspbench.core.mesh import Axis, Mesh
+from tspbench.core.reference import init_param, init_param_flat
 
 RECOMPUTE = ("none", "full")
 MLP_SCHEDULES = ("ring", "broadcast")  # TSP's gated MLP (docs/method.md section 4)
@@ -116,11 +118,14 @@ class Strategy(Decoding, ABC):  # Decoding: prefill/decode_step (docs/decode.md)
         if value % by:
             raise ConfigError(f"{what}={value}: must be divisible by {by_name}={by}")
 
-    def init_full(self, name: str) -> torch.Tensor:
-        """Deterministic full fp32 init of one reference parameter (slice it, then drop it)."""
-        from tspbench.core.reference import init_param
+    def init_block(self, name: str, rows: Index = None, cols: Index = None) -> torch.Tensor:
+        """Only ``full[rows][:, cols]`` of a parameter's fp32 init (default: all of it), made on
+        this rank's device: no rank builds a weight it does not keep."""
+        return init_param(self.cfg, name, self.seed, rows, cols, self.device)
 
-        return init_param(self.cfg, name, self.seed)
+    def init_flat(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Elements [start, stop) of a parameter's flattened fp32 init, on this rank's device."""
+        return init_param_flat(self.cfg, name, self.seed, start, stop, self.device)
 
     def to_param(self, t: torch.Tensor) -> torch.nn.Parameter:
         """A parameter that owns exactly its elements: a shard sliced from a full tensor on the
