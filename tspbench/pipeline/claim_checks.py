@@ -14,7 +14,7 @@ import pandas as pd
 from tspbench.core.config import ModelConfig
 from tspbench.pipeline.aggregate import per_sweep
 from tspbench.projection import analytic
-from tspbench.projection.costmodel import load_preset
+from tspbench.projection.costmodel import load_preset, usable_memory
 from tspbench.runtime.registry import get_strategy
 from tspbench.runtime.spec import RunSpec
 
@@ -263,7 +263,7 @@ def gap_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
 def microbatch_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
     mb = src.table("microbatch")
     mb = mb[mb.hardware == "mi300x"]
-    cap = load_preset("mi300x")["memory_bytes"] / GiB
+    cap = usable_memory(load_preset("mi300x")) / GiB
     largest = {s: int(g[g.fits].batch.max()) for s, g in mb.groupby("strategy") if g.fits.any()}
     peak16 = mb[mb.batch == mb.batch.max()].set_index("strategy")["peak_gib_analytic"]
     ours = peak16[c["subject"]]

@@ -20,7 +20,7 @@ from tspbench.core.config import ConfigError, ModelConfig
 from tspbench.pipeline.aggregate import per_sweep
 from tspbench.pipeline.claim_checks import HOLDS, Row, Sources, _rel
 from tspbench.pipeline.labels import REFERENCE, is_reference
-from tspbench.projection.costmodel import load_preset
+from tspbench.projection.costmodel import load_preset, usable_memory
 from tspbench.projection.decode import memory
 from tspbench.runtime.registry import get_strategy
 from tspbench.runtime.spec import DECODE_MODES, RunSpec
@@ -124,7 +124,7 @@ def longest_context_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
     from tspbench.pipeline.projected_decode import longest_prompt
 
     D, hw = int(c["degree"]), c["hardware"]
-    budget = load_preset(hw)["memory_bytes"]
+    budget = usable_memory(load_preset(hw))
     longest = {}
     for s, lay in _layouts(c["strategies"], D):
         label = _spec(cfg, s, lay, 1024, c).label

@@ -4,11 +4,12 @@ For a lent or borrowed machine with one GPU and no network, on the machine's own
 install: ``env/gpu-check.sh`` puts the checkout on PYTHONPATH). Each step is a subprocess with
 its own time limit, so one crash or hang costs that step only: the versions, ``tspbench
 doctor`` (kernels, every strategy against the reference, measured peak against the estimate, a
-calibrated preset), three short real runs (TSP and TP training, TSP decode) and the rank probe
-(one rank of a D = 8 cell of every strategy on the fake process group against its estimate).
+calibrated preset, and the rank probe: one rank of a D = 8 cell of every strategy on the fake
+process group against its estimate), then three short real runs (TSP and TP training, TSP
+decode). The limits add up to 5 minutes.
 What it writes (at most 8 files, one folder): ``summary.json`` (every step's command, exit code,
 seconds and output tail), ``log.txt`` (every step's whole output), ``doctor.json``,
-``probe.json``, the three run records and the calibrated preset when the doctor makes one.
+the three run records and the calibrated preset when the doctor makes one.
 It imports nothing beyond torch, numpy and pyyaml (``tests/integration/test_gpucheck.py``).
 """
 
@@ -50,15 +51,13 @@ class Step:
 def steps(out: Path, device: str) -> list[Step]:
     """The check's commands, in order, with their time limits (seconds)."""
     py = [sys.executable, "-m", "tspbench"]
-    plan = [Step("doctor", [*py, "doctor", "--out", str(out)], 150)]
+    plan = [Step("doctor", [*py, "doctor", "--out", str(out)], 165)]  # the rank probe too
     for name, args in RUNS.items():
         mode = "decode" if "decode" in args else "train"
         length = ["--prompt-len" if mode == "decode" else "--seq-len", str(LENGTH[device][mode])]
         argv = [*py, "run", *args, *SHAPES[device], *length, "--degree", "1", "--warmup", "1"]
         argv += ["--steps", "2", "--device", device, "--quiet", "--out", str(out / f"{name}.json")]
-        plan.append(Step(name, argv, 60))
-    probe = [*py, "doctor", "--probe-only", "--out", str(out)]
-    plan.append(Step("rank probe", probe, 90))
+        plan.append(Step(name, argv, 45))
     return plan
 
 
@@ -99,11 +98,13 @@ def gpu_check(out: Path, device: str | None = None) -> int:
             seconds = time.monotonic() - t0
             log.write(f"{text}\n-- rc {rc}, {seconds:.1f} s\n")
             log.flush()
-            row = {"name": step.name, "argv": step.argv, "rc": rc, "seconds": round(seconds, 1)}
+            row = {"name": step.name, "argv": step.argv, "rc": rc, "timeout_s": step.timeout_s,
+                   "seconds": round(seconds, 1)}  # fmt: skip
             summary["steps"].append({**row, "tail": text[-1500:]})
             print(f"{'ok' if rc == 0 else 'FAILED':8s} {step.name} ({seconds:.1f} s)", flush=True)
     summary["seconds"] = round(time.monotonic() - started, 1)
     summary["records"] = {s: _record(out / f"{s}.json") for s in RUNS}
+    summary["rank_probe"] = _probe(out / "doctor.json")
     write_json(out / "summary.json", summary)
     failed = [s["name"] for s in summary["steps"] if s["rc"] != 0]
     print(f"gpu-check: {len(summary['steps']) - len(failed)} ok, {len(failed)} failed in "
@@ -120,3 +121,11 @@ def _record(path: Path) -> dict | None:
     keys = ("status", "error_message", "peak_mem_bytes", "step_time_s", "tokens_per_s", "mfu",
             "attention_backend")  # fmt: skip
     return {k: rec.get(k) for k in keys if k in rec}
+
+
+def _probe(path: Path) -> list | None:
+    """The doctor's rank-probe lines: measured against estimated peak per strategy."""
+    try:
+        return json.loads(path.read_text()).get("rank_probe")
+    except (OSError, ValueError, AttributeError):
+        return None

@@ -34,7 +34,7 @@ from tspbench.pipeline.plotting import (
 from tspbench.pipeline.projected_decode import write_decode_report
 from tspbench.pipeline.tables import label_order
 from tspbench.projection.analytic import memory
-from tspbench.projection.costmodel import default_mlp_schedule, load_preset, project
+from tspbench.projection.costmodel import default_mlp_schedule, load_preset, project, usable_memory
 from tspbench.runtime.record import write_atomic
 from tspbench.runtime.registry import get_strategy
 from tspbench.runtime.spec import RunSpec
@@ -129,7 +129,7 @@ def throughput_tables(cfg: dict) -> dict[str, pd.DataFrame]:
     by_seq, scaling, batches = [], [], []
     for hw in cfg["hardware"]:
         preset = load_preset(hw)
-        cap = preset["memory_bytes"]
+        cap = usable_memory(preset)
 
         def spec(*args, preset=preset, **kw) -> RunSpec:  # TSP: the preset's MLP schedule
             return default_mlp_schedule(_spec(cfg, *args, **kw), preset)

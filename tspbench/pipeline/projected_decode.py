@@ -19,7 +19,7 @@ from matplotlib import ticker
 from tspbench.core.config import ConfigError, get_config
 from tspbench.pipeline.labels import is_reference, label_order
 from tspbench.pipeline.plotting import draw_lines, legend, log_ticks, palette, save, styles
-from tspbench.projection.costmodel import load_preset
+from tspbench.projection.costmodel import load_preset, usable_memory
 from tspbench.projection.decode import memory
 from tspbench.runtime.record import write_atomic
 from tspbench.runtime.registry import get_strategy
@@ -80,7 +80,7 @@ def decode_tables(cfg: dict) -> dict[str, pd.DataFrame]:
     """``kv_cache``: KV cache and peak per GPU per (strategy, prompt length) at the smallest
     batch; ``context``: the longest prompt per (strategy, batch, budget)."""
     dec = cfg["decode"]
-    presets = [load_preset(h)["memory_bytes"] / GiB for h in cfg["hardware"]]
+    presets = [usable_memory(load_preset(h)) / GiB for h in cfg["hardware"]]
     budgets = sorted({*dec["budgets_gib"], *presets})
     kv, context = [], []
     for s, lay in _layouts(cfg):
@@ -156,7 +156,7 @@ def _draw(cfg: dict, tables: dict[str, pd.DataFrame], path: Path) -> None:
     log_ticks(ax.yaxis, kv.kv_cache_gib)
     ax.set_title(f"KV cache per GPU, batch {int(kv.batch.iloc[0])}", fontsize=9)
     _same_cache_note(ax, kv)
-    presets = {h: load_preset(h)["memory_bytes"] / GiB for h in cfg["hardware"]}
+    presets = {h: usable_memory(load_preset(h)) / GiB for h in cfg["hardware"]}
     for ax, B in zip(axes[1:], dec["batches"]):
         d = ctx[(ctx.batch == B) & (ctx.longest_prompt > 0)]
         draw_lines(ax, d, "budget_gib", "longest_prompt", colors, marks, hue="strategy")
@@ -204,7 +204,7 @@ def write_decode_report(cfg: dict, out: Path, plots: Path, note: str) -> None:
     except ConfigError as e:  # a strategy or length the decode path refuses
         raise ConfigError(f"projected config: decode: {e}") from None
     ctx = tables["context"]
-    presets = {load_preset(h)["memory_bytes"] / GiB: h for h in cfg["hardware"]}
+    presets = {usable_memory(load_preset(h)) / GiB: h for h in cfg["hardware"]}
     wide = ctx[ctx.budget_gib.isin(presets)].assign(
         hardware=lambda d: d.budget_gib.map(presets),
         cell=lambda d: d.longest_prompt.map(lambda P: _tokens(P) if P else "does not fit"),

@@ -67,6 +67,18 @@ def load_preset(name_or_path: str) -> dict:
     )
 
 
+def usable_memory(preset: dict) -> float:
+    """Bytes a run can allocate on one device of ``preset``: what the driver reports, less the
+    context, the collectives' buffers and the BLAS workspaces, less the allocator's
+    fragmentation reserve (``usable_memory`` in hardware.json, with sources). A preset without
+    that breakdown (calibrated: it measured the free memory) is taken at ``memory_bytes``."""
+    u = preset.get("usable_memory")
+    if not u:
+        return float(preset.get("memory_bytes") or math.inf)
+    left = u["visible_bytes"] - u["context_bytes"] - u["collective_bytes"]
+    return float(math.floor((left - u["blas_workspace_bytes"]) * (1 - u["fragmentation"])))
+
+
 def rates(preset: dict, ranks_per_node: int) -> dict[str, float]:
     """Achievable rates per rank: measured at this many ranks per node, or from the datasheet."""
     if "ranks" in preset:  # calibrated: rates measured with P ranks sharing the machine

@@ -19,7 +19,7 @@ from tspbench.core.comm import bus_bytes
 from tspbench.core.decode import kv_heads_local
 from tspbench.core.mesh import Axis
 from tspbench.projection import analytic
-from tspbench.projection.costmodel import project, rates
+from tspbench.projection.costmodel import project, rates, usable_memory
 from tspbench.runtime.spec import RunSpec
 
 FP32 = 4
@@ -104,5 +104,5 @@ def project_decode(c: RunSpec, preset: dict, prefill_ops: int | None = None) -> 
         "kv_cache_bytes": mem["kv_cache_bytes"],
         "peak_mem_bytes": mem["peak"],
         "peak_at": mem["peak_at"],
-        "fits": mem["peak"] <= preset.get("memory_bytes", float("inf")),
+        "fits": mem["peak"] <= usable_memory(preset),
     }

@@ -146,7 +146,7 @@ def check(
 
     # 3. fits, against the estimator (the cells' specs from their estimate records)
     mem = pd.read_csv(memory_csv)
-    cap = costmodel.load_preset(memory_hardware)["memory_bytes"]
+    cap = costmodel.usable_memory(costmodel.load_preset(memory_hardware))
     specs = {}
     for f in sorted((Path(memory_csv).parent / "estimates").glob("*.json")):
         e = json.loads(f.read_text())

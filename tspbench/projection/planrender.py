@@ -10,6 +10,7 @@ import re
 from typing import Any
 
 from tspbench.core.config import ModelConfig
+from tspbench.projection.costmodel import usable_memory
 from tspbench.projection.planlaunch import pipeline_config, run_lines
 from tspbench.projection.planner import binding, limit
 from tspbench.projection.plantypes import Candidate, Plan, Request, node_size
@@ -149,6 +150,15 @@ def _fmt_rate(c: Candidate) -> str:
     return "-" if t is None else ("" if c.exact else "<=") + f"{t:,.0f}"
 
 
+def _usable_note(req: Request, cap: float) -> str:
+    """Where the cap comes from: the preset's usable memory (below what the device reports)."""
+    u = req.hardware.get("usable_memory")
+    if not u or abs(usable_memory(req.hardware) / GiB - cap) > 1e-9:
+        return ""  # the user's own --memory-cap, or a calibrated preset's measured memory
+    return f" (usable of {u['visible_bytes'] / GiB:.1f} GiB visible: context, collectives, " \
+        "BLAS workspaces and allocator slack reserved)"  # fmt: skip
+
+
 def render(plan: Plan, models: list[str] | None = None) -> str:
     """The text answer: header, ranked table, why others are missing, and the best plan's
     commands and pipeline config."""
@@ -164,8 +174,8 @@ def render(plan: Plan, models: list[str] | None = None) -> str:
     out = [
         f"PROJECTED plan: {req.model} ({describe(req.cfg)})",
         f"  {req.mode} {req.dtype}, {length}, {req.gpus} GPUs of {req.hardware.get('name')}"
-        f" ({node_size(req.hardware)} per node, D <= {req.max_degree}), memory cap {cap:.1f} GiB,"
-        f" {batches}",
+        f" ({node_size(req.hardware)} per node, D <= {req.max_degree}), memory cap {cap:.1f} GiB"
+        f"{_usable_note(req, cap)}, {batches}",
         f"  {len(plan.candidates)} candidates in {len(plan.configs)} configurations: {n_fit} fit, "
         f"{n_valid - n_fit} over memory, {len(plan.candidates) - n_valid} refused by a rule; "
         f"operations counted for {plan.ops.counted} configurations, {plan.ops.hits} cached, of "
@@ -233,8 +243,9 @@ def render(plan: Plan, models: list[str] | None = None) -> str:
         f"recompute={c.recompute}"
         + (f" mlp_schedule={c.schedule}" if c.schedule else "")
         + f" kv_bucket={c.kv_bucket}: "
-        f"{c.peak / GiB:.1f} GiB per GPU "
-        f"({c.peak_source}), {c.tokens_per_s:,.0f} tokens/s projected",
+        f"{c.peak / GiB:.1f} GiB per GPU ({c.peak_source}, headroom "
+        f"{(req.memory_cap - c.peak) / GiB:.1f} GiB of the {cap:.1f} GiB cap), "
+        f"{c.tokens_per_s:,.0f} tokens/s projected",
         f"  {lines['run']}",
         f"  {lines['srun']}",
         "",

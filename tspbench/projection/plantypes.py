@@ -54,7 +54,8 @@ class Request:
         **kw: Any,
     ) -> Request:
         """Resolve model (preset or config.json) and hardware (preset or calibrated .json); the
-        memory cap defaults to the preset's ``memory_bytes``, the degree cap to its node size."""
+        memory cap defaults to the preset's usable memory (``costmodel.usable_memory``), the
+        degree cap to its node size."""
         cfg, notes = load_model(model) if isinstance(model, str) else (model, [])
         preset = costmodel.load_preset(hardware) if isinstance(hardware, str) else hardware
         if memory_cap is None:
@@ -63,7 +64,7 @@ class Request:
                     f"--memory-cap: hardware {preset.get('name')!r} states no memory_bytes; "
                     "give the GPU memory in GiB"
                 )
-            memory_cap = preset["memory_bytes"]
+            memory_cap = costmodel.usable_memory(preset)
         if (
             not (isinstance(memory_cap, int | float) and math.isfinite(memory_cap))
             or memory_cap <= 0
