@@ -30,11 +30,11 @@ def test_the_gpu_check_runs_on_common_packages_only(tmp_path):
     files = sorted(f.name for f in out.iterdir())
     assert len(files) <= 8 and all(f.is_file() for f in out.iterdir()), files
     log = (out / "log.txt").read_text()
-    assert "absent on a bare GPU image" not in log
+    assert "No module named" not in log
 
 
 def test_the_blocker_blocks(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "tests/helpers/common_only")}
     p = subprocess.run([sys.executable, "-c", "import pandas"], env=env, capture_output=True,
                        text=True)  # fmt: skip
-    assert p.returncode != 0 and "absent on a bare GPU image" in p.stderr
+    assert p.returncode != 0 and "No module named 'pandas'" in p.stderr

@@ -34,10 +34,9 @@ from tspbench.core.mesh import build_mesh
 from tspbench.core.reference import ReferenceModel, make_batch
 from tspbench.core.strategy import Layout
 from tspbench.pipeline.check import Check, in_bound, run_check
-from tspbench.pipeline.labels import REFERENCE
 from tspbench.pipeline.rank_probe import layouts, probe_plan, results
 from tspbench.runtime.record import versions, write_json
-from tspbench.runtime.registry import strategies
+from tspbench.runtime.registry import reference_name, strategies
 from tspbench.runtime.spec import RunSpec
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -155,7 +154,7 @@ def two_gpu_check(spec: RunSpec) -> str:
     """``spec`` at D = 2 on two GPUs (NCCL/RCCL) gives the single device's loss and norm on the
     same batch."""
     recs = {}
-    single = spec.replace(strategy=REFERENCE, layout=Layout())
+    single = spec.replace(strategy=reference_name(), layout=Layout())
     with tempfile.TemporaryDirectory() as tmp:
         for key, run in (("run", spec), ("single", single)):
             out = Path(tmp) / f"{key}.json"

@@ -10,12 +10,12 @@ from collections.abc import Iterator
 
 import pandas as pd
 
-from tspbench.runtime.registry import strategies
+from tspbench.runtime.registry import reference_name, strategies
 
 MARK = {"oom": "OOM", "error": "failed", "missing": "failed", "corrupt": "failed"}
 ORDER = list(strategies())  # the registry's order: TSP first
 # the single-device reference (one rank, whole model): what decode caches are set against
-REFERENCE = next(n for n, s in strategies().items() if s.reference)
+REFERENCE = reference_name()
 # device names torch reports for GPUs (CUDA and ROCm); a CPU run's name is the CPU model's
 GPU_NAME = re.compile(r"NVIDIA|Tesla|GeForce|Quadro|Instinct|Radeon|\bMI\d{3}|\bGPU\b", re.I)
 

@@ -23,3 +23,8 @@ def get_strategy(name: str) -> type[Strategy]:
     if name not in known:
         raise ConfigError(f"strategy={name!r}: unknown; known: {', '.join(known)}")
     return known[name]
+
+
+def reference_name() -> str:
+    """The single-device reference strategy's name (the one every other is checked on)."""
+    return next(n for n, s in strategies().items() if s.reference)
