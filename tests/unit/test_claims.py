@@ -98,7 +98,9 @@ def test_the_subject_is_the_claims_files_own(tmp_path):
     for subject, other in (("tsp", "tp"), ("tp", "tsp")):
         path.write_text(yaml.safe_dump({**spec, "subject": subject, "claims": [lowest]}))
         reason = claims_table(path, REFS).iloc[0]["reason"]
-        assert f"< {subject} " in reason and f"< {other} " not in reason, reason
+        # (TSP's projected losses to FSDP+CP at 16K-32K with recompute are within 0.5%: ties)
+        beaten = f"< {subject} " in reason or f"{subject} ties " in reason
+        assert beaten and f"< {other} " not in reason, reason
 
 
 def test_every_claim_runs_with_another_subject(tmp_path):
@@ -135,3 +137,11 @@ def test_competitive_throughput_is_judged_on_both_halves_of_the_claim():
     ratios = [float(x.split(": ")[1]) for x in inner.split(", ")]
     assert min(ratios) > 0.8 and ratios != sorted(ratios), ratios
     assert row["verdict"] == "partly"
+
+
+def test_peaks_within_half_a_percent_are_a_tie():
+    """At 16K with recompute full TSP and TP differ by 0.03% in the estimate: a tie, not a win."""
+    from tspbench.pipeline.labels import tied
+
+    assert tied(100.0, 100.03) and tied(100.03, 100.0) and tied(100.0, 100.5)
+    assert not tied(100.0, 101.0) and not tied(101.0, 100.0)

@@ -13,6 +13,7 @@ import pandas as pd
 
 from tspbench.core.config import ModelConfig
 from tspbench.pipeline.aggregate import per_sweep
+from tspbench.pipeline.labels import TIE, tied
 from tspbench.projection import analytic
 from tspbench.projection.costmodel import load_preset, usable_memory
 from tspbench.runtime.registry import get_strategy
@@ -197,21 +198,27 @@ def throughput_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
 
 def lowest_memory_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
     mem, subject = src.table("memory"), c["subject"]
-    losses = []  # (text, GiB by which another strategy is lower)
+    losses, ties = [], []  # (text, GiB by which another strategy is lower); tied cells
     for rc in ("full", "none"):
         for S in c["seq_lens"]:
             d = mem[(mem.recompute == rc) & (mem.seq_len == S)].set_index("strategy")["peak_gib"]
             best = d.idxmin()
             if best != subject:
                 text = f"S={S} {rc}: {best} {d[best]:.2f} < {subject} {d[subject]:.2f} GiB"
-                losses.append((text, d[subject] - d[best]))
+                if tied(d[subject], d[best]):
+                    ties.append(f"S={S} {rc}: {subject} ties {best} (within {TIE:.1%})")
+                else:
+                    losses.append((text, d[subject] - d[best]))
     cpu = per_sweep(pd.read_csv(src.measured))  # a cell of two sweeps counts in each
     seq = cpu[(cpu.sweep == "seq") & (cpu.status == "ok") & (cpu["mode"] == "train")]
-    lowest = [g.loc[g.peak_mem_bytes.idxmin(), "strategy"] for _, g in seq.groupby("seq_len")]
-    cpu_ok = all(s == subject for s in lowest)
+    cpu_ok = all(
+        tied(g.set_index("strategy").peak_mem_bytes[subject], g.peak_mem_bytes.min())
+        for _, g in seq.groupby("seq_len")
+    )
     n = 2 * len(c["seq_lens"])
     ours = (
-        f"projected 7B D=8: TSP lowest in {n - len(losses)}/{n} (S, recompute) cells; measured "
+        f"projected 7B D=8: TSP lowest in {n - len(losses) - len(ties)}/{n} (S, recompute) "
+        f"cells, tied (within {TIE:.1%}) in {len(ties)}; measured "
         f"on this CPU (tiny, D=4): {'lowest at every S' if cpu_ok else 'not lowest at every S'}"
     )
     near = all(gap < 0.1 for _, gap in losses)  # within 0.1 GiB: a tie, not a loss
@@ -220,8 +227,8 @@ def lowest_memory_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
             c["claim"],
             "lowest at every length 16K-128K",
             ours,
-            "holds" if not losses and cpu_ok else "partly" if near else "differs",
-            "; ".join(t for t, _ in losses) or "TSP lowest everywhere",
+            "holds" if not losses and not ties and cpu_ok else "partly" if near else "differs",
+            "; ".join([*(t for t, _ in losses), *ties]) or "TSP lowest everywhere",
             c["source"],
             f"{_rel(src.projected)}/memory.csv, {_rel(src.measured)}",
         )
@@ -267,7 +274,7 @@ def microbatch_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
     largest = {s: int(g[g.fits].batch.max()) for s, g in mb.groupby("strategy") if g.fits.any()}
     peak16 = mb[mb.batch == mb.batch.max()].set_index("strategy")["peak_gib_analytic"]
     ours = peak16[c["subject"]]
-    tsp_least = peak16.idxmin() == c["subject"]
+    tsp_least = tied(ours, peak16.min())  # the lowest, or within a tie of it
     return [
         Row(
             c["claim"],

@@ -13,6 +13,14 @@ import pandas as pd
 from tspbench.runtime.registry import reference_name, strategies
 
 MARK = {"oom": "OOM", "error": "failed", "missing": "failed", "corrupt": "failed"}
+TIE = 0.005  # peaks within 0.5% of each other are a tie (claims): estimates are not that exact
+
+
+def tied(a: float, b: float) -> bool:
+    """Whether two peaks are a tie: within :data:`TIE` of the larger."""
+    return abs(a - b) <= TIE * max(abs(a), abs(b))
+
+
 ORDER = list(strategies())  # the registry's order: TSP first
 # the single-device reference (one rank, whole model): what decode caches are set against
 REFERENCE = reference_name()
