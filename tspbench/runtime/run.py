@@ -97,7 +97,7 @@ def _leave(world: int, status: str) -> bool:
     """A failed rank other than 0: close its connections (the peers' collectives fail at once
     instead of after --timeout), then wait for rank 0's record. True if an OOM is known."""
     store = dist.distributed_c10d._get_default_store()
-    oom = status == "oom" or any(s == "oom" for s, _ in _causes(world, 1.0).values())
+    oom = status == "oom" or any(s == "oom" for s, _ in _causes(world, 1.0, store=store).values())
     try:
         dist.destroy_process_group()
     except Exception:
@@ -106,19 +106,30 @@ def _leave(world: int, status: str) -> bool:
     return oom
 
 
-def _causes(world: int, wait_s: float = 3.0, quiet_s: float = 0.75) -> dict[int, tuple[str, str]]:
+def _causes(
+    world: int, wait_s: float = 3.0, quiet_s: float = 0.75, store=None
+) -> dict[int, tuple[str, str]]:
     """Failure causes posted by any rank: waits until every rank posted, an OOM is in, no new
-    cause came for ``quiet_s`` after the first, or ``wait_s`` passed."""
-    store = dist.distributed_c10d._get_default_store()
+    cause came for ``quiet_s`` after the first, or ``wait_s`` passed. A store that fails (its
+    host, rank 0, has written the record and left; a connection reset while peers close
+    theirs) ends the wait with what was read: the failure path never raises."""
     found: dict[int, tuple[str, str]] = {}
     now = time.monotonic()
     deadline, last = now + wait_s, None
+    try:
+        store = store or dist.distributed_c10d._get_default_store()
+    except Exception:
+        return found
     while True:
         for r in range(world):
             key = FAIL_KEY.format(r)
-            if r not in found and store.check([key]):
+            try:
+                if r in found or not store.check([key]):
+                    continue
                 status, msg = store.get(key).decode().split("\t", 1)
-                found[r], last = (status, msg), time.monotonic()
+            except Exception:  # DistNetworkError, DistStoreError: the store is gone
+                return found
+            found[r], last = (status, msg), time.monotonic()
         now = time.monotonic()
         quiet = last is not None and now - last > quiet_s
         if len(found) == world or any(s == "oom" for s, _ in found.values()):
