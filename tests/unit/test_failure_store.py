@@ -10,8 +10,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from tspbench.runtime.failure import FAIL_KEY, causes
 from tspbench.runtime.launch import free_port
-from tspbench.runtime.run import FAIL_KEY, _causes
 
 HOST = """
 import sys, time
@@ -34,12 +34,12 @@ def test_causes_survive_the_store_host_leaving(monkeypatch):
         assert host.stdout.readline().strip() == "up"
         store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=5))
         monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: store)
-        found = _causes(2, wait_s=1.0)
+        found = causes(2, wait_s=1.0)
         assert found == {1: ("oom", "TrackedOOM: tracked live tensor bytes 2 exceed the budget 1")}
         host.kill()  # rank 0 wrote the record and left
         host.wait()
         t = time.monotonic()
-        assert _causes(2, wait_s=1.0) == {}
+        assert causes(2, wait_s=1.0) == {}
         assert time.monotonic() - t < 5.0
     finally:
         host.kill()

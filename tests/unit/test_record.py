@@ -9,8 +9,8 @@ import stat
 
 import pytest
 
+from tspbench.runtime.failure import classify
 from tspbench.runtime.record import write_json
-from tspbench.runtime.run import _classify
 
 
 def test_records_get_the_permissions_an_ordinary_write_would(tmp_path):
@@ -41,4 +41,4 @@ def test_non_finite_numbers_are_never_written(tmp_path):
     ],
 )
 def test_an_allocator_failure_is_an_oom_not_an_error(error, status):
-    assert _classify(error) == status
+    assert classify(error) == status

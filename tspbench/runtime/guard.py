@@ -83,7 +83,8 @@ def release_signals() -> None:
         os.kill(os.getpid(), _held[0])
 
 
-# What each limit's message starts with: the root-cause selection reads them (tspbench.runtime.run)
+# What each limit's message starts with: the root cause is picked by reading them
+# (tspbench.runtime.failure)
 WAITED = "waited"  # in a collective, for a peer: a consequence
 HUNG = "this rank hung"  # no progress outside any collective: a cause
 RENDEZVOUS = "the rendezvous"

@@ -1,14 +1,11 @@
 """``tspbench run`` on one rank of a launched job: join, measure, and (rank 0) write the record.
 
 A failure on any rank becomes the record's ``status``: ``oom`` (the device's or the tracker's
-out-of-memory error on some rank) or ``error`` with its message. The failing rank posts its cause
-to the job's key-value store and leaves; its peers' collectives then fail (at once when the peer
-is gone, else after ``--timeout``), and rank 0 reads the causes to name the root one. An OOM is
-a result, not a crash: every rank that knows of one exits 0. A signal (SIGINT, SIGTERM) or a hang
-(no progress for ``--timeout`` s) is caught by :class:`tspbench.runtime.guard.Guard`, which
-writes an ``error`` record saying so and exits. Exactly one record is written, atomically, by
-rank 0.
-"""
+out-of-memory error on some rank) or ``error`` with its message; how the ranks agree on the root
+cause is :mod:`tspbench.runtime.failure`. An OOM is a result, not a crash: every rank that knows
+of one exits 0. A signal (SIGINT, SIGTERM) or a hang (no progress for ``--timeout`` s) is caught
+by :class:`tspbench.runtime.guard.Guard`, which writes an ``error`` record saying so and exits.
+Exactly one record is written, atomically, by rank 0."""
 
 from __future__ import annotations
 
@@ -16,7 +13,6 @@ import math
 import socket
 import sys
 import threading
-import time
 import traceback
 
 import torch
@@ -27,7 +23,7 @@ from tspbench.core.comm import blocked_in_collective
 from tspbench.core.config import ConfigError
 from tspbench.runtime.decode import measure_decode_rank, summarize_decode
 from tspbench.runtime.flops import device_peak
-from tspbench.runtime.guard import HUNG, RENDEZVOUS, WAITED, Guard
+from tspbench.runtime.guard import RENDEZVOUS, Guard
 from tspbench.runtime.launch import RankEnv, detect, free_port, init
 from tspbench.runtime.layout import rank_layout
 from tspbench.runtime.measure import DTYPES, measure_rank, summarize
@@ -40,135 +36,6 @@ from tspbench.runtime.record import (
     write_json,
 )
 from tspbench.runtime.spec import RunSpec
-
-FAIL_KEY = "tspbench/fail/{}"
-WRITTEN_KEY = "tspbench/record-written"
-
-
-OOM_TEXTS = ("out of memory", "can't allocate memory", "cannot allocate memory")
-
-
-def _classify(e: BaseException) -> str:
-    """``oom`` for the device's or the host allocator's out-of-memory errors, else ``error``."""
-    text = str(e).lower()
-    oom = isinstance(e, torch.OutOfMemoryError | MemoryError) or any(t in text for t in OOM_TEXTS)
-    return "oom" if oom else "error"
-
-
-def _post(status: str, msg: str, wait_s: float = 2.0) -> None:
-    """Tell the peers why this rank stopped (best effort: the store may be gone with rank 0)."""
-
-    def post() -> None:
-        try:
-            store = dist.distributed_c10d._get_default_store()
-            store.set(FAIL_KEY.format(dist.get_rank()), f"{status}\t{msg}")
-        except Exception:
-            pass
-
-    t = threading.Thread(target=post, daemon=True)
-    try:
-        t.start()
-    except RuntimeError:  # no thread to spare: the peers see the connection close instead
-        return
-    t.join(wait_s)
-
-
-def _await_record(store=None, wait_s: float = 15.0) -> None:
-    """A failing rank other than 0 stays until rank 0 has written the record, or is gone: under
-    ``srun --kill-on-bad-exit`` (or torchrun) its exit would kill rank 0 before it could say
-    why. ``store``: the job's store, taken before the process group was closed. Bounded by
-    ``wait_s`` even when a store call blocks (rank 0, the store's host, stopped)."""
-
-    def wait() -> None:
-        deadline = time.monotonic() + wait_s
-        try:
-            s = store or dist.distributed_c10d._get_default_store()
-            while time.monotonic() < deadline and not s.check([WRITTEN_KEY]):
-                time.sleep(0.1)
-        except Exception:  # the store went with rank 0: nothing left to wait for
-            pass
-
-    t = threading.Thread(target=wait, daemon=True)
-    t.start()
-    t.join(wait_s)
-
-
-def _leave(world: int, status: str) -> bool:
-    """A failed rank other than 0: close its connections (the peers' collectives fail at once
-    instead of after --timeout), then wait for rank 0's record. True if an OOM is known."""
-    store = dist.distributed_c10d._get_default_store()
-    oom = status == "oom" or any(s == "oom" for s, _ in _causes(world, 1.0, store=store).values())
-    try:
-        dist.destroy_process_group()
-    except Exception:
-        pass
-    _await_record(store)
-    return oom
-
-
-def _causes(
-    world: int, wait_s: float = 3.0, quiet_s: float = 0.75, store=None
-) -> dict[int, tuple[str, str]]:
-    """Failure causes posted by any rank: waits until every rank posted, an OOM is in, no new
-    cause came for ``quiet_s`` after the first, or ``wait_s`` passed. A store that fails (its
-    host, rank 0, has written the record and left; a connection reset while peers close
-    theirs) ends the wait with what was read: the failure path never raises."""
-    found: dict[int, tuple[str, str]] = {}
-    now = time.monotonic()
-    deadline, last = now + wait_s, None
-    try:
-        store = store or dist.distributed_c10d._get_default_store()
-    except Exception:
-        return found
-    while True:
-        for r in range(world):
-            key = FAIL_KEY.format(r)
-            try:
-                if r in found or not store.check([key]):
-                    continue
-                status, msg = store.get(key).decode().split("\t", 1)
-            except Exception:  # DistNetworkError, DistStoreError: the store is gone
-                return found
-            found[r], last = (status, msg), time.monotonic()
-        now = time.monotonic()
-        quiet = last is not None and now - last > quiet_s
-        if len(found) == world or any(s == "oom" for s, _ in found.values()):
-            return found
-        if quiet or now > deadline:
-            return found
-        time.sleep(0.1)
-
-
-def root_cause(
-    causes: dict[int, tuple[str, str]], own: tuple[str, str], world: int
-) -> tuple[str, str, list[int]]:
-    """The failure that started it, and the ranks it names: an OOM anywhere, else the first real
-    error, else a rank that hung (its own watchdog, or the ranks that posted nothing while every
-    other rank waited for a peer), else this rank's own (a closed connection, a wait).
-
-    Returns (status, message, failed ranks)."""
-    ordered = sorted(causes.items())
-
-    def tier(cause: tuple[str, str]) -> int:
-        msg = cause[1].lower()
-        if cause[0] == "oom":
-            return 0
-        if any(s in msg for s in (WAITED, RENDEZVOUS, "connection closed", "connection reset")):
-            return 3  # a consequence of another rank's failure
-        return 2 if HUNG in msg or "time limit" in msg else 1
-
-    best = min([c for _, c in ordered] + [own], key=tier)
-    if tier(best) == 3:
-        silent = [r for r in range(world) if r not in causes]
-        if silent:
-            who = ", ".join(map(str, silent))
-            return (
-                "error",
-                f"rank {who} hung: no error and no progress from it while the others "
-                f"{best[1][best[1].find(WAITED) :] if WAITED in best[1] else best[1]}",
-                silent,
-            )
-    return best[0], best[1], [r for r, c in ordered if c == best] or sorted(causes)
 
 
 def _measure(spec: RunSpec, device: torch.device, header: dict, beat) -> dict | None:
@@ -283,7 +150,7 @@ def run_env(
             write_json(path, record)
             if dist.is_initialized():  # the peers waiting in _await_record may leave now
                 try:
-                    dist.distributed_c10d._get_default_store().set(WRITTEN_KEY, "1")
+                    dist.distributed_c10d._get_default_store().set(failure.WRITTEN_KEY, "1")
                 except Exception:
                     pass
             if not spec.quiet:
@@ -294,12 +161,14 @@ def run_env(
         print(f"[tspbench] rank {env.rank}: {reason}", file=sys.stderr, flush=True)
         own, failed, status = ("error", reason), [env.rank], "error"
         if dist.is_initialized():
-            _post(*own)
+            failure.post(*own)
             if env.rank != 0:
-                _await_record()
+                failure.await_record()
             if env.rank == 0 and "interrupted by" not in reason:  # wait a watchdog tick more:
-                causes = _causes(world, wait_s=5.0, quiet_s=2.0)  # a silent rank is the suspect
-                status, reason, failed = root_cause(causes, own, world)
+                causes = failure.causes(
+                    world, wait_s=5.0, quiet_s=2.0
+                )  # a silent rank is the suspect
+                status, reason, failed = failure.root_cause(causes, own, world)
         # the root cause's status: a peer's OOM that left this rank waiting is an OOM
         write({**header, "status": status, "error_message": reason, "failed_ranks": failed})
         return status
@@ -330,20 +199,20 @@ def run_env(
         if env.rank == 0:
             status = write({**header, "status": "ok", **result})
     except Exception as e:
-        failure = _classify(e), f"{type(e).__name__}: {e}".strip()
+        failure = failure.classify(e), f"{type(e).__name__}: {e}".strip()
         if not spec.quiet:
             traceback.print_exc()
     # Out of the except block, the exception's frames, and the tensors they held, are freed: an
     # allocator failure leaves the memory (and address space) that reporting it needs.
     if failure is not None:
         status, msg = failure
-        _post(status, msg)
+        failure.post(status, msg)
         guard.beat()
         if env.rank != 0:
-            oom = _leave(world, status)
+            oom = failure.leave(world, status)
             sys.stdout.flush()
             return 0 if oom else 1
-        status, msg, failed = root_cause(_causes(world), (status, msg), world)
+        status, msg, failed = failure.root_cause(failure.causes(world), (status, msg), world)
         write({**header, "status": status, "error_message": msg, "failed_ranks": failed})
     guard.beat()
     if completed:  # every rank finished the work: leave together
