@@ -21,6 +21,7 @@ import torch.distributed as dist
 from tspbench.core import attention
 from tspbench.core.comm import blocked_in_collective
 from tspbench.core.config import ConfigError
+from tspbench.runtime import failure
 from tspbench.runtime.decode import measure_decode_rank, summarize_decode
 from tspbench.runtime.flops import device_peak
 from tspbench.runtime.guard import RENDEZVOUS, Guard
@@ -191,7 +192,7 @@ def run_env(
         git_commit=git_commit(),
         attention_backend=attention_kernel(spec, device),
     )
-    status, completed, failure = "ok", False, None
+    status, completed, caught = "ok", False, None
     try:
         _require_causal_alignment(device, spec)
         result = work(spec, device, header, guard.beat)
@@ -199,13 +200,13 @@ def run_env(
         if env.rank == 0:
             status = write({**header, "status": "ok", **result})
     except Exception as e:
-        failure = failure.classify(e), f"{type(e).__name__}: {e}".strip()
+        caught = failure.classify(e), f"{type(e).__name__}: {e}".strip()
         if not spec.quiet:
             traceback.print_exc()
     # Out of the except block, the exception's frames, and the tensors they held, are freed: an
     # allocator failure leaves the memory (and address space) that reporting it needs.
-    if failure is not None:
-        status, msg = failure
+    if caught is not None:
+        status, msg = caught
         failure.post(status, msg)
         guard.beat()
         if env.rank != 0:
