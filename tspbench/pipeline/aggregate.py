@@ -58,6 +58,8 @@ SCALARS = [
     "grad_norm",
     "calib_gflops",
     "tokens_per_s_per_gflops",
+    "startup_s",
+    "wall_s",
     "recompute",
     "overlap",
     "kv_bucket",

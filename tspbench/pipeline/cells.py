@@ -17,6 +17,7 @@ from pathlib import Path
 from tspbench.core.config import ConfigError, get_config
 from tspbench.core.configfile import check_schema, non_finite, read_yaml
 from tspbench.core.strategy import Layout
+from tspbench.pipeline.resources import slurm_resources
 from tspbench.runtime.registry import get_strategy, strategies
 from tspbench.runtime.spec import DECODE_MODES, DEFAULT_NEW_TOKENS, RunSpec, mlp_tag, parse_size
 
@@ -128,9 +129,6 @@ SCHEMA = ROOT / "workflows/schemas/config.schema.yaml"
 # every combination becomes a RunSpec at parse time (~60 us each): more than this is a typo, and
 # would stall every snakemake start
 MAX_COMBINATIONS = 10_000
-# Slurm minutes per cell: the run rule doubles it on the retry and passes it on as --time-limit,
-# which the CLI accepts up to a week
-MAX_RUNTIME_MIN = 3 * 24 * 60
 
 
 def load_config(path: str) -> dict:
@@ -293,28 +291,3 @@ def check_gpu_build(config: dict, in_image: bool = False) -> None:
             f"gpu: true, but this torch ({torch.__version__}) is built without CUDA or ROCm: "
             "install the build for the cluster's GPUs (env/install.sh --torch-index ...)"
         )
-
-
-def slurm_resources(cell: Cell, config: dict) -> dict:
-    """A cell's Slurm job: nodes, one task per rank (tasks_per_node), GPUs per node as gres,
-    ``mpi`` (srun starts the ranks; the plugin wants it only for more than one task per node),
-    CPUs per task, memory per node (``mem_mb``, the site's default when unset), ``--exclusive``
-    nodes on request, and a runtime in minutes that grows with S, is a fraction of it for a
-    forward-only cell (``infer_runtime_fraction``) and grows, in the rule, with each retry."""
-    per_node = min(cell.gpus, config["gpus_per_node"])
-    base = config.get("runtime_minutes", 20)
-    if cell.spec.mode != "train":
-        base = max(1, round(base * config.get("infer_runtime_fraction", 0.25)))
-    return {
-        "cpus_per_task": config.get("cpus_per_task", 1),
-        "mem_mb": config.get("mem_mb") or 0,  # 0: no --mem, the site's default
-        "slurm_extra": "--exclusive" if config.get("exclusive", False) else "",
-        "nodes": math.ceil(cell.gpus / config["gpus_per_node"]),
-        "tasks_per_node": per_node,
-        "gres": f"gpu:{per_node}" if config.get("gpu", False) else "",
-        "mpi": "srun" if per_node > 1 else "",
-        "runtime": min(
-            MAX_RUNTIME_MIN,
-            int(base * max(1, cell.spec.seq_len / config.get("runtime_base_seq", 16384))),
-        ),
-    }

@@ -119,7 +119,7 @@ def _record(path: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     keys = ("status", "error_message", "peak_mem_bytes", "step_time_s", "tokens_per_s", "mfu",
-            "attention_backend")  # fmt: skip
+            "startup_s", "wall_s", "attention_backend")  # fmt: skip
     return {k: rec.get(k) for k in keys if k in rec}
 
 

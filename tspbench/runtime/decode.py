@@ -26,6 +26,7 @@ from tspbench.core.memory import MemoryTracker
 from tspbench.core.mesh import build_mesh
 from tspbench.core.reference import make_batch
 from tspbench.runtime.flops import counter
+from tspbench.runtime.guard import process_age_s
 from tspbench.runtime.measure import DTYPES, build_strategy, gc_held, gemm_rate
 from tspbench.runtime.spec import RunSpec
 
@@ -79,6 +80,7 @@ def measure_decode_rank(spec: RunSpec, device: torch.device, beat=lambda: None) 
     n = spec.new_tokens
     rank0 = dist.get_rank() == 0
     beat()
+    startup = process_age_s()  # joined, built: the first generation starts now
 
     tracker = MemoryTracker(limit=spec.max_memory)
     tracker.track(strat.parameters(), tokens)
@@ -91,6 +93,7 @@ def measure_decode_rank(spec: RunSpec, device: torch.device, beat=lambda: None) 
         "kv_cache_bytes": probe["cache"].nbytes(),
         "generated_tokens": probe["tokens"].tolist(),
         "param_numel": strat.local_numel(),
+        "startup_s": startup,
     }
     if device.type == "cuda":
         out["device_peak"] = torch.cuda.max_memory_allocated(device)
@@ -230,5 +233,6 @@ def summarize_decode(spec: RunSpec, ranks: list[dict[str, Any]], peak_flops: flo
         "loss": None,
         "grad_norm": None,
         "calib_gflops": calib,
+        "startup_s": max(r["startup_s"] for r in ranks),
         "tokens_per_s_per_gflops": tokens_per_s / calib,
     }

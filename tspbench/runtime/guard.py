@@ -34,8 +34,24 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 SIGNALS = {signal.SIGINT, signal.SIGTERM}
+_IMPORTED = time.monotonic()  # this module is imported on the first line of ``python -m tspbench``
+
+
+def process_age_s() -> float:
+    """Seconds since this process began: on Linux from the kernel's start time, so that the
+    interpreter's own start-up counts (a run's ``startup_s``, what a scheduler's runtime must
+    cover before the first step); elsewhere since the first line of ``python -m tspbench``."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        ticks = int(stat[stat.rindex(")") + 2 :].split()[19])  # field 22: starttime
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return time.monotonic() - _IMPORTED
+
+
 _held: list[int] = []
 
 

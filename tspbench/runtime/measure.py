@@ -30,6 +30,7 @@ from tspbench.core.optim import AdamW
 from tspbench.core.reference import make_batch
 from tspbench.runtime.faults import inject
 from tspbench.runtime.flops import counter
+from tspbench.runtime.guard import process_age_s
 from tspbench.runtime.registry import get_strategy
 from tspbench.runtime.spec import RunSpec
 
@@ -121,6 +122,7 @@ def measure_rank(spec: RunSpec, device: torch.device, beat=lambda: None) -> dict
     opt = AdamW(strat.parameters()) if train else None
     rank0 = dist.get_rank() == 0
     beat()
+    startup = process_age_s()  # joined, built and sharded: the first step starts now
     count = [0]
 
     def step() -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -138,6 +140,7 @@ def measure_rank(spec: RunSpec, device: torch.device, beat=lambda: None) -> dict
         "grad_norm": None if gnorm is None else float(gnorm),
         "param_numel": strat.local_numel(),
         "optimizer_numel": opt.state_numel() if opt else 0,
+        "startup_s": startup,
     }
     if not spec.quiet and rank0:
         print(f"[tspbench] probe steps: loss {out['loss']:.6f}", flush=True)
@@ -285,6 +288,7 @@ def summarize(spec: RunSpec, ranks: list[dict[str, Any]], device_peak_flops: flo
         "loss": r0["loss"],
         "grad_norm": r0["grad_norm"],
         "calib_gflops": statistics.median(r["calib_gflops"] for r in ranks),
+        "startup_s": max(r["startup_s"] for r in ranks),
         "tokens_per_s_per_gflops": tokens
         / step_time
         / statistics.median(r["calib_gflops"] for r in ranks),

@@ -24,7 +24,7 @@ from tspbench.core.config import ConfigError
 from tspbench.runtime import failure
 from tspbench.runtime.decode import measure_decode_rank, summarize_decode
 from tspbench.runtime.flops import device_peak
-from tspbench.runtime.guard import RENDEZVOUS, Guard
+from tspbench.runtime.guard import RENDEZVOUS, Guard, process_age_s
 from tspbench.runtime.launch import RankEnv, detect, free_port, init
 from tspbench.runtime.layout import rank_layout
 from tspbench.runtime.measure import DTYPES, measure_rank, summarize
@@ -147,7 +147,7 @@ def run_env(
             written.append(True)
             interrupted = "interrupted by" in str(record.get("error_message"))
             path = interrupted_path(out) if cell and interrupted else out
-            record = _finite({**record, "timestamp_utc": utc_now()})
+            record = _finite({**record, "wall_s": process_age_s(), "timestamp_utc": utc_now()})
             write_json(path, record)
             if dist.is_initialized():  # the peers waiting in _await_record may leave now
                 try:

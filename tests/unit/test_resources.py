@@ -1,0 +1,51 @@
+"""A cell's Slurm runtime: flat, or its start-up plus its projected steps with a margin."""
+
+import math
+
+import pytest
+import yaml
+
+from tspbench.core.config import ConfigError
+from tspbench.pipeline.cells import ROOT, sweep_cells
+from tspbench.pipeline.resources import STOP_MARGIN_S, runtime_minutes, slurm_resources
+from tspbench.projection.costmodel import load_preset, project
+
+GPU_NODE = yaml.safe_load((ROOT / "workflows/config/gpu-node.yaml").read_text())
+
+
+def cells_of(config):
+    return {c.id: c for c in sweep_cells(config)[0]}
+
+
+def test_projected_runtime_is_startup_plus_every_step_at_the_projected_time():
+    cfg = {**GPU_NODE, "startup_s": 100, "runtime_margin": 1}
+    cells = cells_of(cfg)
+    cell = cells["tsp.D8.g8.S131072.B1.train"]
+    step = project(cell.spec, load_preset("mi300x"), ops=0)["step_time_s"]
+    steps = 3 + cfg["warmup"] + cfg["steps"]  # the probe's three, warm-up, timed
+    assert runtime_minutes(cell, cfg) == math.ceil((100 + steps * step + STOP_MARGIN_S) / 60)
+    wider = runtime_minutes(cell, {**cfg, "runtime_margin": 10})
+    assert wider == math.ceil((100 + 10 * steps * step + STOP_MARGIN_S) / 60)
+    assert wider > runtime_minutes(cell, cfg)
+
+
+def test_every_gpu_node_cell_covers_its_startup_and_grows_with_the_sequence():
+    for cell in cells_of(GPU_NODE).values():
+        minutes = slurm_resources(cell, GPU_NODE)["runtime"]
+        assert minutes * 60 >= GPU_NODE["startup_s"] + STOP_MARGIN_S
+    by_s = {c.spec.seq_len: runtime_minutes(c, GPU_NODE) for c in cells_of(GPU_NODE).values()}
+    assert by_s[131072] > by_s[16384]
+
+
+def test_flat_runtime_is_unchanged():
+    cfg = {k: v for k, v in GPU_NODE.items() if k not in ("runtime_from", "startup_s")}
+    cfg |= {"runtime_minutes": 10, "runtime_base_seq": 16384}
+    cells = cells_of(cfg)
+    assert runtime_minutes(cells["tsp.D8.g8.S16384.B1.train"], cfg) == 10
+    assert runtime_minutes(cells["tsp.D8.g8.S131072.B1.train"], cfg) == 80
+
+
+def test_projection_without_a_preset_is_refused_naming_it():
+    cfg = {k: v for k, v in GPU_NODE.items() if k != "hardware_preset"}
+    with pytest.raises(ConfigError, match="hardware_preset"):
+        sweep_cells(cfg)
