@@ -142,6 +142,49 @@ def test_unusable_input_exits_2(tmp_path, capsys, bad):
     assert code == 2
 
 
+def _zero_throughput(t: pd.DataFrame) -> pd.DataFrame:
+    return t.assign(tokens_per_s_per_gflops=0.0)
+
+
+def _nan_throughput(t: pd.DataFrame) -> pd.DataFrame:
+    return t.assign(tokens_per_s_per_gflops=float("nan"))
+
+
+def _negative_bytes(t: pd.DataFrame) -> pd.DataFrame:
+    return t.assign(comm_bytes_total=-1.0)
+
+
+@pytest.mark.parametrize(
+    "spoil, needle",
+    [
+        (_zero_throughput, "tokens_per_s_per_gflops = 0.0: must be finite and > 0"),
+        (_nan_throughput, "tokens_per_s_per_gflops = nan: must be finite and > 0"),
+        (_negative_bytes, "comm_bytes_total = -1.0: must be finite and >= 0"),
+        (lambda t: t.iloc[:0], "holds no cells"),
+        ("cut", "row 5 has 5 fields, the header 13 (a file cut short?)"),
+    ],
+)
+@pytest.mark.parametrize("where", ["baseline", "update"])
+def test_a_baseline_that_would_pass_everything_is_refused(tmp_path, capsys, spoil, needle, where):
+    """Zeros, NaNs, no cells or a cut file: a gate that compared against them would say "every
+    cell matches" (or flag noise); it is unusable input, exit 2, one line, and --update never
+    writes such a baseline."""
+    bad, good = tmp_path / "bad.csv", tmp_path / "good.csv"
+    table().to_csv(good, index=False)
+    if spoil == "cut":
+        bad.write_text(good.read_text()[: good.read_text().rindex("\n", 0, -1) + 40])
+    else:
+        spoil(table()).to_csv(bad, index=False)
+    if where == "baseline":
+        argv = ["--baseline", str(bad), "--current", str(good)]
+    else:
+        argv = ["--update", "--current", str(bad), "--baseline", str(tmp_path / "new.csv")]
+    assert main(["regress", *argv, "--tolerances", TOL]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+    assert not (tmp_path / "new.csv").exists()
+
+
 def test_update_writes_baseline_and_provenance(tmp_path, capsys):
     cur = tmp_path / "cur.csv"
     table().to_csv(cur, index=False)

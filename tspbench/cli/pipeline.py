@@ -77,13 +77,14 @@ def cmd_regress(args: argparse.Namespace) -> int:
 
 def _regress(args: argparse.Namespace) -> int:
     from tspbench.pipeline import regress
+    from tspbench.pipeline.baseline import update_baseline
     from tspbench.runtime.record import write_atomic
 
     baseline = Path(args.baseline or f"results/baselines/{regress.hardware_id()}.csv")
     tol = regress.load_tolerances(args.tolerances)
     tables = [regress.read_table(c, "current", regress.metrics(tol)) for c in args.current]
     if args.update:
-        n = regress.update_baseline(baseline, tables, tol, args.current)
+        n = update_baseline(baseline, tables, tol, args.current)
         print(f"baseline updated: {baseline} ({n} cells)")
         return 0
     if not baseline.exists():

@@ -21,10 +21,9 @@ columns, tolerances that are not finite and >= 0).
 
 from __future__ import annotations
 
-import json
+import csv
 import math
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,9 +63,14 @@ def read_table(path: str | Path, what: str, metrics: tuple[str, ...] = ()) -> pd
     :func:`compare` to flag); anything unusable is a one-line ConfigError (exit 2, never 1)."""
     try:
         df = pd.read_csv(path)
-    except (OSError, ValueError) as e:  # UnicodeDecodeError and pandas' parser errors included
+        short = _short_row(path)
+    except (OSError, ValueError, csv.Error) as e:  # UnicodeDecodeError, parser errors included
         text = str(e).replace("\n", " ")
         raise ConfigError(f"--{what}={str(path)!r}: cannot read the table ({text})") from None
+    if short:
+        raise ConfigError(f"--{what}={str(path)!r}: {short} (a file cut short?)")
+    if df.empty:
+        raise ConfigError(f"--{what}={str(path)!r}: holds no cells: nothing to compare")
     if not isinstance(df.index, pd.RangeIndex):  # pandas makes the surplus fields an index
         raise ConfigError(f"--{what}={str(path)!r}: rows with more fields than the header")
     for col in ("cell", "status"):
@@ -82,6 +86,33 @@ def read_table(path: str | Path, what: str, metrics: tuple[str, ...] = ()) -> pd
             )
         df[m] = numbers
     return df.set_index("cell")
+
+
+def _short_row(path: str | Path) -> str | None:
+    """The first row with fewer fields than the header, said in words (pandas fills the missing
+    ones with NaN: a baseline cut mid-row would read as regressions of every metric it lost)."""
+    with open(path, newline="") as f:
+        rows = csv.reader(f)
+        width = len(next(rows, []))
+        for i, row in enumerate(rows, start=2):
+            if row and len(row) < width:
+                return f"row {i} has {len(row)} fields, the header {width}"
+    return None
+
+
+def check_judged(df: pd.DataFrame, tol: dict, what: str) -> None:
+    """A table the gate may trust: in every ``ok`` cell each judged measurement is finite and
+    positive, each exact count finite and not negative (absent is fine: a kind of collective the
+    strategy never calls). A baseline of zeros or NaNs would otherwise pass every cell."""
+    ok = df[df["status"] == "ok"]
+    for m in (m for m in metrics(tol) if m in ok.columns):
+        v = pd.to_numeric(ok[m], errors="coerce")
+        exact = m in tol["exact"]
+        bad = v.abs().eq(math.inf) | (v.lt(0) if exact else ~v.gt(0))
+        if bad.any():
+            cell, value = v[bad].index[0], v[bad].iloc[0]
+            rule = "finite and >= 0" if exact else "finite and > 0"
+            raise ConfigError(f"--{what}: cell {cell}: {m} = {value}: must be {rule}")
 
 
 def load_tolerances(path: str | Path) -> dict:
@@ -112,9 +143,7 @@ def compare(base: pd.DataFrame, cur: pd.DataFrame, tol: dict) -> list[Finding]:
     current table lacks is unusable input, not a regression of every cell)."""
     if lost := [m for m in metrics(tol) if m in base.columns and m not in cur.columns]:
         raise ConfigError(f"--current: no {', '.join(lost)} column(s), which the baseline has")
-    for m in (m for m in metrics(tol) if m in base.columns):
-        if pd.to_numeric(base[m], errors="coerce").abs().eq(math.inf).any():
-            raise ConfigError(f"--baseline: column {m}: holds an infinity, not a measurement")
+    check_judged(base, tol, "baseline")
     ratios = run_ratios(base, cur, tol)
     levels = {m: float(r.median()) if len(r) else 1.0 for m, r in ratios.items()}
     out: list[Finding] = []
@@ -251,95 +280,3 @@ def hardware_id() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name(0).lower().replace(" ", "-")
     return f"cpu-{os.cpu_count()}c"
-
-
-MEASURED = ("peak_mem_bytes", "step_time_s", "step_time_min_s", "step_time_max_s", "tokens_per_s",
-            "calib_gflops", "tokens_per_s_per_gflops", "mfu")  # fmt: skip
-
-
-def median_table(tables: list[pd.DataFrame], exact: list[str]) -> pd.DataFrame:
-    """One baseline from several repeats: per-cell medians of the measured metrics; deterministic
-    metrics must agree across repeats (else the repeats are not of the same code)."""
-    first = tables[0].copy()
-    for t in tables[1:]:
-        if set(t.index) != set(first.index):
-            raise ConfigError("--current tables: the repeats do not hold the same cells")
-        if lost := sorted({*exact, *MEASURED} & (set(first.columns) ^ set(t.columns))):
-            raise ConfigError(f"--current tables: column(s) {', '.join(lost)} not in every repeat")
-        for m in exact:
-            if m in first.columns and not first[m].fillna(0).equals(
-                t.loc[first.index, m].fillna(0)
-            ):
-                raise ConfigError(f"--current tables: {m} differs between repeats")
-    for m in MEASURED:
-        if m in first.columns:
-            values = pd.concat([t[m] for t in tables], axis=1)
-            first[m] = values.median(axis=1)
-            # the cell's noise across the repeats: largest relative distance from the median
-            first[f"{m}_spread"] = values.div(first[m], axis=0).sub(1).abs().max(axis=1)
-    return first
-
-
-def update_baseline(baseline: Path, tables: list[pd.DataFrame], tol: dict, sources: list) -> int:
-    """Make the per-cell median of ``tables`` the baseline, with its provenance beside it;
-    returns the number of cells. Infinities are refused (a baseline must hold measurements)."""
-    from tspbench.runtime.record import git_commit, utc_now, versions
-
-    for t in tables:
-        for m in (m for m in (*metrics(tol), *MEASURED) if m in t.columns):
-            if t[m].abs().eq(math.inf).any():
-                raise ConfigError(f"--current: column {m}: holds an infinity, not a measurement")
-    current = median_table(tables, tol["exact"])
-    device = current["device_name"].iloc[0] if "device_name" in current.columns else None
-    meta = {
-        "hardware_id": hardware_id(),
-        "device_name": None if pd.isna(device) else str(device),
-        "cpu_count": os.cpu_count(),
-        "versions": versions(None),
-        "git_commit": git_commit(),
-        "created_utc": utc_now(),
-        "source": [str(c) for c in sources],
-        "repeats": len(tables),
-        "cells": len(current),
-    }
-    text = json.dumps(meta, indent=2, allow_nan=False) + "\n"
-    write_pair(
-        baseline.with_suffix(".json"), text, baseline, current.reset_index().to_csv(index=False)
-    )
-    return len(current)
-
-
-def write_pair(first: Path, first_text: str, second: Path, second_text: str) -> None:
-    """Both files replaced, or neither: the baseline CSV and its provenance JSON must describe the
-    same repeats. Both are written to temporary names, then renamed (``first`` first); if the
-    second rename fails the old ``first`` is put back. One-line ConfigError on failure."""
-    tmps: list[str] = []
-    try:
-        second.parent.mkdir(parents=True, exist_ok=True)
-        for path, text in ((first, first_text), (second, second_text)):
-            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-            tmps.append(tmp)
-            mask = os.umask(0)
-            os.umask(mask)
-            os.fchmod(fd, 0o666 & ~mask)  # mkstemp's 0600 would hide a shared baseline
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-        if first.is_file():  # a hard link keeps the old one, to put back
-            tmps.append(tmps[0] + ".old")
-            os.link(first, tmps[-1])
-        os.replace(tmps[0], first)
-        try:
-            os.replace(tmps[1], second)
-        except OSError:
-            if len(tmps) > 2:
-                os.replace(tmps[2], first)
-            else:
-                first.unlink()
-            raise
-    except OSError as e:
-        raise ConfigError(f"--baseline={str(second)!r}: cannot write it ({e})") from None
-    finally:
-        for tmp in tmps:
-            Path(tmp).unlink(missing_ok=True)
