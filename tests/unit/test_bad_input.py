@@ -145,6 +145,10 @@ BAD = [
         "kv_backward='save': only strategy tsp chooses how its attention backward gets K/V",
     ),
     ("config", cfg_with(mlp_schedule="tree"), {}, "mlp_schedule: 'tree' is not one of"),
+    # estimate: the cap of 'fits' is checked before the estimate runs (and writes)
+    ("estimate", ["--device-memory", "nan"], {}, "'nan': must be above 0 and at most 65536 GiB"),
+    ("estimate", ["--device-memory", "-5"], {}, "'-5': must be above 0 and at most 65536 GiB"),
+    ("estimate", ["--hardware", "a100"], {}, "--hardware='a100': must be one of h100, h200"),
 ]
 
 
@@ -187,6 +191,9 @@ def test_bad_input_exits_2_naming_the_problem(
         path = tmp_path / "cfg.yaml"
         path.write_text(value)
         argv = ["check-config", str(path)]
+    elif kind == "estimate":
+        argv = ["estimate", "--model", "tiny", "--strategy", "tsp", "--seq-len", "256", *value]
+        argv += ["--out", str(out)]
     elif kind == "record":
         path = tmp_path / "rec.json"
         path.write_text(value)

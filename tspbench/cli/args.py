@@ -52,6 +52,18 @@ def seconds(text: str) -> float:
     return v
 
 
+def gib(text: str) -> float:
+    """A device size in GiB: finite, above 0 and at most 64 TiB (NaN or -5 would make every
+    plan "fit" or none)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a number of GiB") from None
+    if not 0 < v <= 65536:  # NaN fails both comparisons
+        raise argparse.ArgumentTypeError(f"{text!r}: must be above 0 and at most 65536 GiB")
+    return v
+
+
 def add_run_args(p: argparse.ArgumentParser, strategy: str | None = None) -> None:
     """The arguments that define a run (``strategy``: a default, else --strategy is required)."""
     from tspbench.runtime.registry import strategies

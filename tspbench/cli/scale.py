@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tspbench.cli.args import add_run_args
+from tspbench.cli.args import add_run_args, gib
 from tspbench.core.config import ConfigError
 from tspbench.runtime.spec import RunSpec
 
@@ -48,11 +48,17 @@ def _ranks(text: str, degree: int) -> list[int] | None:
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
+    from tspbench.projection.costmodel import load_preset, usable_memory
     from tspbench.projection.report import estimate_report
 
     spec = _spec(args)
     ranks = _ranks(args.ranks, spec.layout.degree)
-    _emit(args, *estimate_report(spec, ranks, args.kernel, args.device_memory))
+    preset = load_preset(args.hardware)  # before the estimate: a bad name costs nothing
+    if args.device_memory is not None:
+        cap, origin = args.device_memory, "--device-memory"
+    else:
+        cap, origin = usable_memory(preset) / 2**30, f"usable on {preset['name']}"
+    _emit(args, *estimate_report(spec, ranks, args.kernel, cap, origin))
     return 0
 
 
@@ -144,7 +150,15 @@ def add_parsers(sub) -> None:
         default="fused",
         help="attention memory as a fused GPU flash kernel (default) or the CPU kernel",
     )
-    e.add_argument("--device-memory", type=float, default=192.0, help="GiB per GPU for 'fits'")
+    e.add_argument(
+        "--hardware", default="mi300x", help="preset whose usable memory 'fits' is judged against"
+    )
+    e.add_argument(
+        "--device-memory",
+        type=gib,
+        default=None,
+        help="GiB per GPU for 'fits' instead of the preset's usable memory",
+    )
     e.add_argument("--json", action="store_true")
     e.add_argument("--out", default=None)
     e.set_defaults(func=cmd_estimate)

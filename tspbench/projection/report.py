@@ -70,10 +70,15 @@ def provenance() -> dict[str, Any]:
 
 
 def estimate_report(
-    spec: RunSpec, ranks: list[int] | None, kernel: str, device_memory_gib: float
+    spec: RunSpec,
+    ranks: list[int] | None,
+    kernel: str,
+    device_memory_gib: float,
+    origin: str = "given",
 ) -> tuple[dict[str, Any], str]:
     """``tspbench estimate``: the fake-tensor estimate of ``spec`` on ``ranks`` (None: all),
-    with the analytic peak beside it and whether it fits ``device_memory_gib`` (record, text)."""
+    with the analytic peak beside it and whether it fits ``device_memory_gib`` (``origin``:
+    where that cap comes from, printed beside it) (record, text)."""
     from tspbench.projection.estimate import estimate
 
     est = estimate(spec, ranks, kernel)
@@ -94,6 +99,7 @@ def estimate_report(
         **est,
         "analytic_peak_bytes": ana["peak"],
         "device_memory_bytes": limit,
+        "device_memory_origin": origin,
         "fits": est["peak_mem_bytes"] <= limit,
         **provenance(),
     }
@@ -104,8 +110,8 @@ def estimate_report(
         f"{est['peak_mem_bytes_first_step'] / GiB:.2f}; analytic {ana['peak'] / GiB:.2f}) "
         f"ranks {est['estimated_ranks']}: "
         + ", ".join(f"{p / GiB:.2f}" for p in est["peak_mem_bytes_per_rank"])
-        + f"\n  {'fits' if obj['fits'] else 'does NOT fit'} in {device_memory_gib:g} GiB; "
-        f"{est['comm_bytes_total'] / GiB:.3f} GiB communicated per step and rank; "
+        + f"\n  {'fits' if obj['fits'] else 'does NOT fit'} in {device_memory_gib:.1f} GiB "
+        f"({origin}); {est['comm_bytes_total'] / GiB:.3f} GiB communicated per step and rank; "
         f"estimated in {est['estimate_s']:.1f} s"
     )
     if spec.decoding:
