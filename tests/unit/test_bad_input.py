@@ -32,6 +32,20 @@ TORCHRUN1 = {**TORCHRUN, "WORLD_SIZE": "1"}
 SLURM = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_JOB_NODELIST": "node1"}
 S32 = ["--seq-len", "32"]
 
+OK_RECORD = {
+    "strategy": "tsp", "model": "tiny", "seq_len": 64, "degree": 2, "tp": 1, "sp": 1, "dp": 1,
+    "world_size": 2, "mode": "train", "batch": 1, "dtype": "fp32", "status": "ok",
+    "timestamp_utc": "2026-12-02T00:00:00Z", "peak_mem_bytes": 1000,
+    "peak_mem_bytes_per_rank": [1000, 990], "peak_mem_bytes_first_step": 1100, "step_time_s": 0.1,
+    "tokens_per_s": 640.0, "comm_bytes": {"all_gather": 10.0}, "flops_per_step": 10**6,
+    "loss": 4.2, "grad_norm": 1.0, "hardware": {}, "versions": {}, "git_commit": None,
+}  # fmt: skip
+
+
+def record_with(**kw) -> str:
+    return json.dumps({**OK_RECORD, **kw})
+
+
 BAD = [
     ("run", ["--seq-len", "0"], {}, "--seq-len: '0': must be between 1 and"),
     ("run", ["--seq-len", "-5"], {}, "--seq-len: '-5': must be between"),
@@ -145,6 +159,13 @@ BAD = [
         "kv_backward='save': only strategy tsp chooses how its attention backward gets K/V",
     ),
     ("config", cfg_with(mlp_schedule="tree"), {}, "mlp_schedule: 'tree' is not one of"),
+    # an ok record whose numbers cannot be measurements
+    ("record", record_with(tokens_per_s=-5), {}, "tokens_per_s: -5 is less than or equal"),
+    ("record", record_with(peak_mem_bytes=-1), {}, "peak_mem_bytes: -1 is less than the minimum"),
+    ("record", record_with(step_time_s=0), {}, "step_time_s: 0 is less than or equal to the min"),
+    ("record", record_with(mode="decode"), {}, "'new_tokens' is a required property"),
+    ("record", record_with(mode="decode", new_tokens=8), {}, "'prefill_time_s' is a required"),
+    ("record", record_with(schema_version=2), {}, "schema_version: 1 was expected"),
     # estimate: the cap of 'fits' is checked before the estimate runs (and writes)
     ("estimate", ["--device-memory", "nan"], {}, "'nan': must be above 0 and at most 65536 GiB"),
     ("estimate", ["--device-memory", "-5"], {}, "'-5': must be above 0 and at most 65536 GiB"),

@@ -49,6 +49,10 @@ def mlp_tag(tag: str, mlp_schedule: str) -> str:
     return tag if mlp_schedule == "ring" else f"{tag}-mlp-{mlp_schedule}"
 
 
+# tspbench/schemas/record.schema.json's version: bump it when a key changes meaning or goes
+RECORD_SCHEMA_VERSION = 1
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunSpec:
     """Everything that defines one run: validated on construction, before any process starts."""
@@ -212,6 +216,7 @@ class RunSpec:
         """The inputs part of a run record."""
         lay = self.layout
         return {
+            "schema_version": RECORD_SCHEMA_VERSION,
             "strategy": self.strategy,
             "model": self.cfg.name,
             "seq_len": self.seq_len,
