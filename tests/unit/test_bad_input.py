@@ -284,3 +284,37 @@ def test_the_overlap_benchmark_takes_any_strategy_that_overlaps(tmp_path, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--strategy=tp: overlaps none of its collectives" in err[0], err
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "error, code, needle",
+    [
+        (
+            RuntimeError("boom\nsecond line"),
+            1,
+            "tspbench model: unexpected RuntimeError: boom (run",
+        ),
+        (
+            PermissionError(13, "Permission denied", "/ro/x.json"),
+            2,
+            "Permission denied: /ro/x.json",
+        ),
+    ],
+)
+def test_an_unforeseen_error_is_one_line_and_debug_shows_the_traceback(
+    monkeypatch, capsys, error, code, needle
+):
+    """Whatever no check foresaw reaches the user as one line (exit 1; a path's OSError exit 2),
+    with a pointer to --debug, which re-raises it."""
+    import tspbench.cli.scale as scale
+    from tspbench.cli import main
+
+    def fail(args):
+        raise error
+
+    monkeypatch.setattr(scale, "cmd_model", fail)
+    assert main(["model", "--model", "tiny", "--strategy", "tsp", "--seq-len", "64"]) == code
+    err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert len(err) == 1 and needle in err[0], err
+    with pytest.raises(type(error)):
+        main(["--debug", "model", "--model", "tiny", "--strategy", "tsp", "--seq-len", "64"])

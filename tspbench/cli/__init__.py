@@ -13,6 +13,7 @@ def make_parser() -> Parser:
     from tspbench.cli import doctor, pipeline, plan, run, scale
 
     p = Parser(prog="tspbench", description=__doc__)
+    p.add_argument("--debug", action="store_true", help="show the traceback of an unexpected error")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=Parser)
     run.add_parsers(sub)
     pipeline.add_parsers(sub)
@@ -33,3 +34,19 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"tspbench: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except OSError as e:  # a path the command was given: unreadable, unwritable, full, gone
+        if args.debug:
+            raise
+        where = f": {e.filename}" if e.filename else ""
+        print(f"tspbench: error: {e.strerror or e}{where}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as e:  # a bug or an input no check foresaw: one line, never a traceback
+        if args.debug:
+            raise
+        text = str(e).splitlines()[0] if str(e) else ""
+        print(
+            f"tspbench {args.cmd}: unexpected {type(e).__name__}: {text} "
+            "(run again with `tspbench --debug ...` for the traceback)",
+            file=sys.stderr,
+        )
+        return 1
