@@ -198,6 +198,15 @@ def check_local_world(world: int, nproc: int) -> None:
         )
 
 
+def _root_ranks(seen: LocalRanks) -> list[int]:
+    """The ranks that started it, as the launcher saw it: those that stopped responding, else
+    those that died of a signal it did not send, else those that exited non-zero on their own;
+    the ranks it killed for outliving a failed peer only as a last resort."""
+    mine = set(seen.killed_by_launcher)
+    own = [r for r, c in enumerate(seen.codes) if c != 0 and r not in mine]
+    return list(seen.silent) or [r for r in own if seen.codes[r] < 0] or own or sorted(mine)
+
+
 def _what_happened(seen: LocalRanks) -> str:
     """The launcher's own account: which rank died of which signal, which it killed itself."""
     out = []
@@ -258,8 +267,7 @@ def run_local(
         return codes[0] if codes[0] >= 128 else 1
     if not fresh:  # rank 0 died before writing: the launcher leaves the record instead
         message = died or f"rank 0 wrote no record (exit codes {codes})"
-        failed = list(seen.silent) or seen.killed_by_launcher
-        failed = failed or [r for r, c in enumerate(codes) if c != 0]
+        failed = _root_ranks(seen)
         record = {**header, "status": "error", "error_message": message, "failed_ranks": failed}
         write_json(path, {**record, "timestamp_utc": utc_now()})
         return 0 if cell else 1
