@@ -318,3 +318,44 @@ def test_an_unforeseen_error_is_one_line_and_debug_shows_the_traceback(
     assert len(err) == 1 and needle in err[0], err
     with pytest.raises(type(error)):
         main(["--debug", "model", "--model", "tiny", "--strategy", "tsp", "--seq-len", "64"])
+
+
+PLAN = ["plan", "--hardware", "h100", "--seq-len", "1024", "--gpus", "8"]
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        ([*PLAN, "--model", "{fifo}"], "--model='{fifo}': not a regular file"),
+        ([*PLAN, "--model", "/dev/zero"], "--model='/dev/zero': not a regular file"),
+        ([*PLAN, "--model", "{deep}"], "not valid JSON (maximum recursion depth"),
+        (["plan", "--model", "tiny", "--seq-len", "1024", "--gpus", "8", "--hardware", "{fifo}"],
+         "--hardware='{fifo}': not a regular file"),
+        (["regress", "--baseline", "{fifo}", "--current", "{fifo}", "--tolerances", "{tol}"],
+         "--current='{fifo}': not a regular file"),
+        (["tables", "--summary", "{binary}", "--out", "{out}"], "'{binary}': not a text file"),
+        (["check-record", "{fifo}"], "record '{fifo}': not a regular file"),
+    ],
+)  # fmt: skip
+def test_readers_refuse_what_would_hang_or_eat_memory(tmp_path, capsys, argv, needle):
+    """Every JSON, CSV and YAML input goes through one guarded reader: a FIFO would block for
+    ever, /dev/zero read until memory runs out, deep JSON overflow the parser's stack."""
+    import os
+
+    from tspbench.cli import main
+
+    names = {
+        "fifo": tmp_path / "in.json",
+        "deep": tmp_path / "deep.json",
+        "binary": tmp_path / "bin.csv",
+        "out": tmp_path / "out",
+        "tol": ROOT / "workflows/regress.yaml",
+    }
+    os.mkfifo(names["fifo"])
+    names["deep"].write_text("[" * 100_000)
+    names["binary"].write_bytes(bytes(range(256)) * 4)
+    fill = {k: str(v) for k, v in names.items()}
+    code = main([a.format(**fill) for a in argv])
+    err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert code == 2 and len(err) == 1 and needle.format(**fill) in err[0], err
+    assert not names["out"].exists()

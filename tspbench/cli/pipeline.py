@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from tspbench.core.config import ConfigError
+from tspbench.core.config import ConfigError, read_csv_input
 
 
 def cmd_aggregate(args: argparse.Namespace) -> int:
@@ -21,12 +21,7 @@ def cmd_aggregate(args: argparse.Namespace) -> int:
 
 
 def _summary(path: str):
-    import pandas as pd
-
-    try:
-        return pd.read_csv(path)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"--summary={path!r}: cannot read the aggregate table ({e})") from None
+    return read_csv_input(path, "--summary")
 
 
 def cmd_tables(args: argparse.Namespace) -> int:

@@ -4,11 +4,67 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import stat
 from dataclasses import dataclass
+from typing import Any
 
 
 class ConfigError(ValueError):
     """Bad user input: the message names the field, the value and the rule (CLI exit code 2)."""
+
+
+MAX_INPUT_BYTES = 256 * 2**20  # an aggregate table of a large sweep is a few MB
+
+
+def _named(what: str, path: str | os.PathLike) -> str:
+    """``--summary='x.csv'`` for an option, ``record 'x.json'`` for anything else."""
+    return f"{what}={str(path)!r}" if what.startswith("--") else f"{what} {str(path)!r}"
+
+
+def read_input(path: str | os.PathLike, what: str, max_bytes: int = MAX_INPUT_BYTES) -> str:
+    """The text of a file the user named (JSON, CSV, YAML), or one ConfigError naming it: a
+    FIFO would block forever, /dev/zero read until memory runs out, a binary file fail deep
+    inside a parser."""
+    try:
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode):
+            raise ConfigError(f"{_named(what, path)}: not a regular file")
+        if info.st_size > max_bytes:
+            raise ConfigError(f"{_named(what, path)}: larger than {max_bytes} bytes")
+        with open(path, encoding="utf-8") as f:
+            return f.read(max_bytes + 1)[:max_bytes]
+    except OSError as e:
+        raise ConfigError(f"{_named(what, path)}: cannot read it ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{_named(what, path)}: not a text file") from None
+
+
+def read_json_input(path: str | os.PathLike, what: str, max_bytes: int = 2**20, **kw) -> Any:
+    """A JSON document the user named, through :func:`read_input` (``kw``: json.loads's)."""
+    import json
+
+    text = read_input(path, what, max_bytes)
+    try:
+        return json.loads(text, **kw)
+    except (ValueError, RecursionError) as e:  # RecursionError: [[[[...]]]] thousands deep
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"{_named(what, path)}: not valid JSON ({first})") from None
+
+
+def read_csv_input(path: str | os.PathLike, what: str):
+    """A CSV table the user named, as a DataFrame, through :func:`read_input` (pandas is
+    imported here, not at the top: the core runs on images without it)."""
+    import io
+
+    import pandas as pd
+
+    text = read_input(path, what)
+    try:
+        return pd.read_csv(io.StringIO(text))
+    except ValueError as e:  # pandas' EmptyDataError and ParserError included
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"{_named(what, path)}: not a CSV table ({first})") from None
 
 
 # Every field's range, shared by --set, configs and presets (workflows/schemas/config.schema.yaml
@@ -234,20 +290,14 @@ def hf_config(data: object, where: str = "config.json") -> tuple[ModelConfig, li
 
 def read_hf_config(path: str) -> tuple[ModelConfig, list[str]]:
     """:func:`hf_config` of a ``config.json`` file (or of a folder holding one)."""
-    import json
     from pathlib import Path
 
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
-    try:
-        data = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"--model={path}: no such file") from None
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise ConfigError(
-            f"--model={path}: not a readable JSON config ({e.__class__.__name__})"
-        ) from None
+    if not p.exists():
+        raise ConfigError(f"--model={path}: no such file")
+    data = read_json_input(p, "--model")  # a config.json is a few kB
     return hf_config(data, str(p))
 
 

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import functools
 import math
-import stat
 from collections import deque
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from tspbench.core.config import ConfigError
+from tspbench.core.config import ConfigError, read_input
 
 MAX_YAML_BYTES = 2**20  # configs and tolerances are a few kB
 
@@ -35,18 +34,12 @@ class _NoAliasLoader(yaml.SafeLoader):
 def read_yaml(path: str | Path, what: str) -> Any:
     """The YAML document at ``path``, parsed without aliases; ConfigError (one line) if the file
     cannot be read or is not YAML."""
+    text = read_input(path, what, MAX_YAML_BYTES)
     try:
-        info = Path(path).stat()
-        if not stat.S_ISREG(info.st_mode):  # a FIFO would block forever, a device never end
-            raise ConfigError("not a regular file")
-        if info.st_size > MAX_YAML_BYTES:
-            raise ConfigError(f"larger than {MAX_YAML_BYTES} bytes, not a settings file")
-        return yaml.load(Path(path).read_text(), Loader=_NoAliasLoader)
-    except OSError as e:
-        raise ConfigError(f"{what} {str(path)!r}: cannot read it ({e.strerror})") from None
+        return yaml.load(text, Loader=_NoAliasLoader)
     except ConfigError as e:
         raise ConfigError(f"{what} {str(path)!r}: {e}") from None
-    except (yaml.YAMLError, RecursionError, UnicodeDecodeError) as e:
+    except (yaml.YAMLError, RecursionError) as e:
         text = str(e).replace("\n", " ")
         raise ConfigError(f"{what} {str(path)!r}: not valid YAML ({text})") from None
 

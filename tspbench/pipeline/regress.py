@@ -22,6 +22,7 @@ columns, tolerances that are not finite and >= 0).
 from __future__ import annotations
 
 import csv
+import io
 import math
 import os
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from tspbench.core.config import ConfigError
+from tspbench.core.config import ConfigError, read_input
 
 
 @dataclass
@@ -61,9 +62,10 @@ TOLERANCES_SCHEMA = Path(__file__).resolve().parents[2] / "workflows/schemas/reg
 def read_table(path: str | Path, what: str, metrics: tuple[str, ...] = ()) -> pd.DataFrame:
     """An aggregate table indexed by cell, its ``metrics`` columns numbers (an inf stays inf, for
     :func:`compare` to flag); anything unusable is a one-line ConfigError (exit 2, never 1)."""
+    text = read_input(path, f"--{what}")
     try:
-        df = pd.read_csv(path)
-        short = _short_row(path)
+        df = pd.read_csv(io.StringIO(text))
+        short = _short_row(text)
     except (OSError, ValueError, csv.Error) as e:  # UnicodeDecodeError, parser errors included
         text = str(e).replace("\n", " ")
         raise ConfigError(f"--{what}={str(path)!r}: cannot read the table ({text})") from None
@@ -88,15 +90,14 @@ def read_table(path: str | Path, what: str, metrics: tuple[str, ...] = ()) -> pd
     return df.set_index("cell")
 
 
-def _short_row(path: str | Path) -> str | None:
+def _short_row(text: str) -> str | None:
     """The first row with fewer fields than the header, said in words (pandas fills the missing
     ones with NaN: a baseline cut mid-row would read as regressions of every metric it lost)."""
-    with open(path, newline="") as f:
-        rows = csv.reader(f)
-        width = len(next(rows, []))
-        for i, row in enumerate(rows, start=2):
-            if row and len(row) < width:
-                return f"row {i} has {len(row)} fields, the header {width}"
+    rows = csv.reader(io.StringIO(text, newline=""))
+    width = len(next(rows, []))
+    for i, row in enumerate(rows, start=2):
+        if row and len(row) < width:
+            return f"row {i} has {len(row)} fields, the header {width}"
     return None
 
 

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from tspbench.core.comm import bus_bytes
-from tspbench.core.config import ConfigError
+from tspbench.core.config import ConfigError, read_csv_input, read_json_input
 from tspbench.core.mesh import Axis
 from tspbench.projection import analytic
 from tspbench.runtime.spec import RunSpec
@@ -57,8 +57,8 @@ def load_preset(name_or_path: str) -> dict:
         return {"name": name_or_path, **known[name_or_path]}
     path = Path(name_or_path)
     if path.suffix == ".json" and path.exists():
-        preset = json.loads(path.read_text())
-        if "ranks" not in preset and "peak_flops" not in preset:
+        preset = read_json_input(path, "--hardware")
+        if not isinstance(preset, dict) or "ranks" not in preset and "peak_flops" not in preset:
             raise ConfigError(f"--hardware={name_or_path}: not a hardware preset file")
         return {"name": path.stem, **preset}
     raise ConfigError(
@@ -294,7 +294,7 @@ def check_summary(paths: list[str], preset: dict):
 
     runs = []
     for path in paths:
-        df = pd.read_csv(path)
+        df = read_csv_input(path, "--summary")
         if "mode" in df.columns:  # decode cells are projected by projection/decode.py
             df = df[~df["mode"].isin(["decode", "generate"])]
         runs.append(df[df["status"] == "ok"].drop_duplicates("cell").set_index("cell"))

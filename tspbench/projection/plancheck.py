@@ -11,7 +11,7 @@ import re
 import statistics
 from pathlib import Path
 
-from tspbench.core.config import ConfigError, load_model
+from tspbench.core.config import ConfigError, load_model, read_csv_input
 from tspbench.projection import analytic, costmodel, planner
 from tspbench.projection.plancache import OpsCache, cache_dir
 from tspbench.projection.plantypes import Candidate, Config
@@ -53,7 +53,7 @@ def check(
     preset = costmodel.load_preset(hardware)
     runs = []
     for path in summaries:
-        df = pd.read_csv(path)
+        df = read_csv_input(path, "--summary")
         if "mode" in df.columns:  # decode cells are projected by projection/decode.py
             df = df[~df["mode"].isin(["decode", "generate"])]
         runs.append(df[df["status"] == "ok"].drop_duplicates("cell").set_index("cell"))

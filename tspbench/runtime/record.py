@@ -159,17 +159,16 @@ def check_record(path: str) -> dict[str, Any]:
     """The record at ``path`` if it is valid against its schema (ConfigError naming where not)."""
     import jsonschema
 
-    from tspbench.core.config import ConfigError
+    from tspbench.core.config import ConfigError, read_input
 
-    if not Path(path).is_file():  # a FIFO or a device would block or never end
-        raise ConfigError(f"record {path!r}: not a regular file")
+    text = read_input(path, "record", max_bytes=2**24)  # a FIFO, a device, a binary file
 
     def refuse(constant: str) -> None:
         raise ValueError(f"non-finite number {constant}")
 
     try:
-        rec = json.loads(Path(path).read_text(), parse_constant=refuse)
-    except (OSError, ValueError) as e:
+        rec = json.loads(text, parse_constant=refuse)
+    except (ValueError, RecursionError) as e:
         raise ConfigError(f"record {path!r}: not readable JSON ({e})") from None
     try:
         jsonschema.validate(rec, json.loads(SCHEMA.read_text()))
