@@ -166,6 +166,27 @@ BAD = [
     ("record", record_with(mode="decode"), {}, "'new_tokens' is a required property"),
     ("record", record_with(mode="decode", new_tokens=8), {}, "'prefill_time_s' is a required"),
     ("record", record_with(schema_version=2), {}, "schema_version: 1 was expected"),
+    # plan: the ranges of run (a plan whose run line exits 2 is no plan)
+    (
+        "argv",
+        [
+            "plan",
+            "--model",
+            "7b",
+            "--hardware",
+            "h100",
+            "--seq-len",
+            "16384",
+            "--gpus",
+            "8",
+            "--mode",
+            "decode",
+            "--new-tokens",
+            "100000",
+        ],
+        {},
+        "--new-tokens: '100000': must be between 2 and 65536",
+    ),  # fmt: skip
     # estimate: the cap of 'fits' is checked before the estimate runs (and writes)
     ("estimate", ["--device-memory", "nan"], {}, "'nan': must be above 0 and at most 65536 GiB"),
     ("estimate", ["--device-memory", "-5"], {}, "'-5': must be above 0 and at most 65536 GiB"),
@@ -212,6 +233,8 @@ def test_bad_input_exits_2_naming_the_problem(
         path = tmp_path / "cfg.yaml"
         path.write_text(value)
         argv = ["check-config", str(path)]
+    elif kind == "argv":
+        argv = value
     elif kind == "estimate":
         argv = ["estimate", "--model", "tiny", "--strategy", "tsp", "--seq-len", "256", *value]
         argv += ["--out", str(out)]

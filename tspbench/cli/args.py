@@ -17,6 +17,9 @@ class Parser(argparse.ArgumentParser):
         raise SystemExit(EXIT_USAGE)
 
 
+NEW_TOKENS = (2, 65536)  # --new-tokens of run and plan, and the sweep schema's new_tokens
+
+
 def size_bytes(text: str) -> int:
     """'512M', '2G', '1.5GiB', '1000000' -> bytes."""
     try:
@@ -102,7 +105,7 @@ def add_run_args(p: argparse.ArgumentParser, strategy: str | None = None) -> Non
     )
     p.add_argument(
         "--new-tokens",
-        type=int_in(2, 65536),
+        type=int_in(*NEW_TOKENS),
         default=None,
         help="decode, generate: tokens generated per sequence (default 16)",
     )

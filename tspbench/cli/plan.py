@@ -6,23 +6,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 
-from tspbench.cli.args import int_in
+from tspbench.cli.args import NEW_TOKENS, gib, int_in
 from tspbench.core.config import ConfigError
 
 GiB = 2**30
-
-
-def gib(text: str) -> float:
-    """A positive, finite number of GiB."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be a number of GiB") from None
-    if not math.isfinite(v) or v <= 0 or v > 2**20:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be a positive number of GiB")
-    return v
 
 
 def schema_models() -> list[str]:
@@ -133,7 +121,7 @@ def add_parsers(sub) -> None:
     )
     p.add_argument(
         "--new-tokens",
-        type=int_in(2, 2**20),
+        type=int_in(*NEW_TOKENS),  # run's range: a plan's run line must run
         default=None,
         help="decode, generate: tokens generated per sequence (default 16)",
     )
