@@ -166,6 +166,12 @@ BAD = [
     ("record", record_with(mode="decode"), {}, "'new_tokens' is a required property"),
     ("record", record_with(mode="decode", new_tokens=8), {}, "'prefill_time_s' is a required"),
     ("record", record_with(schema_version=2), {}, "schema_version: 1 was expected"),
+    (
+        "run",
+        ["--mode", "decode", "--recompute", "full"],
+        {},
+        "recompute='full': --mode decode runs",
+    ),
     # plan: the ranges of run (a plan whose run line exits 2 is no plan)
     (
         "argv",

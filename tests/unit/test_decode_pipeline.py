@@ -276,3 +276,18 @@ def test_inference_claims_from_measured_decode_cells(cpu, tmp_path):
         "Memory-efficient inference - TSP serves the longest context in one GPU's memory"
     ]
     assert ctx["verdict"] == "holds" and "PROJECTED" in ctx["ours"]
+
+
+def test_a_training_configs_recompute_does_not_reach_its_decode_cells():
+    """paper.yaml trains with recompute full; its decode cells run no backward, so they are
+    recorded with recompute none (run refuses decode with full) and none is filtered."""
+    import yaml
+
+    from tests.helpers.runner import ROOT
+    from tspbench.pipeline.cells import sweep_cells
+
+    cfg = yaml.safe_load((ROOT / "workflows/config/paper.yaml").read_text())
+    cells, filtered = sweep_cells(cfg)
+    assert cfg["recompute"] == "full" and not filtered
+    assert {c.spec.recompute for c in cells if c.spec.decoding} == {"none"}
+    assert {c.spec.recompute for c in cells if c.spec.mode == "train"} == {"full"}

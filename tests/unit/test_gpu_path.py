@@ -200,3 +200,19 @@ def test_mfu_uses_the_parts_own_peak(name, peak):
     from tspbench.runtime.flops import device_peak
 
     assert device_peak(name) == peak
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_every_gpu_check_run_is_a_valid_run(device, tmp_path):
+    """gpu-check's runs, as it would launch them on a GPU: each parses and makes a valid spec
+    (a GPU is rare: a refused argument found there costs the whole check)."""
+    from tspbench.cli import make_parser
+    from tspbench.pipeline.gpucheck import steps
+    from tspbench.runtime.spec import RunSpec
+
+    runs = [s for s in steps(tmp_path, device) if s.argv[3] == "run"]
+    assert len(runs) == 3
+    for step in runs:
+        args = make_parser().parse_args(step.argv[3:])
+        spec = RunSpec.from_args(args)
+        assert spec.recompute == ("full" if device == "cuda" and spec.mode == "train" else "none")

@@ -229,6 +229,8 @@ def sweep_cells(config: dict, what: str = "config") -> tuple[list[Cell], list[di
                 # TSP's MLP schedule; the other strategies have none to choose (ring, unused)
                 mlp = common["mlp_schedule"]
                 run = {**common, "mlp_schedule": mlp if mlp in impl.mlp_schedules else "ring"}
+                if mode in DECODE_MODES:  # no backward: a config's recompute is for training
+                    run["recompute"] = "none"
                 try:
                     spec = RunSpec(strategy=strategy, cfg=cfg, layout=lay, **combo, **run)
                 except ConfigError as e:

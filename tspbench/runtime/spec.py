@@ -92,6 +92,11 @@ class RunSpec:
                 f"backward gets K/V (got {self.strategy}: leave it regather)"
             )
         if self.decoding:
+            if self.recompute != "none":
+                raise ConfigError(
+                    f"recompute={self.recompute!r}: --mode {self.mode} runs no backward, so "
+                    "nothing is recomputed (leave it none)"
+                )
             if not self.impl.decodes:
                 can = ", ".join(n for n, s in strategies().items() if s.decodes)
                 raise ConfigError(
