@@ -26,10 +26,11 @@ from pathlib import Path
 
 from tspbench.core.config import ConfigError
 from tspbench.runtime.launch import MPI_VARS, free_port
-from tspbench.runtime.record import interrupted_path, utc_now, write_json
+from tspbench.runtime.record import interrupted_path, record_written, utc_now
 from tspbench.runtime.spec import RunSpec
 
 GRACE_S = 10.0  # how long the other ranks get after one fails
+WHO = "the local launcher"  # who could not write a record, when a file system refuses it
 
 
 def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> Callable[[], None]:
@@ -260,7 +261,7 @@ def run_local(
         if "interrupted by" not in str(rec.get("error_message")):
             message = f"{interrupted}; {died}" if died else interrupted
             rec = {**header, "status": "error", "error_message": message}
-        write_json(aside, {**rec, "rank_exit_codes": codes, "timestamp_utc": utc_now()})
+        record_written(aside, {**rec, "rank_exit_codes": codes, "timestamp_utc": utc_now()}, WHO)
         return 128 + seen.signal
     aside = Path(interrupted_path(out))
     if cell and aside.exists() and aside.stat().st_mtime_ns > started:  # rank 0 was signalled
@@ -269,8 +270,8 @@ def run_local(
         message = died or f"rank 0 wrote no record (exit codes {codes})"
         failed = _root_ranks(seen)
         record = {**header, "status": "error", "error_message": message, "failed_ranks": failed}
-        write_json(path, {**record, "timestamp_utc": utc_now()})
-        return 0 if cell else 1
+        written = record_written(path, {**record, "timestamp_utc": utc_now()}, WHO)
+        return 0 if cell and written else 1
     rec = json.loads(path.read_text())
     if died:  # the launcher alone saw which rank died: add it to the record
         rec["rank_exit_codes"] = codes
@@ -278,5 +279,6 @@ def run_local(
             rec["failed_ranks"] = list(seen.silent)
         if rec.get("status") == "error":
             rec["error_message"] = f"{died}; rank 0 saw: {rec.get('error_message')}"
-        write_json(path, rec)
+        if not record_written(path, rec, WHO):
+            return 1
     return 0 if cell or codes[0] == 0 else 1

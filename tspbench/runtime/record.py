@@ -8,6 +8,7 @@ import os
 import platform
 import socket
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -115,6 +116,23 @@ def write_atomic(path: str | os.PathLike, text: str) -> None:
 def write_json(path: str | os.PathLike, obj: Any) -> None:
     """Strict JSON: NaN or infinity is a bug upstream, never written (strict parsers reject it)."""
     write_atomic(path, json.dumps(obj, indent=2, sort_keys=False, allow_nan=False) + "\n")
+
+
+def record_written(path: str | os.PathLike, record: dict, who: str) -> bool:
+    """Write a run's record; if the file system refuses it (full, gone read-only), say so in
+    one line with the status it would have had, and return False (the caller exits 1): the
+    record is made in memory first, so nothing half-written is left."""
+    try:
+        write_json(path, record)
+        return True
+    except OSError as e:
+        print(
+            f"tspbench: error: {who}: cannot write the record {str(path)!r} ({e.strerror}); "
+            f"its status was {record.get('status')}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return False
 
 
 def interrupted_path(out: str) -> str:

@@ -32,9 +32,9 @@ from tspbench.runtime.record import (
     git_commit,
     hardware,
     interrupted_path,
+    record_written,
     utc_now,
     versions,
-    write_json,
 )
 from tspbench.runtime.spec import RunSpec
 
@@ -148,7 +148,8 @@ def run_env(
             interrupted = "interrupted by" in str(record.get("error_message"))
             path = interrupted_path(out) if cell and interrupted else out
             record = _finite({**record, "wall_s": process_age_s(), "timestamp_utc": utc_now()})
-            write_json(path, record)
+            if not record_written(path, record, "rank 0"):
+                return "error"
             if dist.is_initialized():  # the peers waiting in _await_record may leave now
                 try:
                     dist.distributed_c10d._get_default_store().set(failure.WRITTEN_KEY, "1")
