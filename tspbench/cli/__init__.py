@@ -3,10 +3,33 @@ Bad input exits 2 with one line naming the field and the rule."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from tspbench.cli.args import EXIT_USAGE, Parser
 from tspbench.core.config import ConfigError
+
+
+class Version(argparse.Action):
+    """``tspbench --version``: what produced a number, in one line (torch is imported only
+    here, so that the parser itself stays quick)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        import platform
+        from importlib.metadata import PackageNotFoundError, version
+
+        import torch
+
+        from tspbench.runtime.record import git_commit
+
+        try:
+            ours = version("tspbench")
+        except PackageNotFoundError:  # run from a checkout without an install
+            ours = "(not installed)"
+        commit = (git_commit() or "no git checkout")[:12]
+        print(f"tspbench {ours} (commit {commit}), torch {torch.__version__}, "
+              f"python {platform.python_version()}")  # fmt: skip
+        parser.exit(0)
 
 
 def make_parser() -> Parser:
@@ -14,6 +37,7 @@ def make_parser() -> Parser:
 
     p = Parser(prog="tspbench", description=__doc__)
     p.add_argument("--debug", action="store_true", help="show the traceback of an unexpected error")
+    p.add_argument("--version", action=Version, nargs=0, help="package, commit, torch, python")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=Parser)
     run.add_parsers(sub)
     pipeline.add_parsers(sub)

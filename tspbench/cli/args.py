@@ -11,7 +11,26 @@ from tspbench.runtime.spec import CHOICES, parse_size
 EXIT_USAGE = 2
 
 
+class DefaultsFormatter(argparse.HelpFormatter):
+    """``--help`` says each option's default, where it has one worth saying (not None or
+    False, and not already in its help text)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        silent = default is None or default is False or default is argparse.SUPPRESS
+        if "%(default)" in text or silent or default == [] or not text:
+            return action.help
+        if action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
+            return f"{text} (default: %(default)s)"
+        return action.help
+
+
 class Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", DefaultsFormatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> None:  # one line, exit 2
         print(f"tspbench: error: {message}", file=sys.stderr)
         raise SystemExit(EXIT_USAGE)

@@ -1,0 +1,24 @@
+"""The CLI says what it is and what its defaults are."""
+
+import re
+
+import pytest
+
+from tspbench.cli import main
+
+
+def test_version_is_one_line_naming_package_commit_torch_and_python(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert e.value.code == 0 and len(out) == 1
+    assert re.fullmatch(r"tspbench \S+ \(commit [^)]+\), torch \S+, python 3\.\d+\.\d+", out[0])
+
+
+def test_help_shows_the_defaults_worth_showing(capsys):
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "model replicas (default: 1)" in text
+    assert "(default: 0)" in text  # a zero default is a default (--seed, --kv-bucket)
+    assert "(default: None)" not in text and "(default: False)" not in text
