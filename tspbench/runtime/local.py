@@ -208,6 +208,30 @@ def _root_ranks(seen: LocalRanks) -> list[int]:
     return list(seen.silent) or [r for r in own if seen.codes[r] < 0] or own or sorted(mine)
 
 
+def _seen_dead(seen: LocalRanks) -> list[int]:
+    """Ranks the launcher saw die on their own: silent ones, else those killed by a signal it
+    did not send. Its direct evidence, which beats rank 0's inference (a peer that had not yet
+    posted why when rank 0 looked is not the one that died)."""
+    mine = set(seen.killed_by_launcher)
+    foreign = [r for r, c in enumerate(seen.codes) if c < 0 and r not in mine]
+    return list(seen.silent) or foreign
+
+
+def amend(rec: dict, seen: LocalRanks) -> dict:
+    """Rank 0's record with what the launcher alone saw: each rank's exit code, the ranks that
+    died (see :func:`_seen_dead`) and, for an error, which rank died of what."""
+    died = _what_happened(seen)
+    if not died:
+        return rec
+    rec = {**rec, "rank_exit_codes": seen.codes}
+    dead = _seen_dead(seen)
+    if dead:
+        rec["failed_ranks"] = dead
+    if rec.get("status") == "error":
+        rec["error_message"] = f"{died}; rank 0 saw: {rec.get('error_message')}"
+    return rec
+
+
 def _what_happened(seen: LocalRanks) -> str:
     """The launcher's own account: which rank died of which signal, which it killed itself."""
     out = []
@@ -273,12 +297,6 @@ def run_local(
         written = record_written(path, {**record, "timestamp_utc": utc_now()}, WHO)
         return 0 if cell and written else 1
     rec = json.loads(path.read_text())
-    if died:  # the launcher alone saw which rank died: add it to the record
-        rec["rank_exit_codes"] = codes
-        if seen.silent:  # the cause, which rank 0 only saw as a dead peer
-            rec["failed_ranks"] = list(seen.silent)
-        if rec.get("status") == "error":
-            rec["error_message"] = f"{died}; rank 0 saw: {rec.get('error_message')}"
-        if not record_written(path, rec, WHO):
-            return 1
+    if died and not record_written(path, amend(rec, seen), WHO):
+        return 1
     return 0 if cell or codes[0] == 0 else 1
