@@ -148,6 +148,11 @@ def test_from_a_hugging_face_config(capsys, counted, tmp_path):
         ({"head_dim": 256}, "head_dim"),
         ({"vocab_size": 2**21}, "vocab_size"),
         ({"num_key_value_heads": 5}, "num_key_value_heads"),
+        ({"architectures": ["LlamaMoEForCausalLM"]}, "architectures"),
+        ({"architectures": ["LlamaForSequenceClassification"]}, "architectures"),
+        ({"shared_expert_intermediate_size": 5632}, "shared_expert_intermediate_size"),
+        ({"decoder_sparse_step": 1}, "decoder_sparse_step"),
+        ({"vocab_size": None}, "vocab_size"),
     ],
 )
 def test_refuses_what_the_model_cannot_express(capsys, tmp_path, change, key):
@@ -163,6 +168,9 @@ def test_missing_key_and_sliding_window_null_accepted():
         hf_config({k: v for k, v in LLAMA3_8B.items() if k != "hidden_size"})
     cfg, notes = hf_config({**LLAMA3_8B, "sliding_window": None, "rope_scaling": {"factor": 8.0}})
     assert cfg.kv_heads == 8 and notes and "rope_scaling" in notes[0]
+    # null reads as Hugging Face reads it: no num_key_value_heads is MHA, no rope_theta 10000
+    cfg, _ = hf_config({**LLAMA3_8B, "num_key_value_heads": None, "rope_theta": None})
+    assert cfg.kv_heads == cfg.heads == 32 and cfg.rope_theta == 10000.0
 
 
 def test_gqa_explains_why_tsp_is_filtered_at_d16(capsys, counted, tmp_path):

@@ -198,8 +198,10 @@ HF_FIELDS = {  # ModelConfig field <- config.json key (and the key's default, No
     "norm_eps": ("rms_norm_eps", 1e-6),
 }
 HF_MODEL_TYPES = ("llama", "mistral")  # dense pre-norm RMSNorm/RoPE/GQA/SwiGLU decoders
+HF_ARCHS = tuple(f"{n}{h}" for n in ("Llama", "Mistral") for h in ("ForCausalLM", "Model"))
 HF_MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "n_shared_experts",
-               "num_experts_per_tok", "moe_intermediate_size", "moe_layer_freq")  # fmt: skip
+               "num_experts_per_tok", "moe_intermediate_size", "moe_layer_freq",
+               "shared_expert_intermediate_size", "decoder_sparse_step")  # fmt: skip
 
 
 def hf_config(data: object, where: str = "config.json") -> tuple[ModelConfig, list[str]]:
@@ -220,11 +222,9 @@ def hf_config(data: object, where: str = "config.json") -> tuple[ModelConfig, li
             "model_type", f"not a Llama-style model (supported: {', '.join(HF_MODEL_TYPES)})"
         )
     if not isinstance(archs, list) or any(
-        not isinstance(a, str) or not a.lower().startswith(HF_MODEL_TYPES) for a in archs
-    ):
-        raise refuse(
-            "architectures", "not a Llama-style model (LlamaForCausalLM, MistralForCausalLM)"
-        )
+        not isinstance(a, str) or a not in HF_ARCHS for a in archs
+    ):  # exact names: a prefix lets LlamaMoEForCausalLM or a classification head through
+        raise refuse("architectures", f"not a Llama-style decoder (one of {', '.join(HF_ARCHS)})")
     for key in HF_MOE_KEYS:
         if data.get(key):
             raise refuse(
@@ -250,8 +250,8 @@ def hf_config(data: object, where: str = "config.json") -> tuple[ModelConfig, li
         raise refuse(key, "the MLP here is SwiGLU (silu)")
     values: dict[str, object] = {}
     for field, (key, default) in HF_FIELDS.items():
-        if key in data:
-            v = data[key]
+        if key in data and (data[key] is not None or default is None):
+            v = data[key]  # null reads as missing where the key has a default, as HF reads it
         elif default is None:
             raise ConfigError(f"{where}: {key}: missing (a Llama-style config.json has it)")
         else:
