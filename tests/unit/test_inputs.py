@@ -18,6 +18,7 @@ import yaml
 from tests.helpers.configs import MINI
 from tests.helpers.runner import ROOT
 from tspbench.cli import main
+from tspbench.runtime.local import max_local_ranks
 
 DEFAULT = yaml.safe_load((ROOT / "workflows/config/default.yaml").read_text())
 TOL = yaml.safe_load((ROOT / "workflows/regress.yaml").read_text())
@@ -41,6 +42,7 @@ def exit_line(capsys, argv: list[str]) -> tuple[int, str]:
 
 # -- B, F: sweep configs ------------------------------------------------------------------------
 
+OVER_CAP = 8 * (max_local_ranks() // 8 + 1)
 BAD_CONFIGS = [
     ("timeout-nan", config_with(timeout=math.nan), "timeout: nan is not a finite number"),
     ("timeout-tiny", config_with(timeout=1e-9), "timeout: 1e-09 is less than the minimum of 1"),
@@ -84,6 +86,11 @@ BAD_CONFIGS = [
         "all-filtered",  # TP at D = 3 cannot split the tiny model's 8 heads
         {**DEFAULT, "sweeps": [{**DEFAULT["sweeps"][0], **ALL_FILTERED}]},
         "no runnable cell: all 1 combinations are filtered (model.heads=8",
+    ),
+    (
+        "local-cap",  # a multiple of every degree, above what this machine's launcher starts
+        config_with({"gpus": [OVER_CAP]}),
+        f"sweeps[0].gpus: {OVER_CAP}: launcher local starts at most {max_local_ranks()} ranks",
     ),
     (
         "too-many",

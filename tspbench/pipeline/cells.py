@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import shlex
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -18,6 +19,7 @@ from tspbench.core.config import ConfigError, get_config
 from tspbench.core.configfile import check_schema, non_finite, read_yaml
 from tspbench.core.strategy import Layout
 from tspbench.pipeline.resources import slurm_resources
+from tspbench.runtime.local import max_local_ranks
 from tspbench.runtime.registry import get_strategy, strategies
 from tspbench.runtime.spec import DECODE_MODES, DEFAULT_NEW_TOKENS, RunSpec, mlp_tag, parse_size
 
@@ -82,6 +84,18 @@ def check_sweep(i: int, sweep: dict) -> None:
                     f"sweeps[{i}].gpus: {g} must be a multiple of the model group D = {D}"
                 )
     check_decode_sweep(i, sweep)
+
+
+def _check_local(i: int, sweep: dict, launcher: str) -> None:
+    """A local sweep asks no more ranks than this machine's launcher starts (else every cell
+    would be refused after the schema had passed it)."""
+    cap = max_local_ranks()
+    for g in sweep["gpus"] if launcher == "local" else []:
+        if g > cap:
+            raise ConfigError(
+                f"sweeps[{i}].gpus: {g}: launcher local starts at most {cap} ranks on this "
+                f"machine ({os.cpu_count()} cores); use launcher srun"
+            )
 
 
 def new_tokens(sweep: dict, mode: str) -> list[int]:
@@ -214,6 +228,7 @@ def sweep_cells(config: dict, what: str = "config") -> tuple[list[Cell], list[di
     filtered: list[dict] = []
     for i, sweep in enumerate(config["sweeps"]):
         check_sweep(i, sweep)
+        _check_local(i, sweep, config["launcher"])
         combos = itertools.product(
             sweep["strategies"], sweep["gpus"], sweep["seq_lens"], sweep["batches"], sweep["modes"]
         )
