@@ -79,6 +79,10 @@ def cmd_project_check(args: argparse.Namespace) -> int:
     from tspbench.projection.report import check_report
     from tspbench.runtime.record import write_atomic
 
+    if args.published is not None:
+        return _published_check(args)
+    if args.hardware is None:
+        raise ConfigError("--hardware: required with --summary (the calibrated preset)")
     for path in args.summary:
         if not Path(path).is_file():
             raise ConfigError(f"--summary={path}: no such file; give an aggregate summary.csv")
@@ -90,6 +94,21 @@ def cmd_project_check(args: argparse.Namespace) -> int:
         write_atomic(args.out, text)
     if args.csv:
         write_atomic(args.csv, table.to_csv(index=False))
+    return 0
+
+
+def _published_check(args: argparse.Namespace) -> int:
+    """``project-check --published [FILE]``: every point checked first, then projected."""
+    from tspbench.projection import published
+    from tspbench.runtime.record import write_atomic
+
+    if args.hardware is not None or args.csv is not None:
+        raise ConfigError("--published: takes each point's own preset; no --hardware or --csv")
+    points = published.load(args.published or None)
+    text = published.report(published.rows(points))
+    print(text)
+    if args.out:
+        write_atomic(args.out, text)
     return 0
 
 
@@ -173,13 +192,21 @@ def add_parsers(sub) -> None:
     pc = sub.add_parser(
         "project-check", help="project every cell of a measured summary and report the error"
     )
-    pc.add_argument(
+    what = pc.add_mutually_exclusive_group(required=True)
+    what.add_argument(
         "--summary",
-        required=True,
         nargs="+",
         help="aggregate CSV of measured runs; several: repeated runs of one sweep (median, range)",
     )
-    pc.add_argument("--hardware", required=True, help="the calibrated preset of that machine")
+    what.add_argument(
+        "--published",
+        nargs="?",
+        const="",
+        metavar="FILE",
+        help="published end-to-end measurements (default: the committed "
+        "tspbench/projection/published.json), each on its own preset; judges the model only",
+    )
+    pc.add_argument("--hardware", default=None, help="with --summary: that machine's preset")
     pc.add_argument("--out", default=None, help="Markdown table")
     pc.add_argument("--csv", default=None)
     pc.set_defaults(func=cmd_project_check)
