@@ -158,6 +158,40 @@ def test_default_micro_batch_sweep_has_three_columns_and_about_the_same_cells(de
         assert (tables[name].loc["tsp"] != "-").all()
 
 
+@pytest.mark.parametrize("which", ["paper", "default_cpu"])
+def test_tables_and_figures_follow_what_a_sweep_varies_not_its_name(which, request):
+    """Every sweep renamed (issue 35: a sweep named 'four' had no tables): the same tables
+    with the same contents, the micro-batch ones named after their sweep, and the same
+    cells in the figures."""
+    from tspbench.pipeline.figures import plots
+    from tspbench.pipeline.tables import specs
+
+    _, df = request.getfixturevalue(which)
+    new = {
+        n: f"x{i}"
+        for i, n in enumerate(
+            sorted({s["name"] for s in PAPER["sweeps"]} | {s["name"] for s in DEFAULT["sweeps"]})
+        )
+    }
+    renamed = df.assign(
+        sweep=df["sweep"].str.split(";").map(lambda ns: ";".join(new[n] for n in ns))
+    )  # fmt: skip
+
+    def key(name: str) -> str:
+        for old in ("batch", "microbatch"):  # the micro-batch sweeps: tables by sweep name
+            if name.startswith((f"{old}_memory", f"{old}_throughput")):
+                return f"{new[old]}{name[len(old) :]}"
+        return name
+
+    before = {key(n): t for n, _, t in specs(df)}
+    after = {n: t for n, _, t in specs(renamed)}
+    assert set(after) == set(before) and len(after) > 5
+    for n, t in after.items():
+        pd.testing.assert_frame_equal(t, before[n])
+    drawn = {key(p.name): set(p.data["cell"]) for p in plots(df)}
+    assert {p.name: set(p.data["cell"]) for p in plots(renamed)} == drawn
+
+
 def test_throughput_has_step_spread_and_axes_name_the_device(default_cpu, paper):
     """Throughput figures draw the timed steps' min-max as error bars (tokens per step over
     the slowest and fastest step); the GPU axis says CPU ranks for a CPU run, GPUs for GPUs."""

@@ -26,6 +26,7 @@ from tspbench.core.comm import KINDS
 from tspbench.core.config import ConfigError
 from tspbench.pipeline.cells import Cell
 from tspbench.runtime.record import write_atomic
+from tspbench.runtime.spec import DECODE_MODES
 
 SCALARS = [
     "strategy",
@@ -155,13 +156,31 @@ def row(cell: Cell, path: Path) -> dict:
     return out
 
 
+# What a sweep varies decides its tables and figures, never its name: the first axis with two
+# values or more, in this order (a degree sweep may list two lengths; nothing varied: by length)
+ROLE_AXES = (("degree", "degree"), ("gpus", "scaling"), ("batch", "batch"), ("seq_len", "seq"))
+
+
+def role(rows: pd.DataFrame) -> str:
+    """A sweep's role from its training and forward rows: ``degree``, ``scaling``, ``batch``
+    or ``seq`` (decode cells have tables of their own)."""
+    for axis, name in ROLE_AXES:
+        if axis in rows and rows[axis].nunique() > 1:
+            return name
+    return "seq"
+
+
 def per_sweep(df: pd.DataFrame) -> pd.DataFrame:
     """One row per (cell, sweep): a cell listed by several sweeps (``sweep`` = ``seq;degree``)
-    appears in each, with ``sweep`` its one name there. Tables and figures select by sweep."""
+    appears in each, with ``sweep`` its one name there, and ``role`` what that sweep varies
+    (:func:`role`; ``decode`` for decode cells). Tables and figures select by role."""
     if "sweep" not in df or df.empty:
         return df
     names = df["sweep"].astype(str).str.split(SWEEP_SEP)
-    return df.assign(sweep=names).explode("sweep", ignore_index=True)
+    out = df.assign(sweep=names).explode("sweep", ignore_index=True)
+    decode = out["mode"].isin(DECODE_MODES)
+    roles = {n: role(g) for n, g in out[~decode].groupby("sweep")}
+    return out.assign(role=out["sweep"].map(roles).where(~decode, "decode"))
 
 
 def aggregate(cells: list[Cell], runs_dir: Path) -> pd.DataFrame:

@@ -210,7 +210,7 @@ def lowest_memory_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
                 else:
                     losses.append((text, d[subject] - d[best]))
     cpu = per_sweep(pd.read_csv(src.measured))  # a cell of two sweeps counts in each
-    seq = cpu[(cpu.sweep == "seq") & (cpu.status == "ok") & (cpu["mode"] == "train")]
+    seq = cpu[(cpu.role == "seq") & (cpu.status == "ok") & (cpu["mode"] == "train")]
     cpu_ok = all(
         tied(g.set_index("strategy").peak_mem_bytes[subject], g.peak_mem_bytes.min())
         for _, g in seq.groupby("seq_len")

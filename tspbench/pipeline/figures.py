@@ -97,12 +97,12 @@ def plots(df: pd.DataFrame) -> list[Plot]:
     mem = f"peak memory per {one} ({unit})"
     spread = ("tokens_lo", "tokens_hi")
     out: list[Plot] = []
-    seq_train = df[(df["sweep"] == "seq") & (df["mode"] == "train")]
+    seq_train = df[(df["role"] == "seq") & (df["mode"] == "train")]
     fwd = forward(df)  # each forward-only cell once, from whichever sweeps list it
     fwd_sweeps = "+".join(sorted(set(df.loc[df["cell"].isin(fwd["cell"]), "sweep"])))
     for mode, part in (("train", seq_train), ("infer", fwd)):
         what, sfx = ("training", "") if mode == "train" else ("forward only", "_infer")
-        sweep = "seq" if mode == "train" else fwd_sweeps
+        sweep = "+".join(sorted(set(part["sweep"]))) if mode == "train" else fwd_sweeps
         for tag, d, seq in groups(part, "degree", "D"):
             out += [
                 Plot(
@@ -133,12 +133,12 @@ def plots(df: pd.DataFrame) -> list[Plot]:
                 name = f"memory_breakdown{tag}"
                 out.append(Plot(name, sweep, longest, "label", "peak", "", mem, "", "breakdown"))
     for mode in ("train", "infer"):
-        sc = df[(df["sweep"] == "scaling") & (df["mode"] == mode)]
+        sc = df[(df["role"] == "scaling") & (df["mode"] == mode)]
         for S, part in sc.groupby("seq_len"):
             out.append(
                 Plot(
                     f"throughput_vs_gpus_{mode}_S{S}",
-                    "scaling",
+                    "+".join(sorted(set(part["sweep"]))),
                     part,
                     "gpus",
                     "tokens_per_s",
@@ -164,8 +164,8 @@ def plots(df: pd.DataFrame) -> list[Plot]:
                 "comm",
             )
         )
-    for sweep in ("batch", "microbatch"):
-        for tag, S, mb in groups(df[df["sweep"] == sweep], "seq_len", "S"):
+    for sweep, rows in df[df["role"] == "batch"].groupby("sweep", sort=False):
+        for tag, S, mb in groups(rows, "seq_len", "S"):
             title = f"vs micro-batch (S = {S}, {int(mb['gpus'].max())} {many})"
             out += [
                 Plot(
@@ -190,12 +190,12 @@ def plots(df: pd.DataFrame) -> list[Plot]:
                     spread=spread,
                 ),
             ]
-    deg = df[df["sweep"] == "degree"]
+    deg = df[df["role"] == "degree"]
     for S, part in deg.groupby("seq_len"):
         out.append(
             Plot(
                 f"memory_vs_degree_S{S}",
-                "degree",
+                "+".join(sorted(set(part["sweep"]))),
                 part,
                 "degree",
                 "peak",

@@ -86,8 +86,8 @@ def report_labels(summary: str | Path, kind: str, name: str) -> dict[str, str]:
 
 
 def forward(df: pd.DataFrame) -> pd.DataFrame:
-    """Forward-only cells of the seq and comm sweeps, each once (a cell may be in both)."""
-    part = df[df["sweep"].isin(["seq", "comm"]) & (df["mode"] == "infer")]
+    """Forward-only cells of the sweeps over length, each once (a cell may be in two)."""
+    part = df[(df["role"] == "seq") & (df["mode"] == "infer")]
     return part.drop_duplicates("cell") if "cell" in part else part
 
 
@@ -140,7 +140,7 @@ def specs(df: pd.DataFrame) -> list[tuple[str, str, pd.DataFrame]]:
     df = per_sweep(df)
     df = df.assign(peak=df["peak_mem_bytes"] / scale, kbytes=df.get("comm_bytes_total", 0) / 1e3)
     out = []
-    seq_train = df[(df["mode"] == "train") & (df["sweep"] == "seq")]
+    seq_train = df[(df["mode"] == "train") & (df["role"] == "seq")]
     for mode, part in (("train", seq_train), ("infer", forward(df))):
         what, sfx = ("training step", "") if mode == "train" else ("forward pass", "_infer")
         for tag, d, g in groups(part, "degree", "D"):
@@ -160,7 +160,7 @@ def specs(df: pd.DataFrame) -> list[tuple[str, str, pd.DataFrame]]:
                 )
             )
     for mode in ("train", "infer"):
-        sc = df[(df["sweep"] == "scaling") & (df["mode"] == mode)]
+        sc = df[(df["role"] == "scaling") & (df["mode"] == mode)]
         for S, part in sc.groupby("seq_len"):
             out.append(
                 (
@@ -189,8 +189,8 @@ def specs(df: pd.DataFrame) -> list[tuple[str, str, pd.DataFrame]]:
                 pivot(g, "label", "seq_len", "kbytes", "{:.0f}"),
             )
         )
-    for sweep in ("batch", "microbatch"):
-        for tag, S, mb in groups(df[df["sweep"] == sweep], "seq_len", "S"):
+    for sweep, rows in df[df["role"] == "batch"].groupby("sweep", sort=False):
+        for tag, S, mb in groups(rows, "seq_len", "S"):
             out.append(
                 (
                     f"{sweep}_memory{tag}",
@@ -205,7 +205,7 @@ def specs(df: pd.DataFrame) -> list[tuple[str, str, pd.DataFrame]]:
                     pivot(mb, "label", "batch", "tokens_per_s", "{:.0f}"),
                 )
             )
-    deg = df[df["sweep"] == "degree"]
+    deg = df[df["role"] == "degree"]
     for S, part in deg.groupby("seq_len"):
         out.append(
             (
