@@ -57,6 +57,22 @@ def _ops_key(key: RunSpec) -> str:
                        key.kv_backward], sort_keys=True)  # fmt: skip
 
 
+MAX_OPS = 10**8  # operations per layer count: far above any model's (about 10^4 per layer)
+
+
+def _checksum(counts: dict) -> str:
+    return hashlib.sha256(json.dumps(counts, sort_keys=True).encode()).hexdigest()
+
+
+def _valid(v: object) -> bool:
+    """One- and two-layer counts: integers with 0 < n1 < n2 (a layer adds operations)."""
+    if not isinstance(v, list) or len(v) != 2:
+        return False
+    if any(isinstance(n, bool) or not isinstance(n, int) for n in v):
+        return False
+    return 0 < v[0] < v[1] <= MAX_OPS
+
+
 class OpsCache:
     """Operations per step of a configuration (``costmodel.count_ops``), kept on disk as the
     one- and two-layer counts of its shrunk copy (``costmodel.count_key``), so that every S,
@@ -71,16 +87,16 @@ class OpsCache:
             self.counts = self._read()
 
     def _read(self) -> dict[str, list[int]]:
-        """The counts on disk (an unreadable or foreign file counts as empty)."""
+        """The counts on disk: a file whose checksum does not match (edited, cut, foreign) counts
+        as empty, and so does an entry out of range (a plan would use it silently)."""
         try:
             data = json.loads(self.path.read_text()) if self.path.exists() else {}
-        except (OSError, ValueError):
+            counts = data["counts"]
+            if not isinstance(counts, dict) or data["sha256"] != _checksum(counts):
+                return {}
+        except (OSError, ValueError, TypeError, KeyError):
             return {}
-        if not isinstance(data, dict):
-            return {}
-        return {k: v for k, v in data.items()
-                if isinstance(v, list) and len(v) == 2
-                and all(isinstance(n, int) and not isinstance(n, bool) for n in v)}  # fmt: skip
+        return {k: v for k, v in counts.items() if _valid(v)}
 
     def get(self, spec: RunSpec) -> int:
         key = costmodel.count_key(spec)
@@ -104,7 +120,8 @@ class OpsCache:
         # and what others wrote meanwhile
         self.counts = {**self._read(), **self.counts}
         try:
-            write_atomic(self.path, json.dumps(self.counts))
+            doc = {"counts": self.counts, "sha256": _checksum(self.counts)}
+            write_atomic(self.path, json.dumps(doc))
         except OSError:
             self.path = None  # unwritable cache: keep counting in memory
 
@@ -125,7 +142,8 @@ def estimate_peak(spec: RunSpec, root: Path | None, kernel: str = "fused") -> di
         if path.exists():
             try:
                 old = json.loads(path.read_text())
-                if isinstance(old.get("peak_mem_bytes"), int | float) and old.get("key") == key:
+                peak = old.get("peak_mem_bytes")
+                if isinstance(peak, int) and peak > 0 and old.get("key") == key:
                     return {**old, "cached": True}
             except (OSError, ValueError, AttributeError):
                 pass
