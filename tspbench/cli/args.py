@@ -4,6 +4,8 @@ line naming the field and the rule."""
 from __future__ import annotations
 
 import argparse
+import difflib
+import re
 import sys
 
 from tspbench.runtime.spec import CHOICES, parse_size
@@ -32,8 +34,18 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # one line, exit 2
-        print(f"tspbench: error: {message}", file=sys.stderr)
+        print(f"tspbench: error: {message}{did_you_mean(message)}", file=sys.stderr)
         raise SystemExit(EXIT_USAGE)
+
+
+def did_you_mean(message: str) -> str:
+    """'; did you mean X?' for argparse's invalid choice, where one choice is close."""
+    choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+    if not choice:
+        return ""
+    names = [a or b for a, b in re.findall(r"'([^']*)'|([\w.-]+)", choice[2])]
+    close = difflib.get_close_matches(choice[1], names, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 NEW_TOKENS = (2, 65536)  # --new-tokens of run and plan, and the sweep schema's new_tokens
@@ -130,9 +142,6 @@ def add_run_args(p: argparse.ArgumentParser, strategy: str | None = None) -> Non
     )
     p.add_argument("--batch", type=int_in(1, 4096), default=1, help="micro-batch per replica")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    p.add_argument("--warmup", type=int_in(0, 1000), default=1)
-    p.add_argument("--steps", type=int_in(1, 1000), default=3)
-    p.add_argument("--seed", type=int_in(0, 2**31 - 1), default=0)
     p.add_argument(
         "--recompute",
         choices=("none", "full"),
@@ -167,6 +176,13 @@ def add_run_args(p: argparse.ArgumentParser, strategy: str | None = None) -> Non
         "default) or keeps the forward's (save: no backward gather, the full-sequence K/V of "
         "every head alive per layer)",
     )
+
+
+def add_measure_args(p: argparse.ArgumentParser) -> None:
+    """What only a measured run uses (``model``, ``estimate`` and ``project`` time nothing)."""
+    p.add_argument("--warmup", type=int_in(0, 1000), default=1)
+    p.add_argument("--steps", type=int_in(1, 1000), default=3)
+    p.add_argument("--seed", type=int_in(0, 2**31 - 1), default=0)
     p.add_argument(
         "--max-memory",
         type=size_bytes,

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from tspbench.cli.args import add_launch_args, add_run_args, int_in, launch_argv
+from tspbench.cli.args import (
+    add_launch_args,
+    add_measure_args,
+    add_run_args,
+    int_in,
+    launch_argv,
+)
 from tspbench.runtime.record import check_out
 from tspbench.runtime.spec import RunSpec
 
@@ -101,10 +107,12 @@ def add_parsers(sub) -> None:
 
     r = sub.add_parser("run", help="one measured run, written as a JSON record")
     add_run_args(r)
+    add_measure_args(r)
     add_launch_args(r)
     r.set_defaults(func=cmd_run, guarded=True)
     o = sub.add_parser("overlap", help="how much of a strategy's traffic hides behind compute")
     add_run_args(o, strategy="tsp")
+    add_measure_args(o)
     add_launch_args(o)
     o.set_defaults(func=cmd_overlap, guarded=True)
     lay = sub.add_parser("layout", help="list model and data-parallel groups, flag node crossings")

@@ -53,6 +53,9 @@ def mlp_tag(tag: str, mlp_schedule: str) -> str:
 RECORD_SCHEMA_VERSION = 1
 
 
+MEASURE_FIELDS = ("seed", "warmup", "steps", "max_memory", "quiet")  # only a measured run's
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunSpec:
     """Everything that defines one run: validated on construction, before any process starts."""
@@ -156,11 +159,7 @@ class RunSpec:
             kv_bucket=args.kv_bucket,
             mlp_schedule=getattr(args, "mlp_schedule", None) or "ring",
             kv_backward=getattr(args, "kv_backward", None) or "regather",
-            seed=args.seed,
-            warmup=args.warmup,
-            steps=args.steps,
-            max_memory=args.max_memory,
-            quiet=getattr(args, "quiet", False),
+            **{k: getattr(args, k) for k in MEASURE_FIELDS if hasattr(args, k)},
         )
 
     def to_argv(self) -> list[str]:
