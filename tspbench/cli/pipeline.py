@@ -109,13 +109,18 @@ def cmd_claims(args: argparse.Namespace) -> int:
         src.measured = Path(args.measured).resolve()
     if args.projected:
         src.projected = Path(args.projected).resolve()
-    for what, where, given in (
+    options = (
         ("--measured", src.measured, args.measured),
         ("--projected", src.projected, args.projected),
-    ):
-        if not where.exists():  # a default lies under the current directory: say so
-            hint = "" if given else f" (run from a tspbench checkout, or give {what})"
-            raise ConfigError(f"{what}={str(where)!r}: no such file or folder{hint}")
+    )
+    missing = [(what, where, given) for what, where, given in options if not where.exists()]
+    if missing:  # both at once; a default lies under the current directory: say so
+        said = "; ".join(
+            f"{what}={str(where)!r}: no such file or folder" for what, where, _ in missing
+        )
+        defaults = " and ".join(what for what, _, given in missing if not given)
+        hint = f" (defaults are under the current directory: run in a checkout or give {defaults})"
+        raise ConfigError(said + (hint if defaults else ""))
     df = claims_table(path, src)
     text = write_claims(
         df, Path(args.out) if args.out else None, Path(args.md) if args.md else None
