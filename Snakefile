@@ -10,6 +10,7 @@ import sys
 import yaml
 from snakemake.utils import min_version, validate
 
+from tspbench.core import datafiles
 from tspbench.core.config import ConfigError
 from tspbench.pipeline.cells import (
     check_gpu_build,
@@ -30,8 +31,9 @@ try:  # tspbench's checks first: strict integers, finite numbers, no aliases, ru
     CELLS_LIST, FILTERED = sweep_cells(config)
 except ConfigError as e:
     raise ValueError(f"config error: {e}") from None
-# the same schema again, for the defaults it fills in
-validate(config, "workflows/schemas/config.schema.yaml")
+# the same schema again, for the defaults it fills in (the packaged file: its strategy list is
+# filled in by tspbench's check above, which snakemake's validate would not do)
+validate(config, str(datafiles.path("schemas/config.schema.yaml")))
 CELLS = {c.id: c for c in CELLS_LIST}
 NAME = config["name"]
 OUT = f"results/{NAME}"

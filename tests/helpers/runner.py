@@ -54,11 +54,12 @@ def snakemake(
 
 
 def copy_workflow(dst: Path) -> Path:
-    """A scratch copy of the pipeline (Snakefile, rules, configs, profiles, env) in ``dst``, so
-    a test's sweep writes its results there and not into the repository."""
+    """A scratch copy of the pipeline (Snakefile, rules, configs, profiles, env, and the committed
+    references the claims rule falls back to under its workdir) in ``dst``, so a test's sweep
+    writes its results there and not into the repository."""
     import shutil
 
-    for item in ("Snakefile", "workflows", "env", "profiles"):
+    for item in ("Snakefile", "workflows", "env", "profiles", "results/reference"):
         src = ROOT / item
         (shutil.copytree if src.is_dir() else shutil.copy)(src, dst / item)
     return dst

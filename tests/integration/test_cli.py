@@ -11,11 +11,12 @@ import sys
 import jsonschema
 import pytest
 
-from tests.helpers.runner import ROOT, tool, tspbench
+from tests.helpers.runner import tool, tspbench
 from tspbench.core import attention
+from tspbench.runtime.registry import schema
 
 BASE = ["--model", "tiny", "--seq-len", "32", "--warmup", "0", "--steps", "1", "--quiet"]
-SCHEMA = json.loads((ROOT / "tspbench/schemas/record.schema.json").read_text())
+SCHEMA = schema("record.schema.json")
 # every strategy on the same global batch of 4 sequences
 RUNS = {
     "single": ["--strategy", "single", "--batch", "4"],

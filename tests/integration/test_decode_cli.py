@@ -9,13 +9,14 @@ import json
 import jsonschema
 import pytest
 
-from tests.helpers.runner import ROOT, tspbench
+from tests.helpers.runner import tspbench
 from tspbench.core.config import get_config
 from tspbench.core.decode import bytes_per_step
 from tspbench.projection.estimate import estimate
+from tspbench.runtime.registry import schema
 from tspbench.runtime.spec import RunSpec
 
-SCHEMA = json.loads((ROOT / "tspbench/schemas/record.schema.json").read_text())
+SCHEMA = schema("record.schema.json")
 BASE = ["--model", "tiny", "--prompt-len", "16", "--new-tokens", "5", "--batch", "2",
         "--warmup", "0", "--steps", "2", "--quiet", "--launch", "local"]  # fmt: skip
 RUNS = {

@@ -69,7 +69,7 @@ def test_projected_config_with_a_shell_command_is_refused_by_the_dry_run(tmp_pat
 
 
 def test_plan_config_with_a_shell_command_is_refused_by_snakemake_and_plan_map(tmp_path):
-    """workflows/config/plan.yaml (workflows/schemas/plan.schema.yaml): a value that is not the
+    """workflows/config/plan.yaml (tspbench/schemas/plan.schema.yaml): a value that is not the
     schema's stops `snakemake plan` at parse time, and `tspbench plan-map --config` with one
     line and exit 2; nothing in it is run, nothing is written."""
     copy_workflow(tmp_path)

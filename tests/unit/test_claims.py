@@ -1,5 +1,5 @@
 """The paper's claims table: made from the committed references in seconds, every claim of
-workflows/paper/claims.yaml answered, and a throughput claim above what the hardware's peak
+tspbench/data/claims.yaml answered, and a throughput claim above what the hardware's peak
 FLOP rate allows is called out as such."""
 
 from __future__ import annotations
@@ -12,23 +12,24 @@ import yaml
 
 from tests.helpers.runner import ROOT
 from tspbench.core.config import get_config
-from tspbench.pipeline.claims import Sources, claims_table
+from tspbench.pipeline.claims import CLAIMS, Sources, claims_table
 
 REFS = Sources(ROOT / "results/reference/projected-7b",
                ROOT / "results/reference/calibration/default-summary-1.csv")  # fmt: skip
 VERDICTS = {"holds", "partly", "differs", "not checkable here"}
 
 
-def test_the_table_answers_every_claim_from_the_references_in_seconds(tmp_path):
+def test_the_table_answers_every_claim_from_the_references_in_seconds(tmp_path, monkeypatch):
     from tspbench.cli import main
 
+    monkeypatch.chdir(ROOT)  # the default sources lie under the current directory
     t0 = time.monotonic()
     assert main(["claims", "--out", str(tmp_path / "c.csv"), "--md", str(tmp_path / "c.md")]) == 0
     assert time.monotonic() - t0 < 30
     df = pd.read_csv(tmp_path / "c.csv")
     assert list(df.columns[:5]) == ["claim", "paper", "ours", "verdict", "reason"]
     assert set(df["verdict"]) <= VERDICTS and df["ours"].notna().all()
-    spec = yaml.safe_load((ROOT / "workflows/paper/claims.yaml").read_text())
+    spec = yaml.safe_load(CLAIMS.read_text())
     for c in spec["claims"]:
         assert df["claim"].str.startswith(c["claim"]).any(), c["claim"]
 
@@ -59,8 +60,9 @@ def test_forward_crossover_is_near_8h_and_training_crossovers_are_stated():
 
 def test_the_kinds_of_the_schema_are_the_checks():
     from tspbench.pipeline.claims import CHECKS, SCHEMA
+    from tspbench.runtime.registry import schema as packaged
 
-    schema = yaml.safe_load(SCHEMA.read_text())
+    schema = packaged(SCHEMA)
     kinds = schema["properties"]["claims"]["items"]["properties"]["kind"]["enum"]
     assert sorted(kinds) == sorted(CHECKS)
 
@@ -80,7 +82,7 @@ BAD_CLAIMS = [
 def test_a_bad_claims_file_exits_2_in_one_line_naming_the_field(tmp_path, capsys, change, needle):
     from tspbench.cli import main
 
-    spec = yaml.safe_load((ROOT / "workflows/paper/claims.yaml").read_text())
+    spec = yaml.safe_load(CLAIMS.read_text())
     change(spec)
     path = tmp_path / "claims.yaml"
     path.write_text(yaml.safe_dump(spec))
@@ -92,7 +94,7 @@ def test_a_bad_claims_file_exits_2_in_one_line_naming_the_field(tmp_path, capsys
 def test_the_subject_is_the_claims_files_own(tmp_path):
     """The strategy the claims are about is data: each strategy that beats the subject in a
     (length, recompute) cell is set against the file's subject, whichever it is."""
-    spec = yaml.safe_load((ROOT / "workflows/paper/claims.yaml").read_text())
+    spec = yaml.safe_load(CLAIMS.read_text())
     lowest = next(c for c in spec["claims"] if c["kind"] == "lowest_memory")
     path = tmp_path / "claims.yaml"
     for subject, other in (("tsp", "tp"), ("tp", "tsp")):
@@ -106,7 +108,7 @@ def test_the_subject_is_the_claims_files_own(tmp_path):
 def test_every_claim_runs_with_another_subject(tmp_path):
     """No check assumes the subject is TSP: with ``subject: tp`` every claim still gives a row
     (TP has no K/V backward choice, so its memory rows carry no design-choice note)."""
-    spec = yaml.safe_load((ROOT / "workflows/paper/claims.yaml").read_text())
+    spec = yaml.safe_load(CLAIMS.read_text())
     path = tmp_path / "claims.yaml"
     path.write_text(yaml.safe_dump({**spec, "subject": "tp"}))
     table = claims_table(path, REFS)
@@ -116,10 +118,11 @@ def test_every_claim_runs_with_another_subject(tmp_path):
 
 def test_claims_schema_enums_are_the_registries():
     from tspbench.core.config import PRESETS
+    from tspbench.runtime.registry import schema as packaged
     from tspbench.runtime.registry import strategies
 
-    schema = yaml.safe_load((ROOT / "workflows/schemas/claims.schema.yaml").read_text())
-    assert sorted(schema["$defs"]["strategy"]["enum"]) == sorted(strategies())
+    schema = packaged("claims.schema.yaml")
+    assert schema["$defs"]["strategy"]["enum"] == list(strategies())
     assert schema["properties"]["model"]["enum"] == list(PRESETS)
 
 

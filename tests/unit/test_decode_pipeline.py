@@ -95,9 +95,10 @@ def test_bad_decode_sweeps_exit_2_in_one_line(tmp_path, capsys, change, needle):
 
 def test_new_tokens_schema_bounds_are_the_cli_bounds():
     from tspbench.cli import make_parser
+    from tspbench.runtime.registry import schema
 
-    schema = yaml.safe_load((ROOT / "workflows/schemas/config.schema.yaml").read_text())
-    items = schema["properties"]["sweeps"]["items"]["properties"]["new_tokens"]["items"]
+    sweep = schema("config.schema.yaml")["properties"]["sweeps"]["items"]
+    items = sweep["properties"]["new_tokens"]["items"]
     sub = next(a for a in make_parser()._actions if isinstance(a, argparse._SubParsersAction))
     action = next(a for a in sub.choices["run"]._actions if "--new-tokens" in a.option_strings)
     for value, ok in ((items["minimum"], True), (items["maximum"], True),

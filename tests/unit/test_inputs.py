@@ -19,6 +19,7 @@ from tests.helpers.configs import MINI
 from tests.helpers.runner import ROOT
 from tspbench.cli import main
 from tspbench.runtime.local import max_local_ranks
+from tspbench.runtime.registry import schema
 
 DEFAULT = yaml.safe_load((ROOT / "workflows/config/default.yaml").read_text())
 TOL = yaml.safe_load((ROOT / "workflows/regress.yaml").read_text())
@@ -144,7 +145,7 @@ def test_shipped_configs_stay_valid(capsys):
 
 # -- B: the schema and the CLI share one set of ranges -------------------------------------------
 
-SCHEMA = yaml.safe_load((ROOT / "workflows/schemas/config.schema.yaml").read_text())
+SCHEMA = schema("config.schema.yaml")
 SWEEP = SCHEMA["properties"]["sweeps"]["items"]["properties"]
 SHARED = [  # (schema bounds of a value, the tspbench run option that receives it)
     (SCHEMA["properties"]["warmup"], "--warmup"),

@@ -5,14 +5,13 @@ plan` and `tspbench plan-map`: tests/integration/test_pipeline_inputs.py)."""
 from __future__ import annotations
 
 import pytest
-import yaml
 
 from tests.helpers.runner import ROOT
 from tspbench.core.config import PRESETS, ConfigError
 from tspbench.projection import costmodel, planmap
-from tspbench.runtime.registry import strategies
+from tspbench.runtime.registry import schema, strategies
 
-SCHEMA = yaml.safe_load((ROOT / "workflows/schemas/plan.schema.yaml").read_text())["properties"]
+SCHEMA = schema("plan.schema.yaml")["properties"]
 GOOD = "maps: [{model: 7b, hardware: mi300x}]\nseq_lens: [65536]\ngpus: [8]\n"
 
 

@@ -5,8 +5,9 @@ import math
 import pytest
 import yaml
 
+from tests.helpers.runner import ROOT
 from tspbench.core.config import ConfigError
-from tspbench.pipeline.cells import ROOT, sweep_cells
+from tspbench.pipeline.cells import sweep_cells
 from tspbench.pipeline.resources import STOP_MARGIN_S, runtime_minutes, slurm_resources
 from tspbench.projection.costmodel import load_preset, project
 

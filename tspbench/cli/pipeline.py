@@ -99,19 +99,28 @@ def _regress(args: argparse.Namespace) -> int:
 
 
 def cmd_claims(args: argparse.Namespace) -> int:
-    from tspbench.pipeline.claims import Sources, claims_table, write_claims
+    from tspbench.pipeline.claims import CLAIMS, Sources, claims_table, write_claims
 
-    path = Path(args.claims)
+    path = Path(args.claims) if args.claims else CLAIMS
     if not path.is_file():
-        raise ConfigError(f"--claims={args.claims!r}: no such file")
+        raise ConfigError(f"--claims={str(path)!r}: no such file")
     src = Sources.find()
     if args.measured:
         src.measured = Path(args.measured).resolve()
     if args.projected:
         src.projected = Path(args.projected).resolve()
-    for what, where in (("--measured", src.measured), ("--projected", src.projected)):
-        if not where.exists():
-            raise ConfigError(f"{what}={str(where)!r}: no such file or folder")
+    options = (
+        ("--measured", src.measured, args.measured),
+        ("--projected", src.projected, args.projected),
+    )
+    missing = [(what, where, given) for what, where, given in options if not where.exists()]
+    if missing:  # both at once; a default lies under the current directory: say so
+        said = "; ".join(
+            f"{what}={str(where)!r}: no such file or folder" for what, where, _ in missing
+        )
+        defaults = " and ".join(what for what, _, given in missing if not given)
+        hint = f" (defaults are under the current directory: run in a checkout or give {defaults})"
+        raise ConfigError(said + (hint if defaults else ""))
     df = claims_table(path, src)
     text = write_claims(
         df, Path(args.out) if args.out else None, Path(args.md) if args.md else None
@@ -122,19 +131,23 @@ def cmd_claims(args: argparse.Namespace) -> int:
 
 def add_parsers(sub) -> None:
     cl = sub.add_parser("claims", help="the paper's claims against ours, one row per claim")
-    cl.add_argument("--claims", default="workflows/paper/claims.yaml")
+    cl.add_argument(
+        "--claims",
+        default=None,
+        help="claims YAML (default: the paper's, tspbench/data/claims.yaml)",
+    )
     cl.add_argument("--out", default=None, help="CSV: claim, paper, ours, verdict, reason, ...")
     cl.add_argument("--md", default=None, help="also write the Markdown table here")
     cl.add_argument(
         "--measured",
         default=None,
-        help="an aggregate summary.csv (default: fresh "
+        help="an aggregate summary.csv (default, under the current directory: fresh "
         "results/default, else the committed CPU reference)",
     )
     cl.add_argument(
         "--projected",
         default=None,
-        help="folder of projected tables (default: "
+        help="folder of projected tables (default, under the current directory: "
         "fresh results/projected, else results/reference/projected-7b)",
     )
     cl.set_defaults(func=cmd_claims)

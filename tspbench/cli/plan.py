@@ -14,15 +14,10 @@ GiB = 2**30
 
 
 def schema_models() -> list[str]:
-    """The model presets a sweep config may name (workflows/schemas/config.schema.yaml)."""
-    import yaml
+    """The model presets a sweep config may name (tspbench/schemas/config.schema.yaml)."""
+    from tspbench.runtime.registry import schema
 
-    from tspbench.pipeline.cells import SCHEMA
-
-    try:
-        return list(yaml.safe_load(SCHEMA.read_text())["properties"]["model"]["enum"])
-    except (OSError, KeyError, TypeError):  # an installed package without the workflows
-        return ["tiny", "small", "7b"]
+    return list(schema("config.schema.yaml")["properties"]["model"]["enum"])
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

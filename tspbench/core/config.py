@@ -67,7 +67,7 @@ def read_csv_input(path: str | os.PathLike, what: str):
         raise ConfigError(f"{_named(what, path)}: not a CSV table ({first})") from None
 
 
-# Every field's range, shared by --set, configs and presets (workflows/schemas/config.schema.yaml
+# Every field's range, shared by --set, configs and presets (tspbench/schemas/config.schema.yaml
 # must agree; a test checks it): large enough for any real model, small enough that a typo
 # (vocab=2e9) is refused instead of allocated.
 RANGES: dict[str, tuple[float, float]] = {

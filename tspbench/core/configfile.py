@@ -12,6 +12,7 @@ from typing import Any
 
 import yaml
 
+from tspbench.core import datafiles
 from tspbench.core.config import ConfigError, read_input
 
 MAX_YAML_BYTES = 2**20  # configs and tolerances are a few kB
@@ -68,12 +69,12 @@ def non_finite(obj: object) -> tuple[str, float] | None:
 
 
 @functools.cache
-def _validator(schema: Path) -> Any:
-    """``schema``'s validator, with integers that are ints: JSON Schema counts 2.0 as an integer,
-    and the CLI refuses "2.0" (cached: aggregate checks every record of a sweep)."""
+def _validator(schema: str, strategies: tuple[str, ...]) -> Any:
+    """The packaged ``schema``'s validator, with integers that are ints: JSON Schema counts 2.0
+    as an integer, and the CLI refuses "2.0" (cached: aggregate checks every record of a sweep)."""
     import jsonschema
 
-    spec = yaml.safe_load(schema.read_text())
+    spec = datafiles.schema(schema, strategies)
     base = jsonschema.validators.validator_for(spec)
     strict = base.TYPE_CHECKER.redefine(
         "integer", lambda _, v: isinstance(v, int) and not isinstance(v, bool)
@@ -81,9 +82,12 @@ def _validator(schema: Path) -> Any:
     return jsonschema.validators.extend(base, type_checker=strict)(spec)
 
 
-def check_schema(obj: object, schema: Path, what: str, finite: bool = True) -> None:
-    """Validate ``obj`` against ``schema`` (strict integers; with ``finite``, no NaN or infinity
-    anywhere); ConfigError naming the field, the value and the rule, on one line."""
+def check_schema(
+    obj: object, schema: str, what: str, finite: bool = True, strategies: tuple[str, ...] = ()
+) -> None:
+    """Validate ``obj`` against the packaged ``schema`` (its strategy enums ``strategies``; strict
+    integers; with ``finite``, no NaN or infinity anywhere); ConfigError naming the field, the
+    value and the rule, on one line."""
     import jsonschema
 
     try:
@@ -92,7 +96,7 @@ def check_schema(obj: object, schema: Path, what: str, finite: bool = True) -> N
         raise ConfigError(f"{what}: {e}") from None
     if finite and bad:
         raise ConfigError(f"{what}: {bad[0]}: {bad[1]!r} is not a finite number")
-    error = jsonschema.exceptions.best_match(_validator(schema).iter_errors(obj))
+    error = jsonschema.exceptions.best_match(_validator(schema, strategies).iter_errors(obj))
     if error is not None:
         where = ".".join(map(str, error.absolute_path)) or "(top level)"
         message = error.message  # the value's repr, then the rule: keep both ends of a long one

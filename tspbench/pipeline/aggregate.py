@@ -26,6 +26,7 @@ from tspbench.core.comm import KINDS
 from tspbench.core.config import ConfigError
 from tspbench.pipeline.cells import Cell
 from tspbench.runtime.record import write_atomic
+from tspbench.runtime.registry import names
 from tspbench.runtime.spec import DECODE_MODES
 
 SCALARS = [
@@ -91,7 +92,6 @@ CELL_KEYS = (
 # would put that cell's numbers in this row
 MATCH_KEYS = (*CELL_KEYS, "dtype", "model")
 SWEEP_SEP = ";"  # sweep names are [A-Za-z0-9_-]+ (the config schema): never in a name
-RECORD_SCHEMA = Path(__file__).resolve().parents[1] / "schemas/record.schema.json"
 MAX_RECORD_BYTES = 64 * 2**20  # a record is a few kB; anything near this is not one
 
 
@@ -106,7 +106,7 @@ def read_record(cell: Cell, path: Path) -> tuple[dict | None, str]:
         if path.stat().st_size > MAX_RECORD_BYTES:
             return None, f"{path}: {path.stat().st_size} bytes, not a run record"
         rec = json.loads(path.read_text())
-        check_schema(rec, RECORD_SCHEMA, str(path), finite=False)
+        check_schema(rec, "record.schema.json", str(path), finite=False, strategies=names())
     except (OSError, ValueError, RecursionError) as e:  # ConfigError and JSON errors included
         return None, str(e) if isinstance(e, ConfigError) else f"{path}: {type(e).__name__}: {e}"
     expected = cell.spec.header("", cell.gpus)

@@ -13,19 +13,16 @@ import math
 import os
 import shlex
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from tspbench.core.config import ConfigError, get_config
 from tspbench.core.configfile import check_schema, non_finite, read_yaml
 from tspbench.core.strategy import Layout
 from tspbench.pipeline.resources import slurm_resources
 from tspbench.runtime.local import max_local_ranks
-from tspbench.runtime.registry import get_strategy, strategies
+from tspbench.runtime.registry import get_strategy, names, strategies
 from tspbench.runtime.spec import DECODE_MODES, DEFAULT_NEW_TOKENS, RunSpec, mlp_tag, parse_size
 
 __all__ = [
-    "ROOT",
-    "SCHEMA",
     "Cell",
     "check_gpu_build",
     "check_schema",
@@ -138,8 +135,6 @@ def check_decode_sweep(i: int, sweep: dict) -> None:
             )
 
 
-ROOT = Path(__file__).resolve().parents[2]
-SCHEMA = ROOT / "workflows/schemas/config.schema.yaml"
 # every combination becomes a RunSpec at parse time (~60 us each): more than this is a typo, and
 # would stall every snakemake start
 MAX_COMBINATIONS = 10_000
@@ -220,7 +215,7 @@ def sweep_cells(config: dict, what: str = "config") -> tuple[list[Cell], list[di
     divisible by T, a batch DP cannot split) is filtered with its reason, never dropped silently;
     a config whose every combination is filtered is an error.
     """
-    check_schema(config, SCHEMA, what)
+    check_schema(config, "config.schema.yaml", what, strategies=names())
     _check_size(config, what)
     cfg = get_config(config["model"], **config.get("model_overrides", {}))
     common = _common(config, what)

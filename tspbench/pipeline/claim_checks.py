@@ -20,19 +20,21 @@ from tspbench.runtime.registry import get_strategy
 from tspbench.runtime.spec import RunSpec
 
 GB, GiB = 1e9, 2**30
-ROOT = Path(__file__).resolve().parents[2]
 HOLDS, PARTLY = 0.15, 0.35  # relative differences for holds / partly
 
 
 @dataclass
 class Sources:
-    """Where the numbers come from: fresh outputs if present, else the committed references."""
+    """Where the numbers come from: fresh outputs if present, else the committed references, both
+    under ``root`` (the current directory: a checkout, the Snakemake workdir; never the package's
+    location, which an installed wheel has apart from any results)."""
 
     projected: Path
     measured: Path
 
     @classmethod
-    def find(cls, root: Path = ROOT) -> Sources:
+    def find(cls, root: Path | None = None) -> Sources:
+        root = root or Path.cwd()
         fresh = root / "results/projected"
         projected = (
             fresh if (fresh / "memory.csv").exists() else root / "results/reference/projected-7b"
@@ -49,8 +51,9 @@ class Sources:
 
 
 def _rel(path: Path) -> str:
-    """A path as the repository names it (absolute when it lies elsewhere)."""
-    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+    """A path as the current directory names it (absolute when it lies elsewhere)."""
+    cwd = Path.cwd()
+    return str(path.relative_to(cwd)) if path.is_relative_to(cwd) else str(path)
 
 
 @dataclass

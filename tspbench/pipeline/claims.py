@@ -1,10 +1,12 @@
 """The paper's claims side by side with ours: one row per claim (``tspbench claims``).
 
-Each claim of ``workflows/paper/claims.yaml`` gets ``paper`` (the published number and its
-source), ``ours`` (measured on this machine, or projected and labelled so, with the cell or file
-it came from), a ``verdict`` (holds / partly / differs / not checkable here) and the ``reason``.
+Each claim of ``tspbench/data/claims.yaml`` (or ``--claims``) gets ``paper`` (the published
+number and its source), ``ours`` (measured on this machine, or projected and labelled so, with the
+cell or file it came from), a ``verdict`` (holds / partly / differs / not checkable here) and the
+``reason``.
 Numbers come from fresh pipeline outputs when they exist (``results/projected``,
-``results/default``), else from the committed references, so the table is made in seconds.
+``results/default``), else from the committed references (both under the current directory),
+so the table is made in seconds.
 Physical bounds are claims of their own: no throughput can beat the FLOPs the hardware's peak
 rate allows for that model, length and mode. A difference is a finding, never a target.
 """
@@ -15,14 +17,17 @@ from pathlib import Path
 
 import pandas as pd
 
+from tspbench.core import datafiles
 from tspbench.core.config import get_config
 from tspbench.core.configfile import check_schema, read_yaml
 from tspbench.pipeline import claim_checks as checks
-from tspbench.pipeline.claim_checks import ROOT, Row, Sources
+from tspbench.pipeline.claim_checks import Row, Sources
 from tspbench.pipeline.decode_claims import kv_cache_rows, longest_context_rows
+from tspbench.runtime.registry import names
 
-__all__ = ["CHECKS", "SCHEMA", "Sources", "claims_table", "write_claims"]
-SCHEMA = ROOT / "workflows/schemas/claims.schema.yaml"
+__all__ = ["CHECKS", "CLAIMS", "SCHEMA", "Sources", "claims_table", "write_claims"]
+SCHEMA = "claims.schema.yaml"
+CLAIMS = datafiles.path("data/claims.yaml")  # the paper's claims, shipped with the package
 # one check per ``kind`` of claim (the schema's enum of kinds is this dict's keys)
 CHECKS = {
     "memory": checks.memory_rows,
@@ -37,13 +42,11 @@ CHECKS = {
 }
 
 
-def claims_table(
-    path: Path = ROOT / "workflows/paper/claims.yaml", src: Sources | None = None
-) -> pd.DataFrame:
+def claims_table(path: Path = CLAIMS, src: Sources | None = None) -> pd.DataFrame:
     """Every claim of ``path`` against our numbers (one or more rows each); ConfigError (one
     line, naming the field) if the file does not follow its schema."""
     spec = read_yaml(path, "--claims")
-    check_schema(spec, SCHEMA, f"--claims={str(path)!r}")
+    check_schema(spec, SCHEMA, f"--claims={str(path)!r}", strategies=names())
     src = src or Sources.find()
     cfg = get_config(spec["model"])
     rows: list[Row] = []

@@ -36,7 +36,7 @@ from tspbench.pipeline.tables import label_order
 from tspbench.projection.analytic import memory
 from tspbench.projection.costmodel import default_mlp_schedule, load_preset, project, usable_memory
 from tspbench.runtime.record import write_atomic
-from tspbench.runtime.registry import get_strategy
+from tspbench.runtime.registry import get_strategy, names
 from tspbench.runtime.spec import RunSpec
 
 GiB = 2**30
@@ -341,9 +341,9 @@ def write_report(cfg: dict, estimates: Path, out: Path, plots: Path, command: st
 def load(path: str) -> dict[str, Any]:
     """The projection config, checked against its schema before any value reaches the estimate
     rule's shell line or the report: one-line ConfigError naming the field, value and rule."""
-    from tspbench.pipeline.cells import ROOT, check_schema, read_yaml
+    from tspbench.pipeline.cells import check_schema, read_yaml
 
     cfg = read_yaml(path, "projected config")
-    schema = ROOT / "workflows/schemas/projected.schema.yaml"
-    check_schema(cfg, schema, f"projected config {str(path)!r}")
+    where = f"projected config {str(path)!r}"
+    check_schema(cfg, "projected.schema.yaml", where, strategies=names())
     return cfg

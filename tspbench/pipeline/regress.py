@@ -56,7 +56,6 @@ class Finding:
 
 
 BAD = ("regression", "missing", "failed", "corrupt")  # verdicts that fail the check (exit 1)
-TOLERANCES_SCHEMA = Path(__file__).resolve().parents[2] / "workflows/schemas/regress.schema.yaml"
 
 
 def read_table(path: str | Path, what: str, metrics: tuple[str, ...] = ()) -> pd.DataFrame:
@@ -122,7 +121,7 @@ def load_tolerances(path: str | Path) -> dict:
     from tspbench.pipeline.cells import check_schema, read_yaml
 
     tol = read_yaml(path, "--tolerances")
-    check_schema(tol, TOLERANCES_SCHEMA, f"--tolerances={str(path)!r}")
+    check_schema(tol, "regress.schema.yaml", f"--tolerances={str(path)!r}")
     return tol
 
 

@@ -34,10 +34,10 @@ import json
 import math
 import statistics
 from dataclasses import replace
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from tspbench.core import datafiles
 from tspbench.core.comm import bus_bytes
 from tspbench.core.config import ConfigError, read_csv_input, read_json_input
 from tspbench.core.mesh import Axis
@@ -46,7 +46,7 @@ from tspbench.runtime.spec import RunSpec
 
 
 def presets() -> dict[str, dict]:
-    data = json.loads(resources.files("tspbench").joinpath("projection/hardware.json").read_text())
+    data = json.loads(datafiles.read_text("projection/hardware.json"))
     return {k: v for k, v in data.items() if not k.startswith("_")}
 
 

@@ -1,5 +1,5 @@
 """Many plans at once: ``load_config`` reads workflows/config/plan.yaml (checked against
-workflows/schemas/plan.schema.yaml) and ``sweep`` plans every cell of sequence
+tspbench/schemas/plan.schema.yaml) and ``sweep`` plans every cell of sequence
 length x GPUs into the table (one row per strategy: its best fitting configuration, the cell's
 winner, the focus strategy's (TSP's) margin) that :mod:`planfigures` draws. Everything here is
 PROJECTED (analytic memory, cost model); the planner's check is in :mod:`plancheck`.
@@ -14,24 +14,21 @@ from tspbench.core.configfile import check_schema, read_yaml
 from tspbench.projection import planner
 from tspbench.projection.plancache import OpsCache, cache_dir
 from tspbench.projection.plantypes import Plan, Request, Row
-from tspbench.runtime.registry import strategies
+from tspbench.runtime.registry import names, schema, strategies
 
 GiB = 2**30
-SCHEMA = Path(__file__).resolve().parents[2] / "workflows/schemas/plan.schema.yaml"
 
 
 # -- the config -----------------------------------------------------------------------------------
 def load_config(path: str | Path) -> dict[str, Any]:
     """workflows/config/plan.yaml, read without aliases and checked against
-    workflows/schemas/plan.schema.yaml (strict integers, finite numbers, bounded lists, known
+    tspbench/schemas/plan.schema.yaml (strict integers, finite numbers, bounded lists, known
     models, hardware and strategies); ConfigError names the key, the value and the rule. The
     schema's defaults fill the keys left out; the lengths and GPU counts come back sorted."""
-    import yaml
-
     where = f"plan config {str(path)!r}"
     cfg = read_yaml(path, "plan config")
-    check_schema(cfg, SCHEMA, where)
-    props = yaml.safe_load(SCHEMA.read_text())["properties"]
+    check_schema(cfg, "plan.schema.yaml", where, strategies=names())
+    props = schema("plan.schema.yaml")["properties"]
     out = {k: v["default"] for k, v in props.items() if "default" in v} | cfg
     out["seq_lens"], out["gpus"] = sorted(cfg["seq_lens"]), sorted(cfg["gpus"])
     out["maps"] = [dict(m) for m in cfg["maps"]]

@@ -170,14 +170,12 @@ def check_out(path: str, cell: bool = False) -> None:
         raise ConfigError(f"--out={path!r}: cannot write there ({e.strerror})") from None
 
 
-SCHEMA = Path(__file__).resolve().parents[1] / "schemas/record.schema.json"
-
-
 def check_record(path: str) -> dict[str, Any]:
     """The record at ``path`` if it is valid against its schema (ConfigError naming where not)."""
     import jsonschema
 
     from tspbench.core.config import ConfigError, read_input
+    from tspbench.runtime.registry import schema
 
     text = read_input(path, "record", max_bytes=2**24)  # a FIFO, a device, a binary file
 
@@ -189,7 +187,7 @@ def check_record(path: str) -> dict[str, Any]:
     except (ValueError, RecursionError) as e:
         raise ConfigError(f"record {path!r}: not readable JSON ({e})") from None
     try:
-        jsonschema.validate(rec, json.loads(SCHEMA.read_text()))
+        jsonschema.validate(rec, schema("record.schema.json"))
     except jsonschema.ValidationError as e:
         where = ".".join(map(str, e.absolute_path)) or "(top level)"
         raise ConfigError(f"record {path!r}: {where}: {e.message}") from None

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from tspbench.core import datafiles
 from tspbench.core.config import ConfigError
 from tspbench.core.strategy import Strategy
 
@@ -28,3 +31,13 @@ def get_strategy(name: str) -> type[Strategy]:
 def reference_name() -> str:
     """The single-device reference strategy's name (the one every other is checked on)."""
     return next(n for n, s in strategies().items() if s.reference)
+
+
+def names() -> tuple[str, ...]:
+    """Every strategy's name, in registry order: the enum each schema's ``x-enum`` mark takes."""
+    return tuple(strategies())
+
+
+def schema(name: str) -> dict[str, Any]:
+    """A packaged schema with the registry's strategy names filled in (core.datafiles)."""
+    return datafiles.schema(name, names())

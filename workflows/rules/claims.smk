@@ -1,11 +1,13 @@
 # The paper's claims against ours (`tspbench claims`): seconds, from this sweep's summary and the
-# projected tables (fresh results/projected, else the committed references).
+# projected tables (fresh results/projected, else the committed references, both under the
+# workdir). The claims file is the one packaged with tspbench.
+from tspbench.core import datafiles
 
 
 rule claims:
     input:
         summary=f"{OUT}/summary.csv",
-        claims=workflow.source_path("../paper/claims.yaml"),
+        claims=str(datafiles.path("data/claims.yaml")),
     output:
         csv=report(
             f"{OUT}/claims.csv",

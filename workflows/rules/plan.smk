@@ -9,7 +9,7 @@ import re
 from tspbench.projection.planmap import load_config as load_plan_config
 
 PLAN_CONFIG = os.path.join(workflow.basedir, "workflows/config/plan.yaml")
-try:  # checked against workflows/schemas/plan.schema.yaml before any shell line
+try:  # checked against tspbench/schemas/plan.schema.yaml before any shell line
     PLAN = load_plan_config(PLAN_CONFIG)
 except ConfigError as e:
     raise ValueError(f"config error: {e}") from None

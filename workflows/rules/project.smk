@@ -5,7 +5,7 @@ import shlex
 from tspbench.pipeline.projected import load as load_projected, memory_cells
 
 PROJ_CONFIG = os.path.join(workflow.basedir, "workflows/config/projected.yaml")
-try:  # checked against workflows/schemas/projected.schema.yaml before any shell line
+try:  # checked against tspbench/schemas/projected.schema.yaml before any shell line
     PROJ = load_projected(PROJ_CONFIG)
     PROJ_CELLS = {c.id: c for c in memory_cells(PROJ)}
 except ConfigError as e:
