@@ -388,3 +388,45 @@ def test_readers_refuse_what_would_hang_or_eat_memory(tmp_path, capsys, argv, ne
     err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
     assert code == 2 and len(err) == 1 and needle.format(**fill) in err[0], err
     assert not names["out"].exists()
+
+
+PROJECT = ["project", "--strategy", "tsp", "--model", "7b", "--seq-len", "16384", "--degree", "8"]
+OUTPUTS = [  # (command before its output option, option, what it writes)
+    (PROJECT, "--out", "file.json"),
+    (["plan", "--model", "7b", "--seq-len", "16384", "--gpus", "8"], "--out", "file.json"),
+    (["claims"], "--out", "file"),
+    (["claims"], "--md", "file"),
+    (["regress", "--current", "x.csv"], "--out", "file"),
+    (["project-check", "--published"], "--out", "file"),
+    (["calibrate"], "--out", "file.json"),
+    (["doctor"], "--out", "dir"),
+    (["gpu-check"], "--out", "dir"),
+    (["tables", "--summary", "x.csv"], "--out", "dir"),
+    (["plan-map", "--model", "7b", "--hardware", "h100"], "--out", "dir"),
+    (["projected-report", "--estimates", "e", "--plots", "p"], "--out", "dir"),
+]
+
+
+@pytest.mark.parametrize("argv, opt, kind", OUTPUTS, ids=[f"{a[0]}{o}" for a, o, _ in OUTPUTS])
+@pytest.mark.parametrize("bad", ["folder-or-file", "under-a-file", "read-only"])
+def test_every_command_probes_its_outputs_before_any_work(tmp_path, capsys, argv, opt, kind, bad):
+    """Issue 35: claims, plan, doctor and projected-report --out naming a folder, a file or a
+    read-only mount ran the whole computation first, then died with a traceback."""
+    import time
+
+    from tspbench.cli import main
+
+    (tmp_path / "f").write_text("")
+    if bad == "folder-or-file":  # a folder where a file goes, a file where a folder goes
+        out = tmp_path / "f" if kind == "dir" else tmp_path
+    elif bad == "under-a-file":
+        out = tmp_path / "f" / ("x.json" if kind.endswith(".json") else "x")
+    else:
+        out = Path("/sys/tspbench-out") / ("x.json" if kind.endswith(".json") else "")
+    t0 = time.monotonic()
+    with pytest.raises(SystemExit) as e:
+        main([*argv, opt, str(out)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and f"argument {opt}:" in err, err
+    assert time.monotonic() - t0 < 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]

@@ -7,7 +7,9 @@ import argparse
 import difflib
 import re
 import sys
+from collections.abc import Callable
 
+from tspbench.core.config import ConfigError
 from tspbench.runtime.spec import CHOICES, parse_size
 
 EXIT_USAGE = 2
@@ -49,6 +51,33 @@ def did_you_mean(message: str) -> str:
 
 
 NEW_TOKENS = (2, 65536)  # --new-tokens of run and plan, and the sweep schema's new_tokens
+
+
+def out_file(suffix: str | None = None) -> Callable[[str], str]:
+    """An argparse type: an output file, probed when the arguments are read (before any work:
+    a folder, a read-only mount or a missing permission is one line, exit 2)."""
+
+    def parse(text: str) -> str:
+        from tspbench.runtime.record import probe_file
+
+        try:
+            probe_file(text, suffix)
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return text
+
+    return parse
+
+
+def out_dir(text: str) -> str:
+    """An argparse type: an output folder, probed (made if missing) when the arguments are read."""
+    from tspbench.runtime.record import probe_dir
+
+    try:
+        probe_dir(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def size_bytes(text: str) -> int:

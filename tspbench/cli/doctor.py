@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from tspbench.cli.args import out_dir
+
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     from tspbench.core.compat import require_torch
@@ -29,12 +31,16 @@ def cmd_gpu_check(args: argparse.Namespace) -> int:
 
 def add_parsers(sub) -> None:
     d = sub.add_parser("doctor", help="check this node: kernels, strategies, NCCL, memory, rates")
-    d.add_argument("--out", default=None, help="folder for doctor.json (and a GPU preset)")
+    d.add_argument(
+        "--out", type=out_dir, default=None, help="folder for doctor.json (and a GPU preset)"
+    )
     d.set_defaults(func=cmd_doctor)
     g = sub.add_parser(
         "gpu-check",
         help="one GPU, no network: versions, doctor, three real runs and the rank probe, "
         "into one folder (env/gpu-check.sh)",
     )
-    g.add_argument("--out", required=True, help="folder for summary.json, log.txt and records")
+    g.add_argument(
+        "--out", type=out_dir, required=True, help="folder for summary.json, log.txt and records"
+    )
     g.set_defaults(func=cmd_gpu_check)

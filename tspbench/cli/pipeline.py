@@ -7,6 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
+from tspbench.cli.args import out_dir, out_file
 from tspbench.core.config import ConfigError, read_csv_input
 
 
@@ -136,8 +137,12 @@ def add_parsers(sub) -> None:
         default=None,
         help="claims YAML (default: the paper's, tspbench/data/claims.yaml)",
     )
-    cl.add_argument("--out", default=None, help="CSV: claim, paper, ours, verdict, reason, ...")
-    cl.add_argument("--md", default=None, help="also write the Markdown table here")
+    cl.add_argument(
+        "--out", type=out_file(), default=None, help="CSV: claim, paper, ours, verdict, reason, ..."
+    )
+    cl.add_argument(
+        "--md", type=out_file(), default=None, help="also write the Markdown table here"
+    )
     cl.add_argument(
         "--measured",
         default=None,
@@ -172,7 +177,9 @@ def add_parsers(sub) -> None:
         help="baseline CSV (default: results/baselines/<hardware id>.csv)",
     )
     rg.add_argument("--tolerances", default="workflows/regress.yaml")
-    rg.add_argument("--out", default=None, help="also write the Markdown report here")
+    rg.add_argument(
+        "--out", type=out_file(), default=None, help="also write the Markdown report here"
+    )
     rg.add_argument(
         "--update",
         action="store_true",
@@ -182,9 +189,14 @@ def add_parsers(sub) -> None:
     ag = sub.add_parser("aggregate", help="run records of a sweep -> one table (CSV, Parquet)")
     ag.add_argument("--config-json", required=True, help="the sweep config, as JSON")
     ag.add_argument("--runs", required=True, help="folder of <cell>.json records")
-    ag.add_argument("--csv", required=True)
-    ag.add_argument("--parquet", default=None)
-    ag.add_argument("--filtered", required=True, help="CSV of filtered combinations and reasons")
+    ag.add_argument("--csv", type=out_file(".csv"), required=True)
+    ag.add_argument("--parquet", type=out_file(), default=None)
+    ag.add_argument(
+        "--filtered",
+        type=out_file(),
+        required=True,
+        help="CSV of filtered combinations and reasons",
+    )
     ag.set_defaults(func=cmd_aggregate)
     for name, func, what in (
         ("tables", cmd_tables, "Markdown and LaTeX tables"),
@@ -192,6 +204,6 @@ def add_parsers(sub) -> None:
     ):
         t = sub.add_parser(name, help=f"aggregate table -> {what}")
         t.add_argument("--summary", required=True, help="the aggregate CSV")
-        t.add_argument("--out", required=True)
+        t.add_argument("--out", type=out_dir, required=True)
         t.add_argument("--note", default="", help="appended to every caption/title")
         t.set_defaults(func=func)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from tspbench.cli.args import NEW_TOKENS, gib, int_in
+from tspbench.cli.args import NEW_TOKENS, gib, int_in, out_dir, out_file
 from tspbench.core.config import ConfigError
 
 GiB = 2**30
@@ -140,7 +140,7 @@ def add_parsers(sub) -> None:
     )
     p.add_argument("--top", type=int_in(1, 1000), default=10, help="rows of the ranked table")
     p.add_argument("--json", action="store_true", help='print {"candidates": [...], ...}')
-    p.add_argument("--out", default=None, help="also write the JSON here")
+    p.add_argument("--out", type=out_file(".json"), default=None, help="also write the JSON here")
     p.add_argument(
         "--estimate",
         action="store_true",
@@ -159,7 +159,7 @@ def add_parsers(sub) -> None:
     m.add_argument("--config", default="workflows/config/plan.yaml")
     m.add_argument("--model", required=True)
     m.add_argument("--hardware", required=True)
-    m.add_argument("--out", required=True, help="folder for map.csv and the figures")
+    m.add_argument("--out", type=out_dir, required=True, help="folder for map.csv and the figures")
     m.add_argument("--cache", default=None)
     m.set_defaults(func=cmd_plan_map)
 
@@ -168,6 +168,6 @@ def add_parsers(sub) -> None:
     c.add_argument("--hardware", required=True, help="the calibrated preset of that machine")
     c.add_argument("--memory", required=True, help="projected memory.csv (fake-tensor estimates)")
     c.add_argument("--memory-hardware", default="mi300x", help="the cap memory.csv's fits use")
-    c.add_argument("--out", default=None, help="Markdown")
+    c.add_argument("--out", type=out_file(), default=None, help="Markdown")
     c.add_argument("--cache", default=None)
     c.set_defaults(func=cmd_plan_check)

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tspbench.cli.args import add_run_args, gib
+from tspbench.cli.args import add_run_args, gib, out_dir, out_file
 from tspbench.core.config import ConfigError
 from tspbench.runtime.spec import RunSpec
 
@@ -22,9 +22,7 @@ def _emit(args: argparse.Namespace, obj: dict[str, Any], text: str) -> None:
     from tspbench.runtime.record import write_json
 
     print(json.dumps(obj, indent=1, default=str) if args.json else text)
-    if getattr(args, "out", None):
-        if not args.out.endswith(".json"):
-            raise ConfigError(f"--out={args.out!r}: must name a .json file")
+    if getattr(args, "out", None):  # probed when the arguments were read (args.out_file)
         write_json(args.out, obj)
 
 
@@ -152,7 +150,7 @@ def add_parsers(sub) -> None:
     m = sub.add_parser("model", help="analytic memory, bytes and FLOPs per rank (closed forms)")
     add_run_args(m)
     m.add_argument("--json", action="store_true")
-    m.add_argument("--out", default=None, help="also write the JSON here")
+    m.add_argument("--out", type=out_file(".json"), default=None, help="also write the JSON here")
     m.set_defaults(func=cmd_model)
 
     e = sub.add_parser("estimate", help="fake-tensor run of one step at any world size")
@@ -179,14 +177,14 @@ def add_parsers(sub) -> None:
         help="GiB per GPU for 'fits' instead of the preset's usable memory",
     )
     e.add_argument("--json", action="store_true")
-    e.add_argument("--out", default=None)
+    e.add_argument("--out", type=out_file(".json"), default=None)
     e.set_defaults(func=cmd_estimate)
 
     p = sub.add_parser("project", help="projected step time and tokens/s on a hardware preset")
     add_run_args(p)
     p.add_argument("--hardware", default="mi300x", help="mi300x, h100, h200 or a calibrated .json")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", type=out_file(".json"), default=None)
     p.set_defaults(func=cmd_project)
 
     pc = sub.add_parser(
@@ -207,20 +205,20 @@ def add_parsers(sub) -> None:
         "tspbench/projection/published.json), each on its own preset; judges the model only",
     )
     pc.add_argument("--hardware", default=None, help="with --summary: that machine's preset")
-    pc.add_argument("--out", default=None, help="Markdown table")
-    pc.add_argument("--csv", default=None)
+    pc.add_argument("--out", type=out_file(), default=None, help="Markdown table")
+    pc.add_argument("--csv", type=out_file(), default=None)
     pc.set_defaults(func=cmd_project_check)
 
     pr = sub.add_parser("projected-report", help="projected paper-scale tables and figures")
     pr.add_argument("--config", default="workflows/config/projected.yaml")
     pr.add_argument("--estimates", required=True, help="folder of estimate JSONs")
-    pr.add_argument("--out", required=True)
-    pr.add_argument("--plots", required=True)
+    pr.add_argument("--out", type=out_dir, required=True)
+    pr.add_argument("--plots", type=out_dir, required=True)
     pr.set_defaults(func=cmd_projected_report)
 
     c = sub.add_parser("calibrate", help="microbenchmark this machine into a hardware preset")
     c.add_argument("--ranks", default="1,2,4", help="rank counts to measure with")
     c.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     c.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    c.add_argument("--out", required=True, help="preset JSON to write")
+    c.add_argument("--out", type=out_file(".json"), required=True, help="preset JSON to write")
     c.set_defaults(func=cmd_calibrate)

@@ -142,32 +142,68 @@ def interrupted_path(out: str) -> str:
 
 
 def check_out(path: str, cell: bool = False) -> None:
-    """Refuse an output path that cannot hold a record, before anything runs: the name, an
-    existing directory there, a parent that is a file, and a probe write, in the record's
-    directory, of the files :func:`write_atomic` will create (the longest names: its temporary
-    file, and for a pipeline ``cell`` the interrupted record's), so permissions, name length and
-    read-only or full file systems fail now and not after the run."""
+    """Refuse a record path before anything runs (:func:`probe_file`; for a pipeline ``cell``
+    the interrupted record's name is probed too): ConfigError naming ``--out``."""
     from tspbench.core.config import ConfigError
 
-    if not path.endswith(".json"):
-        raise ConfigError(f"--out={path!r}: must name a .json file")
+    extra = [Path(interrupted_path(path)).name] if cell else []
+    try:
+        probe_file(path, ".json", extra)
+    except ConfigError as e:
+        raise ConfigError(f"--out={e}") from None
+
+
+def probe_file(path: str, suffix: str | None = None, also: list[str] | None = None) -> None:
+    """Refuse an output file that cannot be written, before anything runs: the suffix, an
+    existing directory there, a parent that is a file, and a probe write, in its directory, of
+    the files :func:`write_atomic` will create (the longest names: its temporary file, and
+    ``also``), so permissions, name length and read-only or full file systems fail now and not
+    after the work. ConfigError: ``'path': why``."""
+    from tspbench.core.config import ConfigError
+
+    if suffix and not path.endswith(suffix):
+        raise ConfigError(f"{path!r}: must name a {suffix} file")
     target = Path(path)
     try:
         if target.is_dir():
-            raise ConfigError(f"--out={path!r}: is a directory")
+            raise ConfigError(f"{path!r}: is a directory")
         parent = target.resolve().parent
-        for up in (parent, *parent.parents):
-            if up.exists():
-                if not up.is_dir():
-                    raise ConfigError(f"--out={path!r}: {up} is not a directory")
-                break
+        _no_file_above(path, parent)
         parent.mkdir(parents=True, exist_ok=True)
-        for name in [target.name] + ([Path(interrupted_path(path)).name] if cell else []):
+        for name in [target.name, *(also or [])]:
             fd, probe = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=parent)
             os.close(fd)
             os.unlink(probe)
     except OSError as e:
-        raise ConfigError(f"--out={path!r}: cannot write there ({e.strerror})") from None
+        raise ConfigError(f"{path!r}: cannot write there ({e.strerror})") from None
+
+
+def probe_dir(path: str) -> None:
+    """Refuse an output folder that cannot take files, before anything runs: a file there or
+    above it, and a probe write inside it (made if missing). ConfigError: ``'path': why``."""
+    from tspbench.core.config import ConfigError
+
+    target = Path(path)
+    try:
+        if target.exists() and not target.is_dir():
+            raise ConfigError(f"{path!r}: is a file, not a folder")
+        _no_file_above(path, target.resolve())
+        target.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".tspbench-probe.", suffix=".tmp", dir=target)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"{path!r}: cannot write there ({e.strerror})") from None
+
+
+def _no_file_above(path: str, where: Path) -> None:
+    from tspbench.core.config import ConfigError
+
+    for up in (where, *where.parents):
+        if up.exists():
+            if not up.is_dir():
+                raise ConfigError(f"{path!r}: {up} is not a directory")
+            return
 
 
 def check_record(path: str) -> dict[str, Any]:
