@@ -169,11 +169,7 @@ def probe_file(path: str, suffix: str | None = None, also: list[str] | None = No
             raise ConfigError(f"{path!r}: is a directory")
         parent = target.resolve().parent
         _no_file_above(path, parent)
-        parent.mkdir(parents=True, exist_ok=True)
-        for name in [target.name, *(also or [])]:
-            fd, probe = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=parent)
-            os.close(fd)
-            os.unlink(probe)
+        _probe_write(parent, [target.name, *(also or [])])
     except OSError as e:
         raise ConfigError(f"{path!r}: cannot write there ({e.strerror})") from None
 
@@ -188,12 +184,27 @@ def probe_dir(path: str) -> None:
         if target.exists() and not target.is_dir():
             raise ConfigError(f"{path!r}: is a file, not a folder")
         _no_file_above(path, target.resolve())
-        target.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".tspbench-probe.", suffix=".tmp", dir=target)
-        os.close(fd)
-        os.unlink(probe)
+        _probe_write(target.resolve(), ["tspbench-probe"])
     except OSError as e:
         raise ConfigError(f"{path!r}: cannot write there ({e.strerror})") from None
+
+
+def _probe_write(folder: Path, names: list[str]) -> None:
+    """Create and remove a file for each name in ``folder``, and remove the folders made for it:
+    a refusal later (another argument, a failed check) leaves nothing behind."""
+    made = [up for up in (folder, *folder.parents) if not up.exists()]
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        for name in names:
+            fd, probe = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
+            os.close(fd)
+            os.unlink(probe)
+    finally:
+        for up in made:  # deepest first
+            try:
+                up.rmdir()
+            except OSError:
+                pass  # something else put a file there meanwhile: keep it
 
 
 def _no_file_above(path: str, where: Path) -> None:
