@@ -10,8 +10,11 @@ best effort and never raises.
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -68,6 +71,17 @@ def await_record(store=None, wait_s: float = 15.0) -> None:
     t = threading.Thread(target=wait, daemon=True)
     t.start()
     t.join(wait_s)
+
+
+def exit_now(code: int) -> NoReturn:
+    """Rank 0 after writing a failed run's record: end the process at once. Its process group
+    cannot be closed in order (the peers are gone or going), and the interpreter's exit would
+    destroy c10d threads that are still joinable: std::terminate, SIGABRT (seen as rank 0
+    exiting -6 after writing an OOM record, and a launcher exit 1 for a run whose result was
+    the OOM it was asked to show)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def leave(world: int, status: str) -> bool:

@@ -216,6 +216,7 @@ def run_env(
             return 0 if oom else 1
         status, msg, failed = failure.root_cause(failure.causes(world), (status, msg), world)
         write({**header, "status": status, "error_message": msg, "failed_ranks": failed})
+        failure.exit_now(0 if status in ("ok", "oom") else 1)
     guard.beat()
     if completed:  # every rank finished the work: leave together
         with blocked_in_collective():
