@@ -17,17 +17,19 @@ from tspbench.runtime.registry import schema
 
 BASE = ["--model", "tiny", "--seq-len", "32", "--warmup", "0", "--steps", "1", "--quiet"]
 SCHEMA = schema("record.schema.json")
-# every strategy on the same global batch of 4 sequences
+# every strategy on the same global batch of 4 sequences, on 2 ranks (TP+SP on 2 x 2, TSP on
+# 4 as well): the CLI path, not the degrees (tests/integration/test_equivalence.py has those)
 RUNS = {
     "single": ["--strategy", "single", "--batch", "4"],
-    "single-dp4": ["--strategy", "single", "--batch", "1", "--dp", "4"],
+    "single-dp2": ["--strategy", "single", "--batch", "2", "--dp", "2"],
     "tsp": ["--strategy", "tsp", "--degree", "4", "--batch", "4"],
-    "dp": ["--strategy", "dp", "--degree", "4", "--batch", "4"],
-    "tp": ["--strategy", "tp", "--degree", "4", "--batch", "4"],
-    "sp": ["--strategy", "sp", "--degree", "4", "--batch", "4"],
+    "dp": ["--strategy", "dp", "--degree", "2", "--batch", "4"],
+    "tp": ["--strategy", "tp", "--degree", "2", "--batch", "4"],
+    "sp": ["--strategy", "sp", "--degree", "2", "--batch", "4"],
     "tpsp": ["--strategy", "tpsp", "--tp", "2", "--sp", "2", "--batch", "4"],
-    "fsdp_cp": ["--strategy", "fsdp_cp", "--degree", "4", "--batch", "4"],
+    "fsdp_cp": ["--strategy", "fsdp_cp", "--degree", "2", "--batch", "4"],
 }
+WORLD = {"single": 1, "tsp": 4, "tpsp": 4}  # the others: 2
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +37,7 @@ def records(tmp_path_factory) -> dict[str, dict]:
     d = tmp_path_factory.mktemp("runs")
     out = {}
     for name, args in RUNS.items():
-        world = 1 if name == "single" else 4
+        world = WORLD.get(name, 2)
         p = tspbench(
             "run",
             *BASE,
@@ -59,7 +61,7 @@ def test_all_strategies_agree_with_single(records, name):
     assert rec["status"] == "ok"
     assert rec["loss"] == pytest.approx(ref["loss"], rel=1e-5)
     assert rec["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
-    assert rec["global_batch"] == 4 and rec["world_size"] == (1 if name == "single" else 4)
+    assert rec["global_batch"] == 4 and rec["world_size"] == WORLD.get(name, 2)
     assert rec["tokens_per_s"] > 0 and rec["flops_per_step"] > 0
     assert len(rec["peak_mem_bytes_per_rank"]) == rec["world_size"]
     assert rec["peak_mem_bytes"] == max(rec["peak_mem_bytes_per_rank"])
@@ -270,5 +272,9 @@ def test_doctor_runs_the_cpu_parts_and_fails_on_a_wrong_kernel(tmp_path, monkeyp
         return out * 1.01, lse
 
     monkeypatch.setattr(attention, "causal_fwd", wrong)
+    from tspbench.pipeline import doctor
+
+    # the rank probe (most of the doctor's time) was checked above; the wrong kernel is the point
+    monkeypatch.setattr(doctor, "probe_plan", lambda device, found: [])
     assert main(["doctor"]) == 1
     assert "FAILED   attention cpu_flash fp32" in capsys.readouterr().out
