@@ -387,6 +387,8 @@ def test_a_signal_to_a_sweep_leaves_no_final_record_and_the_plain_command_resume
     assert not (tmp_path / record).exists(), (tmp_path / record).read_text()
     aside = json.loads((tmp_path / record).with_suffix(".interrupted.json").read_text())
     assert f"interrupted by {sig.name}" in aside["error_message"], aside
+    if sig == signal.SIGINT:  # the resume does not depend on the signal: once is enough
+        return
     again = snakemake("--cores", "2", "--configfile", "cfg.yaml", cwd=tmp_path, timeout=600)
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
     assert json.loads((tmp_path / record).read_text())["status"] == "ok"
