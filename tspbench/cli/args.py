@@ -53,6 +53,11 @@ def did_you_mean(message: str) -> str:
 NEW_TOKENS = (2, 65536)  # --new-tokens of run and plan, and the sweep schema's new_tokens
 
 
+def progress(command: str, what: str) -> None:
+    """One stderr line as a slow phase of ``command`` starts (stdout stays the result)."""
+    print(f"tspbench {command}: {what}", file=sys.stderr, flush=True)
+
+
 def out_file(suffix: str | None = None) -> Callable[[str], str]:
     """An argparse type: an output file, probed when the arguments are read (before any work:
     a folder, a read-only mount or a missing permission is one line, exit 2)."""

@@ -7,8 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from tspbench.cli.args import NEW_TOKENS, gib, int_in, out_dir, out_file
-from tspbench.core.config import ConfigError
+from tspbench.cli.args import NEW_TOKENS, gib, int_in, out_dir, out_file, progress
 
 GiB = 2**30
 
@@ -23,6 +22,7 @@ def schema_models() -> list[str]:
 def cmd_plan(args: argparse.Namespace) -> int:
     from tspbench.core.strategy import MLP_SCHEDULES
     from tspbench.projection import planner, planrender
+    from tspbench.projection.plancache import cache_dir
     from tspbench.projection.planlaunch import pipeline_config
     from tspbench.projection.plantypes import Request
 
@@ -41,6 +41,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         recompute=("none", "full") if args.recompute == "both" else (args.recompute,),
         mlp_schedule=MLP_SCHEDULES if args.mlp_schedule == "both" else (args.mlp_schedule,),
     )
+    progress(
+        "plan",
+        f"costing every layout of {args.model} on {args.gpus} x {args.hardware} at S = "
+        f"{args.seq_len} (operation counts: traced once per shape, then cached"
+        + (", not here)" if args.no_cache else f" in {cache_dir(args.cache)})"),
+    )
     plan = planner.plan(
         req,
         top=args.top,
@@ -54,11 +60,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     obj = planrender.to_json(plan)
     if obj["best"] is not None:
         obj["pipeline_config"] = pipeline_config(req, plan.best.cand.spec, models)
-    if args.out:
+    if args.out:  # probed when the arguments were read (args.out_file)
         from tspbench.runtime.record import write_json
 
-        if not args.out.endswith(".json"):
-            raise ConfigError(f"--out={args.out!r}: must name a .json file")
         write_json(args.out, obj)
     print(json.dumps(obj, indent=1) if args.json else planrender.render(plan, models))
     return 0

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tspbench.cli.args import add_run_args, gib, out_dir, out_file
+from tspbench.cli.args import add_run_args, gib, out_dir, out_file, progress
 from tspbench.core.config import ConfigError
 from tspbench.runtime.spec import RunSpec
 
@@ -56,6 +56,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         cap, origin = args.device_memory, "--device-memory"
     else:
         cap, origin = usable_memory(preset) / 2**30, f"usable on {preset['name']}"
+    who = "every rank" if ranks is None else f"rank{'s' * (len(ranks) > 1)} {args.ranks}"
+    progress("estimate", f"one step of {spec.label} {spec.cfg.name} S = {spec.seq_len} D = "
+             f"{spec.layout.degree} on fake tensors, {who} (minutes at paper scale)")  # fmt: skip
     _emit(args, *estimate_report(spec, ranks, args.kernel, cap, origin))
     return 0
 
@@ -68,6 +71,8 @@ def cmd_project(args: argparse.Namespace) -> int:
     preset = load_preset(args.hardware)
     if args.mlp_schedule is None:  # TSP: the preset's schedule
         spec = default_mlp_schedule(spec, preset)
+    progress("project", f"counting the operations of {spec.label} under fake tensors (one and "
+             f"two layers), then costing them on {preset['name']}")  # fmt: skip
     _emit(args, *project_report(spec, preset))
     return 0
 
