@@ -10,6 +10,7 @@ from tspbench.core.config import ConfigError
 from tspbench.pipeline.cells import sweep_cells
 from tspbench.pipeline.resources import STOP_MARGIN_S, runtime_minutes, slurm_resources
 from tspbench.projection.costmodel import load_preset, project
+from tspbench.projection.node import node_share
 
 GPU_NODE = yaml.safe_load((ROOT / "workflows/config/gpu-node.yaml").read_text())
 
@@ -50,3 +51,37 @@ def test_projection_without_a_preset_is_refused_naming_it():
     cfg = {k: v for k, v in GPU_NODE.items() if k != "hardware_preset"}
     with pytest.raises(ConfigError, match="hardware_preset"):
         sweep_cells(cfg)
+
+
+def test_a_gpu_node_cell_asks_for_its_share_of_the_node():
+    """Issue 36: every GPU cell asked for one CPU per rank, no memory and no exclusivity; with
+    node_resources: preset it asks for the MI300X node's 96 vCPUs / 8 GPUs per rank, 90% of its
+    1850 GiB and the whole node (a cell of 8 GPUs fills it)."""
+    cell = cells_of(GPU_NODE)["tsp.D8.g8.S131072.B1.train"]
+    res = slurm_resources(cell, GPU_NODE)
+    assert res["cpus_per_task"] == 12 and res["slurm_extra"] == "--exclusive"
+    assert res["mem_mb"] == math.floor(1850 * 2**30 * 0.9 / 2**20)
+    # a job on 2 of a node's 8 GPUs: a quarter of the memory, the node shared
+    share = node_share(load_preset("h100"), 8, 2)
+    assert share == {"cpus_per_task": 14, "mem_mb": math.floor(2e12 * 0.9 / 4 / 2**20),
+                     "exclusive": False}  # fmt: skip
+    # the config's own values when node_resources is config (the default)
+    own = {**GPU_NODE, "node_resources": "config", "cpus_per_task": 3, "mem_mb": 1000}
+    res = slurm_resources(cell, own)
+    assert (res["cpus_per_task"], res["mem_mb"], res["slurm_extra"]) == (3, 1000, "")
+
+
+def test_node_resources_preset_needs_a_hardware_preset():
+    cfg = {k: v for k, v in GPU_NODE.items() if k not in ("hardware_preset", "runtime_from")}
+    with pytest.raises(ConfigError, match="hardware_preset"):
+        sweep_cells({**cfg, "node_resources": "preset"})
+
+
+def test_the_planners_srun_line_asks_for_the_same_share(capsys, tmp_path):
+    from tspbench.cli import main
+
+    argv = ["plan", "--model", "7b", "--hardware", "h100", "--seq-len", "16384", "--gpus", "16"]
+    assert main([*argv, "--cache", str(tmp_path)]) == 0
+    srun = next(x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("srun"))
+    assert "--cpus-per-task=14" in srun and "--exclusive" in srun
+    assert f"--mem={math.floor(2e12 * 0.9 / 2**20)}M" in srun

@@ -15,6 +15,7 @@ from typing import Protocol
 
 from tspbench.projection.costmodel import load_preset, project
 from tspbench.projection.decode import project_decode
+from tspbench.projection.node import node_share
 from tspbench.runtime.spec import DECODE_MODES, RunSpec
 
 
@@ -60,16 +61,31 @@ def runtime_minutes(cell: Cell, config: dict) -> int:
     return min(MAX_RUNTIME_MIN, int(base * grow))
 
 
+def host_resources(config: dict, ranks_here: int) -> dict:
+    """CPUs per rank, memory per node (MB, None: the site's default) and exclusivity: the
+    config's ``cpus_per_task``, ``mem_mb`` and ``exclusive``, or with ``node_resources:
+    preset`` the cell's share of ``hardware_preset``'s node (:func:`node_share`)."""
+    if config.get("node_resources", "config") == "preset":
+        preset = load_preset(config["hardware_preset"])
+        return node_share(preset, config["gpus_per_node"], ranks_here)
+    return {
+        "cpus_per_task": config.get("cpus_per_task", 1),
+        "mem_mb": config.get("mem_mb"),
+        "exclusive": config.get("exclusive", False),
+    }
+
+
 def slurm_resources(cell: Cell, config: dict) -> dict:
     """A cell's Slurm job: nodes, one task per rank (tasks_per_node), GPUs per node as gres,
     ``mpi`` (srun starts the ranks; the plugin wants it only for more than one task per node),
     CPUs per task, memory per node (``mem_mb``, the site's default when unset), ``--exclusive``
     nodes on request, and a runtime in minutes (:func:`runtime_minutes`)."""
     per_node = min(cell.gpus, config["gpus_per_node"])
+    host = host_resources(config, per_node)
     return {
-        "cpus_per_task": config.get("cpus_per_task", 1),
-        "mem_mb": config.get("mem_mb") or 0,  # 0: no --mem, the site's default
-        "slurm_extra": "--exclusive" if config.get("exclusive", False) else "",
+        "cpus_per_task": host["cpus_per_task"],
+        "mem_mb": host["mem_mb"] or 0,  # 0: no --mem, the site's default
+        "slurm_extra": "--exclusive" if host["exclusive"] else "",
         "nodes": math.ceil(cell.gpus / config["gpus_per_node"]),
         "tasks_per_node": per_node,
         "gres": f"gpu:{per_node}" if config.get("gpu", False) else "",

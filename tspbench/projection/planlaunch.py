@@ -12,6 +12,7 @@ from typing import Any
 
 from tspbench.core.config import PRESETS, ModelConfig
 from tspbench.projection import costmodel
+from tspbench.projection.node import node_share
 from tspbench.projection.plantypes import Request, node_size
 from tspbench.runtime.spec import RunSpec
 
@@ -44,8 +45,13 @@ def run_lines(req: Request, spec: RunSpec, out: str = "runs/plan.json") -> dict[
     else:  # started once per rank by srun or torchrun
         run = ["tspbench", "run", *argv, "--launch", "env"]
     per = min(G, node)
+    host = []
+    if req.hardware.get("node"):  # the rank's share of the node (projection/node.py)
+        share = node_share(req.hardware, node, per)
+        host = [f"--cpus-per-task={share['cpus_per_task']}", f"--mem={share['mem_mb']}M"]
+        host += ["--exclusive"] if share["exclusive"] else []
     srun = ["srun", f"--nodes={math.ceil(G / node)}", f"--ntasks={G}",
-            f"--ntasks-per-node={per}", f"--gpus-per-node={per}", "--cpus-per-task=1",
+            f"--ntasks-per-node={per}", f"--gpus-per-node={per}", *host,
             "--kill-on-bad-exit=1", "python", "-m", "tspbench", "run", *argv,
             "--launch", "env"]  # fmt: skip
     return {"run": shlex.join(run), "srun": shlex.join(srun)}
@@ -80,6 +86,8 @@ def pipeline_config(req: Request, spec: RunSpec, models: list[str] | None = None
         config["mlp_schedule"] = spec.mlp_schedule
     if hw in costmodel.presets():
         config["hardware_preset"] = hw
+        if req.hardware.get("node"):
+            config["node_resources"] = "preset"
     config["sweeps"] = [sweep]
     head = f"# tspbench plan: {spec.label} D={lay.degree} dp={lay.dp} B={spec.batch}"
     if spec.decoding and req.gpus > lay.world_size:
