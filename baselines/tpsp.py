@@ -30,16 +30,11 @@ from tspbench.core.decode import (
 )
 from tspbench.core.kvcache import KVCache, Step, merge_all
 from tspbench.core.layers import rms_norm, transformer_layer
+from tspbench.core.megatron import gather_named, shard_dim
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.optim import grad_sq_sum
 from tspbench.core.reference import LAYER_PARAMS, param_shapes
-from tspbench.core.strategy import (
-    Batch,
-    Layout,
-    Strategy,
-    gather_named,
-    shard_dim,
-)
+from tspbench.core.strategy import Batch, Layout, Strategy
 from tspbench.core.vocab_parallel import cross_entropy_sum, embedding
 
 

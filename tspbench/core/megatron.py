@@ -1,0 +1,29 @@
+"""Megatron's tensor-parallel split of the reference parameters (TP and TP+SP shard by it)."""
+
+from __future__ import annotations
+
+import torch
+
+from tspbench.core.comm import Comm
+
+# Megatron's split of every reference parameter: column-parallel weights by rows (dim 0),
+# row-parallel weights (wo, w2) by columns, embedding and LM head by vocabulary rows, norms whole.
+MEGATRON_SHARD_DIM = {"embed": 0, "head": 0, "wq": 0, "wk": 0, "wv": 0, "wo": 1, "w1": 0,
+                      "w3": 0, "w2": 1}  # fmt: skip
+
+
+def shard_dim(name: str) -> int | None:
+    """Megatron shard dim of a reference-named parameter (None: replicated)."""
+    return MEGATRON_SHARD_DIM.get(name.rsplit(".", 1)[-1])
+
+
+def gather_named(
+    params: dict[str, torch.nn.Parameter], comm: Comm, grads: bool
+) -> dict[str, torch.Tensor]:
+    """Whole tensors from Megatron-sharded ``params`` (or their grads) over ``comm``."""
+    out = {}
+    for name, p in params.items():
+        t = (p.grad if grads else p).detach()
+        dim = shard_dim(name)
+        out[name] = t if dim is None else comm.all_gather(t, dim=dim)
+    return out
