@@ -39,6 +39,7 @@ from tspbench.core.context_parallel import cp_tables
 from tspbench.core.layers import rms_norm, transformer_layer
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.optim import grad_sq_sum
+from tspbench.core.options import OVERLAP
 from tspbench.core.reference import LAYER_PARAMS, param_shapes
 from tspbench.core.strategy import Batch, Layout, Strategy
 
@@ -84,6 +85,7 @@ class GatherUnit(torch.autograd.Function):
 
 class FSDPCP(Strategy):
     name = "fsdp_cp"
+    options = (OVERLAP,)
 
     @classmethod
     def context_parallel(cls, layout: Layout) -> int:
@@ -114,7 +116,7 @@ class FSDPCP(Strategy):
         (forward, and again in backward), its gradient reduce-scattered. Overlapped, with
         ``overlap``: every gather but the first of a pass was issued before the unit ahead of it
         ran; every reduce-scatter but the last drains while the next unit's backward runs."""
-        D, L, ov = spec.degree, spec.cfg.layers, spec.overlap
+        D, L, ov = spec.degree, spec.cfg.layers, spec.options["overlap"]
         ev = costs.context_parallel(spec, Axis.MODEL, D)
         u0, ul, un = cls.unit_bytes(spec)
         ev.add("forward", Axis.MODEL, "all_gather", D, u0)  # waited for at once
@@ -140,7 +142,7 @@ class FSDPCP(Strategy):
         layer, loss = super().inference_working_set(spec)
         cfg, e = spec.cfg, spec.e
         _, ul, un = cls.unit_bytes(spec)
-        layer += costs.layer_numel(cfg) * e + (max(ul, un) if spec.overlap else 0)
+        layer += costs.layer_numel(cfg) * e + (max(ul, un) if spec.options["overlap"] else 0)
         return layer, loss + (cfg.vocab * cfg.hidden + cfg.hidden) * e
 
     @classmethod
@@ -151,11 +153,11 @@ class FSDPCP(Strategy):
         head; below, a layer, once the layer above's saved tensors (under recomputation its
         input) are freed."""
         loss_t, layer_t, end_t = super().backward_transients(spec)
-        if spec.overlap and spec.cfg.layers > 1:
+        if spec.options["overlap"] and spec.cfg.layers > 1:
             _, ul, un = cls.unit_bytes(spec)
             freed = spec.tokens * spec.cfg.hidden * spec.e if spec.rc else cls.saved_per_layer(spec)
             layer_t += ul + max(un, ul - freed)
-        elif spec.overlap:
+        elif spec.options["overlap"]:
             layer_t += cls.unit_bytes(spec)[2]
         return loss_t, layer_t, end_t
 

@@ -40,7 +40,7 @@ def schedule(c: Spec) -> Schedule:
     wa, wm, wv = (2 * h + 2 * kv) * h // D * e, 3 * f * h // D * e, V // D * h * e
     kv_full = 2 * B * S * kv // D * e  # one head group's K and V over the whole sequence
     ev, M = Schedule(), Axis.MODEL
-    ring, ov = c.mlp_schedule == "ring", c.overlap
+    ring, ov = c.options["mlp_schedule"] == "ring", c.options["overlap"]
 
     def layer_fwd(phase: str) -> None:
         ev.add(phase, M, "broadcast", D, wa, D, overlapped=ov, exposed=1)
@@ -61,7 +61,9 @@ def schedule(c: Spec) -> Schedule:
             if c.rc:
                 layer_fwd("backward")
             ev.add("backward", M, "broadcast", D, wa, D, overlapped=ov, exposed=1)
-            if c.kv_backward == "regather":  # (save: the forward's gathered K/V are kept)
+            if (
+                c.options["kv_backward"] == "regather"
+            ):  # (save: the forward's gathered K/V are kept)
                 ev.add("backward", M, "all_gather", D, kv_full, D)
             ev.add("backward", M, "reduce_scatter", D, kv_full, D)
             ev.add("backward", M, "reduce", D, wa, D, overlapped=True, exposed=1)
@@ -82,7 +84,7 @@ def saved_per_layer(c: Spec) -> int:
     sequence); per MLP slice [h1 h3] (one tensor)."""
     cfg, e, t = c.cfg, c.e, c.tokens
     h, kv, f = cfg.hidden, cfg.kv_dim, cfg.ffn
-    kept = c.degree * _units(c)[1] if c.kv_backward == "save" else 0
+    kept = c.degree * _units(c)[1] if c.options["kv_backward"] == "save" else 0
     return (
         costs.norms_saved(c) + (2 * t * h + 2 * t * kv + 2 * t * f) * e + 4 * t * cfg.heads + kept
     )
@@ -145,7 +147,9 @@ def backward_transients(c: Spec) -> tuple[int, int, int]:
     tables = plan_tables(c)
     loss_t = 2 * logits + t * vl * e + act + 2 * vl * h * e
     kv = 2 * kv_unit if D == 1 else 3 * kv_unit + kv_unit // (2 * D)
-    kv -= kv_unit if c.kv_backward == "save" else 0  # kept among the saved, not gathered again
+    kv -= (
+        kv_unit if c.options["kv_backward"] == "save" else 0
+    )  # kept among the saved, not gathered again
     attn_t = kv + t * h // D * e - 2 * t * cfg.ffn * e
     layer_t = 2 * act + max(attn_t, mlp_t(c))
     return loss_t + tables, layer_t + tables, 2 * vl * h * e + act + tables
@@ -168,7 +172,7 @@ def mlp_t(c: Spec) -> int:
     tf, sl = t * fl * e, 3 * fl * cfg.hidden * e
     if D == 1:
         return max(5 * tf, 3 * tf + sl)
-    if c.mlp_schedule == "ring":
+    if c.options["mlp_schedule"] == "ring":
         return 5 * tf + min(D + 1, 5) * sl
     n = min(D, 4)
     return max(5 * tf + n * sl, 3 * tf + (n + 1) * sl)

@@ -100,9 +100,9 @@ class TSPDecoding:
     decodes = True
 
     @classmethod
-    def validate_decode(cls, cfg, layout, prompt_len, new_tokens, batch, kv_bucket=0) -> None:
+    def validate_decode(cls, cfg, layout, prompt_len, new_tokens, batch, **options) -> None:
         super().validate_decode(cfg, layout, prompt_len, new_tokens, batch)  # type: ignore[misc]
-        cls.validate(cfg, layout, prompt_len, batch, kv_bucket=kv_bucket)  # type: ignore[attr-defined]
+        cls.validate(cfg, layout, prompt_len, batch, **options)  # type: ignore[attr-defined]
 
     @classmethod
     def decode_cache_split(cls, layout) -> tuple[int, int]:

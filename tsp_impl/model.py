@@ -28,14 +28,36 @@ from tspbench.core.init import chunk_slice
 from tspbench.core.layers import rms_norm
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.optim import grad_sq_sum
+from tspbench.core.options import OVERLAP, Option, Value
 from tspbench.core.reference import param_shapes
-from tspbench.core.strategy import KV_BACKWARDS, MLP_SCHEDULES, Batch, Layout, Strategy
+from tspbench.core.strategy import Batch, Layout, Strategy
 
 MLP = {"ring": RingMLP, "broadcast": BroadcastMLP}
+
+KV_BUCKET = Option(
+    "kv_bucket", 0, "KV heads per attention bucket (0: whole head group)", bounds=(0, 65536),
+    searched=True, short="kvb", bounded_by_default=True,  # a bucket repeats its group's calls
+    tag="-kvb{value}", label=" (KV bucket {value})",
+    note="(kvb: KV heads per gather, 0 the whole head group; the analytic memory models whole "
+    "head groups: a bucket's saving shows only with --estimate)",
+)  # fmt: skip
+MLP_SCHEDULE = Option(
+    "mlp_schedule", "ring",
+    "how MLP weight slices move: ring (one neighbour per step) or broadcast (the owner to all; "
+    "project: the hardware preset's topology chooses)",
+    choices=tuple(MLP), searched=True, tag="-mlp-{value}", label=" ({value} MLP)", short="mlp",
+)  # fmt: skip
+KV_BACKWARD = Option(
+    "kv_backward", "regather",
+    "the attention backward re-gathers each head group's K/V (regather) or keeps the forward's "
+    "(save: no backward gather, the full-sequence K/V of every head alive per layer)",
+    choices=("regather", "save"), tag="-kv{value}", label=" (K/V saved)",
+)  # fmt: skip
 
 
 class TSP(TSPDecoding, Strategy):  # decode: tsp_impl/decode.py
     name = "tsp"
+    options = (OVERLAP, KV_BUCKET, MLP_SCHEDULE, KV_BACKWARD)  # the record's order
 
     @classmethod
     def context_parallel(cls, layout: Layout) -> int:
@@ -44,8 +66,22 @@ class TSP(TSPDecoding, Strategy):  # decode: tsp_impl/decode.py
     # -- closed-form costs (tsp_impl/costs.py) ---------------------------------------------------
     loss_head_passes = 4  # the loss recomputes its logits shard by shard in backward
     recompute_skips_w2 = True  # the MLP's recomputed forward skips its gate and W2 (mlp.py)
-    mlp_schedules = MLP_SCHEDULES
-    kv_backwards = KV_BACKWARDS
+
+    @classmethod
+    def searched_values(cls, spec: Spec | None) -> dict[str, tuple[Value, ...]]:
+        """Every bucket that splits a head group's KV heads: 0 (the whole group), then each
+        proper divisor of kv_heads / D (none without a valid run)."""
+        group = 0 if spec is None else spec.cfg.kv_heads // spec.layout.degree
+        buckets = (0, *(b for b in range(1, group) if group % b == 0))
+        return {**super().searched_values(spec), KV_BUCKET.name: buckets}
+
+    @classmethod
+    def preset_options(cls, preset: dict) -> dict[str, Value]:
+        """Broadcast on a fully connected mesh, where the owner's broadcast drives every link and
+        a ring hop only one; ring on a switch (or unknown), where both run at the port's bandwidth
+        and the ring moves a slice less per pass (docs/projection.md)."""
+        mesh = preset.get("topology") == "full_mesh"
+        return {MLP_SCHEDULE.name: "broadcast" if mesh else "ring"}
 
     @classmethod
     def weight_split(cls, layout: Layout) -> int:
@@ -81,7 +117,7 @@ class TSP(TSPDecoding, Strategy):  # decode: tsp_impl/decode.py
 
     @classmethod
     def validate(
-        cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, kv_bucket: int = 0
+        cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, kv_bucket: int = 0, **_
     ) -> None:
         super().validate(cfg, layout, seq_len, batch)
         D = layout.degree

@@ -60,8 +60,7 @@ def make_strategy(case: dict):
     opts = {"dp_bucket_mb": case["dp_bucket_mb"]} if "dp_bucket_mb" in case else {}
     strat = spec.impl(
         spec.cfg, mesh, seed=spec.seed, dtype=DTYPES[spec.dtype], recompute=spec.recompute,
-        overlap=spec.overlap, kv_bucket=spec.kv_bucket, mlp_schedule=spec.mlp_schedule,
-        kv_backward=spec.kv_backward, **opts,
+        **spec.options, **opts,
     )  # fmt: skip
     return strat, spec.cfg
 

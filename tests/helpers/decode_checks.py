@@ -53,8 +53,7 @@ def check_decode(case: dict) -> dict:
     dims = (("replica", world // spec.layout.world_size), *spec.impl.mesh_dims(spec.layout).items())
     mesh = mesh_for(tuple(dims))
     strat = spec.impl(
-        spec.cfg, mesh, seed=spec.seed, overlap=spec.overlap, kv_bucket=spec.kv_bucket,
-        mlp_schedule=spec.mlp_schedule, dtype=DTYPES[spec.dtype],
+        spec.cfg, mesh, seed=spec.seed, dtype=DTYPES[spec.dtype], **spec.options
     )  # fmt: skip
     tokens, _ = make_batch(spec.cfg, spec.batch, spec.seq_len, spec.seed)
     bf16 = spec.dtype == "bf16"

@@ -29,7 +29,8 @@ def _cases() -> list[dict]:
 
     def add(s, D, S, mode="train", rc="none", model=None, name="tiny", mlp="ring", kv="regather"):
         c = {"strategy": s, "D": D, "S": S, "B": D if s == "dp" else 1, "mode": mode}
-        c.update(recompute=rc, check="measure", name=name, mlp_schedule=mlp, kv_backward=kv)
+        c.update(recompute=rc, check="measure", name=name)
+        c["options"] = {"mlp_schedule": mlp, "kv_backward": kv} if s == "tsp" else {}
         if s == "tpsp":
             c.update(tp=2 if D > 1 else 1, sp=D // 2 if D > 1 else 1)
         if model:
@@ -77,7 +78,7 @@ def _spec(case: dict) -> RunSpec:
     return RunSpec.make(
         case["strategy"], cfg, degree=case["D"], tp=case.get("tp", 1), sp=case.get("sp", 1),
         seq_len=case["S"], batch=case["B"], mode=case["mode"], recompute=case["recompute"],
-        mlp_schedule=case["mlp_schedule"], kv_backward=case["kv_backward"], warmup=0, steps=1,
+        options=case["options"], warmup=0, steps=1,
     )  # fmt: skip
 
 

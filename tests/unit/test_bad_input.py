@@ -144,21 +144,27 @@ BAD = [
     ("run", ["--strategy", "single", "--seq-len", "16777216"], {}, "and the model's peak"),
     ("record", '{"status": "ok", "loss": NaN}', {}, "non-finite number NaN"),
     ("run", ["--device", "cuda"], {}, "--device=cuda: no GPU is visible"),
-    # TSP's MLP schedule: other strategies have none to choose
+    # a strategy's own options: another strategy has none of them, whatever the value (even
+    # the default: `tp --kv-bucket 2` was recorded as if it meant something, issue 35)
     (
         "run",
         ["--strategy", "tp", "--degree", "2", "--mlp-schedule", "broadcast"],
         {},
-        "mlp_schedule='broadcast': only strategy tsp chooses its MLP schedule (got tp",
+        "--mlp-schedule: strategy tp takes no such option (tsp takes it)",
     ),
+    ("run", ["--strategy", "tp", "--kv-bucket", "2"], {}, "--kv-bucket: strategy tp takes no"),
+    ("run", ["--strategy", "dp", "--overlap", "on"], {}, "--overlap: strategy dp takes no such"),
     ("run", ["--mlp-schedule", "tree"], {}, "argument --mlp-schedule: invalid choice: 'tree'"),
+    ("run", ["--overlap", "maybe"], {}, "argument --overlap: 'maybe': must be on or off"),
     (
         "run",
         ["--strategy", "sp", "--degree", "2", "--kv-backward", "save"],
         {},
-        "kv_backward='save': only strategy tsp chooses how its attention backward gets K/V",
+        "--kv-backward: strategy sp takes no such option (tsp takes it)",
     ),
-    ("config", cfg_with(mlp_schedule="tree"), {}, "mlp_schedule: 'tree' is not one of"),
+    ("config", sweep_with(options={"mlp_schedule": "tree"}), {}, "options.mlp_schedule: mlp_sc"),
+    ("config", sweep_with(options={"colour": "red"}), {}, "options.colour: no strategy has this"),
+    ("config", cfg_with(mlp_schedule="ring"), {}, "Additional properties are not allowed"),
     # an ok record whose numbers cannot be measurements
     ("record", record_with(tokens_per_s=-5), {}, "tokens_per_s: -5 is less than or equal"),
     ("record", record_with(peak_mem_bytes=-1), {}, "peak_mem_bytes: -1 is less than the minimum"),

@@ -143,6 +143,31 @@ def test_shipped_configs_stay_valid(capsys):
     assert load(str(ROOT / "workflows/config/projected.yaml"))["model"] == "7b"
 
 
+def test_a_sweeps_options_go_to_the_strategies_that_declare_them():
+    """``options`` of a sweep reach the cells of the strategies that declare each (TSP's MLP
+    schedule and K/V backward: its ids say so); the others run as before, ids unchanged."""
+    from tspbench.pipeline.cells import sweep_cells
+
+    sweep = {
+        "name": "o",
+        "strategies": ["tsp", "tp", "fsdp_cp"],
+        "degrees": [2],
+        "gpus": [2],
+        "seq_lens": [64],
+        "batches": [1],
+        "modes": ["train"],
+        "options": {"mlp_schedule": "broadcast", "kv_backward": "save", "overlap": False},
+    }
+    cells, filtered = sweep_cells({**DEFAULT, "sweeps": [sweep]})  # fmt: skip
+    assert not filtered
+    by = {c.spec.strategy: c.spec for c in cells}
+    assert by["tsp"].id == "tsp-overlap-off-mlp-broadcast-kvsave.D2.g2.S64.B1.train"
+    assert by["fsdp_cp"].label == "fsdp_cp (overlap off)"
+    assert by["tp"].id == "tp.D2.g2.S64.B1.train" and dict(by["tp"].options) == {}
+    assert by["fsdp_cp"].options["overlap"] is False and by["tsp"].options["overlap"] is False
+    assert "--overlap off" in " ".join(by["fsdp_cp"].to_argv())
+
+
 # -- B: the schema and the CLI share one set of ranges -------------------------------------------
 
 SCHEMA = schema("config.schema.yaml")

@@ -46,7 +46,7 @@ def counted(monkeypatch):
 
     def counts(key):  # the shrunk copy's one- and two-layer counts
         keys.append(key)
-        n = 5000 + 3000 * key.layout.degree + 100 * key.kv_bucket
+        n = 5000 + 3000 * key.layout.degree + 100 * key.options.get("kv_bucket", 0)
         return n, n + 100
 
     monkeypatch.setattr(costmodel, "layer_counts", counts)
@@ -97,7 +97,7 @@ def test_ranks_strategies_and_prints_commands(capsys, counted, tmp_path):
     snippet = out.split("pipeline config (workflows/config/<name>.yaml):\n", 1)[1]
     cells, filtered = sweep_cells(yaml.safe_load(snippet))
     assert len(cells) == 1 and not filtered and cells[0].spec.strategy == "tsp"
-    assert cells[0].spec.mlp_schedule == mlp
+    assert cells[0].spec.options["mlp_schedule"] == mlp
 
 
 def test_json_best_7b_128k_on_8_mi300x_fits(capsys, counted, tmp_path):
@@ -237,7 +237,7 @@ def test_tries_tsp_mlp_schedules_and_every_kv_bucket(capsys, counted, tmp_path):
     for D, buckets in ((2, {0, 1, 2, 4, 8}), (4, {0, 1, 2, 4}), (8, {0, 1, 2})):
         assert {c["kv_bucket"] for c in tsp if c["degree"] == D} == buckets
     assert {c["mlp_schedule"] for c in tsp} == {"ring", "broadcast"}
-    assert all(c["mlp_schedule"] is None and c["kv_bucket"] == 0
+    assert all(c["mlp_schedule"] is None and c["kv_bucket"] is None
                for c in cands if c["strategy"] != "tsp")  # fmt: skip
     twins: dict[tuple, dict] = {}
     for c in tsp:
@@ -247,7 +247,7 @@ def test_tries_tsp_mlp_schedules_and_every_kv_bucket(capsys, counted, tmp_path):
     for row in twins.values():
         assert len({c["peak_mem_bytes"] for c in row.values()}) == 1
         assert all(c["tokens_per_s"] <= row[0]["tokens_per_s"] for c in row.values())
-    assert counted and not any(key.kv_bucket for key in counted)
+    assert counted and not any(key.options.get("kv_bucket") for key in counted)
     # the table shows both; a user's choice is kept
     rc, out, _ = plan_cli(capsys, "--model", "7b", "--hardware", "mi300x", "--seq-len", 131072,
                           "--gpus", 8, "--mlp-schedule", "ring", "--top", 30,
@@ -262,7 +262,7 @@ def test_a_cold_plan_for_1024_gpus_counts_few_configurations(counted):
     counts the rows it shows, not its 92 configurations or their KV buckets."""
     p = planner.plan(Request.make("7b", "mi300x", 131072, 1024), use_cache=False)
     assert len(p.configs) >= 90 and p.ops.counted == len(counted) <= 16
-    assert not any(key.kv_bucket for key in counted)
+    assert not any(key.options.get("kv_bucket") for key in counted)
 
 
 @pytest.mark.parametrize("strategy", ["tsp", "fsdp_cp", "tp"])

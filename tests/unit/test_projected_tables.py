@@ -35,5 +35,5 @@ def test_tsp_rows_take_each_presets_mlp_schedule(flat_ops):
     spec = RunSpec.make("tsp", get_config("7b"), degree=8, seq_len=16384, dtype="bf16",
                         recompute="full")  # fmt: skip
     preset = costmodel.load_preset("mi300x")
-    projected = costmodel.project(costmodel.default_mlp_schedule(spec, preset), preset)
+    projected = costmodel.project(spec.preset_options(preset), preset)
     assert row.step_time_s.item() == projected["step_time_s"]

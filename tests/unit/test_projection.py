@@ -78,9 +78,10 @@ def test_links_and_algorithms_per_topology():
 
 def test_tsp_mlp_schedule_default_follows_the_preset():
     """MI300X: the broadcast MLP (one owner drives all seven links) beats the ring (one link per
-    hop) and is the preset's default; H100/H200: the ring moves one slice less per pass at the
-    same port bandwidth, and is theirs. Baselines keep ring (they have no schedule)."""
-    from tspbench.projection.costmodel import default_mlp_schedule, load_preset, project
+    hop) and is what TSP picks from its topology (a full mesh); H100/H200: the ring moves one
+    slice less per pass at the same port bandwidth, and is what a switch gets. Baselines have
+    no schedule: a preset chooses nothing for them."""
+    from tspbench.projection.costmodel import load_preset, project
 
     cfg = get_config("7b")
     tsp = RunSpec.make("tsp", cfg, degree=8, seq_len=16384, dtype="bf16", recompute="full")
@@ -93,9 +94,10 @@ def test_tsp_mlp_schedule_default_follows_the_preset():
             for c in (tsp, bcast)
         )
         assert (bcast_s < ring_s) == (best == "broadcast"), hw
-        assert default_mlp_schedule(tsp, preset).mlp_schedule == best == preset["tsp_mlp_schedule"]
+        assert tsp.preset_options(preset).options["mlp_schedule"] == best
+        assert "tsp_mlp_schedule" not in preset  # a fact (the topology), not a strategy's choice
         tp = RunSpec.make("tp", cfg, degree=8, seq_len=16384)
-        assert default_mlp_schedule(tp, preset) == tp
+        assert tp.preset_options(preset) == tp and not tp.options
 
 
 def test_project_check_reads_repeated_runs(tmp_path):

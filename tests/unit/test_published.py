@@ -13,7 +13,7 @@ import pytest
 from tspbench.cli import main
 from tspbench.core.config import get_config
 from tspbench.projection import published
-from tspbench.projection.costmodel import default_mlp_schedule, load_preset, presets, project
+from tspbench.projection.costmodel import load_preset, presets, project
 from tspbench.runtime.registry import strategies
 from tspbench.runtime.spec import RunSpec
 
@@ -52,7 +52,7 @@ def test_command_prints_one_row_per_point_with_the_project_ratio(capsys):
             sp=p["sp"], dp=p["dp"], seq_len=p["seq_len"], batch=p["batch"], mode="train",
             dtype=p["precision"], recompute=p["recompute"],
         )  # fmt: skip
-        res = project(default_mlp_schedule(c, preset), preset)
+        res = project(c.preset_options(preset), preset)
         ratio = res["tokens_per_s"] / p["gpus"] / p["published_tokens_per_s_per_gpu"]
         rows = [line for line in out.splitlines() if line.startswith(f"| {p['id']} |")]
         assert len(rows) == 1, p["id"]

@@ -56,10 +56,25 @@ def test_the_mlp_schedule_names_itself_and_is_tsp_only():
 def assert_tsp_only(field: str, value: str, bad: str, choices: str) -> None:
     """Every other strategy refuses ``value`` for a TSP-only ``field``; nobody takes ``bad``."""
     for strategy in ("tp", "sp", "fsdp_cp", "dp", "single"):
-        with pytest.raises(ConfigError, match=f"{field}='{value}': only strategy tsp"):
+        with pytest.raises(ConfigError, match=f"{field}: strategy {strategy} takes no such option"):
             RunSpec.make(strategy, get_config("tiny"), seq_len=64, **{field: value})
     with pytest.raises(ConfigError, match=f"{field}='{bad}': must be one of {choices}"):
         RunSpec.make("tsp", get_config("tiny"), seq_len=64, **{field: bad})
+
+
+def test_options_belong_to_their_strategy():
+    """A spec carries its strategy's declared options, defaults filled in (TP: none); the record
+    keeps every strategy's option keys, an unused one at its default, as before."""
+    tp, tsp = (argv_spec(["--strategy", s, "--seq-len", "64"]) for s in ("tp", "tsp"))
+    assert dict(tp.options) == {} and list(tsp.options) == [
+        "overlap", "kv_bucket", "mlp_schedule", "kv_backward"]  # fmt: skip
+    keys = list(tp.header("local", 1))
+    want = ["recompute", "overlap", "kv_bucket", "mlp_schedule", "kv_backward", "model_config"]
+    assert keys[keys.index("recompute") :][:6] == want
+    assert {k: tp.header("local", 1)[k] for k in tsp.options} == dict(tsp.options)
+    assert "--overlap" not in tp.to_argv() and "--kv-bucket" not in tp.to_argv()
+    assert tsp.replace(kv_bucket=2).options["kv_bucket"] == 2
+    assert dict(tsp.replace(strategy="single", layout=tsp.layout).options) == {}
 
 
 def test_frozen_and_keyword_only():

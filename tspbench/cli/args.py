@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable
 
 from tspbench.core.config import ConfigError
+from tspbench.core.options import Option, Value
 from tspbench.runtime.spec import CHOICES, parse_size
 
 EXIT_USAGE = 2
@@ -134,7 +135,7 @@ def gib(text: str) -> float:
 
 def add_run_args(p: argparse.ArgumentParser, strategy: str | None = None) -> None:
     """The arguments that define a run (``strategy``: a default, else --strategy is required)."""
-    from tspbench.runtime.registry import strategies
+    from tspbench.runtime.registry import all_options, strategies, takers
 
     p.add_argument(
         "--strategy", required=strategy is None, default=strategy, choices=sorted(strategies())
@@ -182,34 +183,29 @@ def add_run_args(p: argparse.ArgumentParser, strategy: str | None = None) -> Non
         default="none",
         help="activation checkpointing per layer (every strategy)",
     )
-    p.add_argument(
-        "--overlap",
-        choices=("on", "off"),
-        default="on",
-        help="tsp, fsdp_cp: prefetch the next weight shard (unit) and drain gradient "
-        "reductions while computing (off: measure it)",
-    )
-    p.add_argument(
-        "--kv-bucket",
-        type=int_in(0, 65536),
-        default=0,
-        help="tsp: KV heads per attention bucket (0: whole head group)",
-    )
-    p.add_argument(
-        "--mlp-schedule",
-        choices=CHOICES["mlp_schedule"],
-        default=None,
-        help="tsp: how MLP weight slices move: ring (one neighbour per step) or broadcast (the "
-        "owner to all); default ring (project: the hardware preset's tsp_mlp_schedule)",
-    )
-    p.add_argument(
-        "--kv-backward",
-        choices=CHOICES["kv_backward"],
-        default=None,
-        help="tsp: the attention backward re-gathers each head group's K/V (regather, the "
-        "default) or keeps the forward's (save: no backward gather, the full-sequence K/V of "
-        "every head alive per layer)",
-    )
+    for option in all_options().values():  # each strategy's own, named once
+        values = ",".join(map(option.text, option.values()))
+        p.add_argument(
+            option.flag,
+            type=option_type(option),
+            choices=option.choices or None,  # argparse's "invalid choice" (and did you mean)
+            default=None,
+            metavar=f"{{{values}}}" if values else "N",
+            help=f"{', '.join(takers(option.name))}: {option.help} "
+            f"(default: {option.text(option.default)})",
+        )
+
+
+def option_type(option: Option) -> Callable[[str], Value]:
+    """An argparse type reading a strategy option's text (ValueError: one line, exit 2)."""
+
+    def parse(text: str) -> Value:
+        try:
+            return option.parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse
 
 
 def add_measure_args(p: argparse.ArgumentParser) -> None:

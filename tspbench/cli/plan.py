@@ -20,11 +20,11 @@ def schema_models() -> list[str]:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from tspbench.core.strategy import MLP_SCHEDULES
     from tspbench.projection import planner, planrender
     from tspbench.projection.plancache import cache_dir
     from tspbench.projection.planlaunch import pipeline_config
     from tspbench.projection.plantypes import Request
+    from tspbench.runtime.registry import searched
 
     req = Request.make(
         args.model,
@@ -39,7 +39,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         global_batch=args.global_batch,
         max_batch=args.max_batch,
         recompute=("none", "full") if args.recompute == "both" else (args.recompute,),
-        mlp_schedule=MLP_SCHEDULES if args.mlp_schedule == "both" else (args.mlp_schedule,),
+        options={
+            k: (o.parse(getattr(args, k)),)
+            for k, o in searched().items()
+            if getattr(args, k, "all") != "all"
+        },
     )
     progress(
         "plan",
@@ -92,6 +96,8 @@ def cmd_plan_check(args: argparse.Namespace) -> int:
 
 
 def add_parsers(sub) -> None:
+    from tspbench.runtime.registry import searched, takers
+
     p = sub.add_parser(
         "plan", help="rank strategies, degrees and micro-batches for a model on G GPUs (projected)"
     )
@@ -136,12 +142,15 @@ def add_parsers(sub) -> None:
     )
     p.add_argument("--max-batch", type=int_in(1, 4096), default=16, help="largest micro-batch")
     p.add_argument("--recompute", choices=("none", "full", "both"), default="both")
-    p.add_argument(
-        "--mlp-schedule",
-        choices=("ring", "broadcast", "both"),
-        default="both",
-        help="TSP's MLP schedule: both are tried unless one is named (other strategies: ring)",
-    )
+    for name, option in searched().items():  # the strategies' options with listed values
+        if option.values():
+            takes = ", ".join(takers(name))
+            p.add_argument(
+                option.flag,
+                choices=(*map(option.text, option.values()), "all"),
+                default="all",
+                help=f"{takes}: {option.help}; every value is tried unless one is named",
+            )
     p.add_argument("--top", type=int_in(1, 1000), default=10, help="rows of the ranked table")
     p.add_argument("--json", action="store_true", help='print {"candidates": [...], ...}')
     p.add_argument("--out", type=out_file(".json"), default=None, help="also write the JSON here")

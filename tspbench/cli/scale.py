@@ -64,13 +64,14 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def cmd_project(args: argparse.Namespace) -> int:
-    from tspbench.projection.costmodel import default_mlp_schedule, load_preset
+    from tspbench.projection.costmodel import load_preset
     from tspbench.projection.report import project_report
+    from tspbench.runtime.registry import all_options
 
     spec = _spec(args)
     preset = load_preset(args.hardware)
-    if args.mlp_schedule is None:  # TSP: the preset's schedule
-        spec = default_mlp_schedule(spec, preset)
+    named = [k for k in all_options() if getattr(args, k, None) is not None]
+    spec = spec.preset_options(preset, named)  # TSP: the topology's MLP schedule
     progress("project", f"counting the operations of {spec.label} under fake tensors (one and "
              f"two layers), then costing them on {preset['name']}")  # fmt: skip
     _emit(args, *project_report(spec, preset))

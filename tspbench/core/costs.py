@@ -18,6 +18,7 @@ context-parallel degree.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 from tspbench.core.config import ModelConfig
@@ -60,9 +61,7 @@ class Spec(Protocol):
     rc: bool  # activation recomputation in effect
     cp: int  # P: ranks that split a sequence
     tokens: int  # t
-    mlp_schedule: str  # TSP's gated MLP: ring or broadcast
-    kv_backward: str  # TSP's attention backward: regather or save
-    overlap: bool  # communication overlapped with compute where the implementation can
+    options: Mapping[str, Any]  # the strategy's own options (tspbench/core/options.py)
 
 
 class Schedule(list[Event]):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -40,10 +40,10 @@ class Decoding:
         prompt_len: int,
         new_tokens: int,
         batch: int,
-        kv_bucket: int = 0,
+        **options: Any,
     ) -> None:
         """Raise ConfigError (field, value, rule) for a decode run this strategy cannot do
-        (``kv_bucket``: TSP's prefill attention buckets)."""
+        (``options``: the run's values of the strategy's own options)."""
         if not cls.decodes:
             raise ConfigError(f"strategy={cls.name!r}: has no decode path")
         for field in ("degree", "tp", "sp", "dp"):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.utils.checkpoint
@@ -22,11 +22,10 @@ from tspbench.core.decode import Decoding
 from tspbench.core.grad_sync import BucketedAllReduce
 from tspbench.core.init import Index
 from tspbench.core.mesh import Axis, Mesh
+from tspbench.core.options import Option, Options, Value
 from tspbench.core.reference import init_param, init_param_flat
 
 RECOMPUTE = ("none", "full")
-MLP_SCHEDULES = ("ring", "broadcast")  # TSP's gated MLP (docs/method.md section 4)
-KV_BACKWARDS = ("regather", "save")  # TSP's attention backward: gather K/V again or keep them
 
 
 @dataclass(frozen=True)
@@ -56,6 +55,7 @@ class Strategy(Decoding, ABC):  # Decoding: prefill/decode_step (docs/decode.md)
     name: ClassVar[str]
     reference: ClassVar[bool] = False  # the single-device reference the others are checked on
     factored: ClassVar[bool] = False  # takes a sweep's T x Sigma factor list (its `tpsp` key)
+    options: ClassVar[tuple[Option, ...]] = ()  # its own settings (tspbench/core/options.py)
 
     def __init__(
         self,
@@ -65,19 +65,18 @@ class Strategy(Decoding, ABC):  # Decoding: prefill/decode_step (docs/decode.md)
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         recompute: str = "none",
-        overlap: bool = True,
-        kv_bucket: int = 0,
         dp_bucket_mb: float = 25.0,
-        mlp_schedule: str = "ring",
-        kv_backward: str = "regather",
+        **options: Value,
     ) -> None:
+        """``options``: values of the strategy's declared options (the rest at their defaults),
+        each an attribute of the same name."""
         if recompute not in RECOMPUTE:
             raise ConfigError(f"recompute={recompute!r}: must be one of {', '.join(RECOMPUTE)}")
         self.cfg, self.mesh, self.seed = cfg, mesh, seed
         self.dtype, self.device = dtype, torch.device(device)
-        self.recompute, self.overlap, self.kv_bucket = recompute, overlap, kv_bucket
-        self.dp_bucket_mb, self.mlp_schedule = dp_bucket_mb, mlp_schedule
-        self.kv_backward = kv_backward
+        self.recompute, self.dp_bucket_mb = recompute, dp_bucket_mb
+        for name, value in Options(type(self).options, options, self.name).items():
+            setattr(self, name, value)
         self._dp_sync: BucketedAllReduce | None = None
 
     def checkpointed(self, fn, *args):
@@ -100,12 +99,10 @@ class Strategy(Decoding, ABC):  # Decoding: prefill/decode_step (docs/decode.md)
 
     @classmethod
     def validate(
-        cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, kv_bucket: int = 0
+        cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, **options: Value
     ) -> None:
-        """Raise ConfigError (naming value and rule) before any collective for a bad combination.
-
-        ``kv_bucket`` only concerns TSP's attention buckets; other strategies ignore it.
-        """
+        """Raise ConfigError (naming value and rule) before any collective for a bad combination
+        (``options``: the run's values of the strategy's own options, checked by their type)."""
         for field in ("degree", "tp", "sp", "dp"):
             v = getattr(layout, field)
             if not isinstance(v, int) or v < 1:
@@ -275,8 +272,18 @@ class Strategy(Decoding, ABC):  # Decoding: prefill/decode_step (docs/decode.md)
     # that saves a tensor: in a plain autograd layer, before the final W2 GEMM
     vocab_parallel_loss: ClassVar[bool] = False  # Megatron's vocabulary-parallel cross-entropy
     grad_staging_copies: ClassVar[int] = 0  # packed copies of all grads reduced after backward
-    mlp_schedules: ClassVar[tuple[str, ...]] = ("ring",)  # TSP's: both; the rest ignore ring
-    kv_backwards: ClassVar[tuple[str, ...]] = ("regather",)  # TSP's: both; the rest ignore it
+
+    @classmethod
+    def searched_values(cls, spec: costs.Spec | None) -> dict[str, tuple[Value, ...]]:
+        """The values the planner tries of each ``searched`` option for a run like ``spec``
+        (None: no valid run of the group)."""
+        return {o.name: o.values() for o in cls.options if o.searched}
+
+    @classmethod
+    def preset_options(cls, preset: dict[str, Any]) -> dict[str, Value]:
+        """The options a hardware preset's facts (its topology) choose where the user named none
+        (``tspbench project``, the planner's single runs)."""
+        return {}
 
     @classmethod
     def tensor_degree(cls, layout: Layout) -> int:

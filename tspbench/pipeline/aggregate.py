@@ -26,7 +26,7 @@ from tspbench.core.comm import KINDS
 from tspbench.core.config import ConfigError
 from tspbench.pipeline.cells import Cell
 from tspbench.runtime.record import write_atomic
-from tspbench.runtime.registry import names
+from tspbench.runtime.registry import all_options, names
 from tspbench.runtime.spec import DECODE_MODES
 
 SCALARS = [
@@ -63,9 +63,7 @@ SCALARS = [
     "startup_s",
     "wall_s",
     "recompute",
-    "overlap",
-    "kv_bucket",
-    "mlp_schedule",
+    *all_options(),  # every strategy's options (the record's: unused ones at their default)
     "launcher",
     "attention_backend",
     "git_commit",

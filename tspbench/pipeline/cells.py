@@ -16,11 +16,12 @@ from dataclasses import dataclass, replace
 
 from tspbench.core.config import ConfigError, get_config
 from tspbench.core.configfile import check_schema, non_finite, read_yaml
+from tspbench.core.options import Options
 from tspbench.core.strategy import Layout
 from tspbench.pipeline.resources import slurm_resources
 from tspbench.runtime.local import max_local_ranks
-from tspbench.runtime.registry import get_strategy, names, strategies
-from tspbench.runtime.spec import DECODE_MODES, DEFAULT_NEW_TOKENS, RunSpec, mlp_tag, parse_size
+from tspbench.runtime.registry import all_options, get_strategy, names, strategies, takers
+from tspbench.runtime.spec import DECODE_MODES, DEFAULT_NEW_TOKENS, RunSpec, parse_size
 
 __all__ = [
     "Cell",
@@ -81,6 +82,25 @@ def check_sweep(i: int, sweep: dict) -> None:
                     f"sweeps[{i}].gpus: {g} must be a multiple of the model group D = {D}"
                 )
     check_decode_sweep(i, sweep)
+    check_options(i, sweep)
+
+
+def check_options(i: int, sweep: dict) -> None:
+    """A sweep's ``options`` are strategy options (tspbench/core/options.py) that one of its
+    strategies declares, each with a value the option takes."""
+    known = all_options()
+    for name, value in sweep.get("options", {}).items():
+        where = f"sweeps[{i}].options.{name}"
+        if name not in known:
+            raise ConfigError(f"{where}: no strategy has this option (options: {', '.join(known)})")
+        if not set(takers(name)) & set(sweep["strategies"]):
+            raise ConfigError(
+                f"{where}: none of the sweep's strategies takes it (only {', '.join(takers(name))})"
+            )
+        try:
+            known[name].check(value)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
 
 
 def _check_local(i: int, sweep: dict, launcher: str) -> None:
@@ -165,7 +185,6 @@ def _common(config: dict, what: str) -> dict:
         "seed": config.get("seed", 0),
         "recompute": config.get("recompute", "none"),
         "max_memory": max_memory,
-        "mlp_schedule": config.get("mlp_schedule", "ring"),
         "quiet": True,
     }
 
@@ -188,10 +207,11 @@ def _filtered(
     sweep: dict, strategy: str, lay: Layout, gpus: int, combo: dict, why: str, run: dict
 ) -> dict:
     """A combination that cannot run, with its reason (``combo``: seq_len, batch, mode and, for
-    a decode mode, new_tokens; ``run``: the settings every cell shares, the MLP schedule among
+    a decode mode, new_tokens; ``run``: the cell's settings, its strategy's options among
     them)."""
     S, B, mode = combo["seq_len"], combo["batch"], combo["mode"]
-    tag = mlp_tag(get_strategy(strategy).tag(lay), run["mlp_schedule"])
+    impl = get_strategy(strategy)
+    tag = impl.tag(lay) + Options(impl.options, run["options"], strategy).suffix("tag")
     n = f".N{combo['new_tokens']}" if combo.get("new_tokens") else ""
     return {
         "strategy": strategy,
@@ -224,6 +244,7 @@ def sweep_cells(config: dict, what: str = "config") -> tuple[list[Cell], list[di
     for i, sweep in enumerate(config["sweeps"]):
         check_sweep(i, sweep)
         _check_local(i, sweep, config["launcher"])
+        options = sweep.get("options", {})
         combos = itertools.product(
             sweep["strategies"], sweep["gpus"], sweep["seq_lens"], sweep["batches"], sweep["modes"]
         )
@@ -236,9 +257,9 @@ def sweep_cells(config: dict, what: str = "config") -> tuple[list[Cell], list[di
                 lay = replace(lay, dp=gpus // lay.degree)
                 combo = {"seq_len": S, "batch": B, "mode": mode}
                 combo |= {"new_tokens": n} if n else {}
-                # TSP's MLP schedule; the other strategies have none to choose (ring, unused)
-                mlp = common["mlp_schedule"]
-                run = {**common, "mlp_schedule": mlp if mlp in impl.mlp_schedules else "ring"}
+                # the sweep's options that this strategy declares (the rest are others')
+                own = {o.name for o in impl.options}
+                run = {**common, "options": {k: v for k, v in options.items() if k in own}}
                 if mode in DECODE_MODES:  # no backward: a config's recompute is for training
                     run["recompute"] = "none"
                 try:
@@ -250,6 +271,11 @@ def sweep_cells(config: dict, what: str = "config") -> tuple[list[Cell], list[di
                 known = cells.get(spec.id)
                 if known is None:
                     cells[spec.id] = Cell(spec, (sweep["name"],))
+                elif known.spec != spec:  # an option that names no cell (no tag) differs
+                    raise ConfigError(
+                        f"{what}: sweeps[{i}]: cell {spec.id} is another sweep's with other "
+                        "options: give them one sweep each, or the same options"
+                    )
                 elif sweep["name"] not in known.sweeps:  # one run, counted in both sweeps
                     cells[spec.id] = replace(known, sweeps=(*known.sweeps, sweep["name"]))
     if not cells:

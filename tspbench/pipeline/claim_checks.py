@@ -113,7 +113,7 @@ def memory_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
 
 def _has_choices(strategy: str, subject: str) -> bool:
     """The subject's row, when the subject has the K/V backward design choice (TSP)."""
-    return strategy == subject and len(get_strategy(subject).kv_backwards) > 1
+    return strategy == subject and "kv_backward" in {o.name for o in get_strategy(subject).options}
 
 
 def _tsp_choices(cfg: ModelConfig, c: dict, D: int = 8) -> str:

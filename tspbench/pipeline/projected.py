@@ -34,9 +34,9 @@ from tspbench.pipeline.plotting import (
 from tspbench.pipeline.projected_decode import write_decode_report
 from tspbench.pipeline.tables import label_order
 from tspbench.projection.analytic import memory
-from tspbench.projection.costmodel import default_mlp_schedule, load_preset, project, usable_memory
+from tspbench.projection.costmodel import load_preset, project, usable_memory
 from tspbench.runtime.record import write_atomic
-from tspbench.runtime.registry import get_strategy, names
+from tspbench.runtime.registry import get_strategy, names, preset_chosen
 from tspbench.runtime.spec import RunSpec
 
 GiB = 2**30
@@ -116,10 +116,10 @@ def memory_table(cfg: dict, estimates: Path) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _row(c: RunSpec, hw: str) -> dict[str, str | None]:
-    """A row's hardware, strategy (one label on every preset) and MLP schedule (TSP's only)."""
-    schedule = c.mlp_schedule if len(c.impl.mlp_schedules) > 1 else None
-    return {"hardware": hw, "strategy": c.impl.label(c.layout), "mlp_schedule": schedule}
+def _row(c: RunSpec, hw: str) -> dict[str, object]:
+    """A row's hardware, strategy (one label on every preset) and the options presets choose."""
+    chosen = {k: c.options.get(k) for k in preset_chosen()}  # None: the strategy has none
+    return {"hardware": hw, "strategy": c.impl.label(c.layout), **chosen}
 
 
 def throughput_tables(cfg: dict) -> dict[str, pd.DataFrame]:
@@ -132,7 +132,7 @@ def throughput_tables(cfg: dict) -> dict[str, pd.DataFrame]:
         cap = usable_memory(preset)
 
         def spec(*args, preset=preset, **kw) -> RunSpec:  # TSP: the preset's MLP schedule
-            return default_mlp_schedule(_spec(cfg, *args, **kw), preset)
+            return _spec(cfg, *args, **kw).preset_options(preset)
 
         for s, lay in layouts(cfg, t["strategies"]):
             for mode in ("train", "infer"):
@@ -237,8 +237,9 @@ def write_report(cfg: dict, estimates: Path, out: Path, plots: Path, command: st
         f"Memory: fake-tensor estimates of the real code (rank 0, fused flash-attention memory; "
         f"TSP with the ring MLP, `tspbench run`'s default), "
         f"device memory {cfg['device_memory_gib']} GiB ({hw0} preset). Throughput: cost model on "
-        f"the named hardware preset (tspbench/projection/hardware.json), TSP with the preset's MLP "
-        f"schedule (`mlp_schedule`). Made by: `{command}`."
+        f"the named hardware preset (tspbench/projection/hardware.json), each strategy with the "
+        f"options the preset's topology chooses ({', '.join(f'`{k}`' for k in preset_chosen())})."
+        f" Made by: `{command}`."
     )
     mem = memory_table(cfg, estimates)
     wide = mem.assign(
@@ -292,9 +293,9 @@ def write_report(cfg: dict, estimates: Path, out: Path, plots: Path, command: st
         for ax, hw in zip(np.atleast_1d(axes), cfg["hardware"]):
             d = ts[(ts.hardware == hw) & (ts["mode"] == "train")]
             oom |= _lines(ax, d, "seq_len", "tokens_per_s_per_gpu", colors, marks)
-            mlp = "/".join(d.mlp_schedule.dropna().unique())  # TSP's, the preset's
+            chosen = (f"{k} {'/'.join(map(str, d[k].dropna().unique()))}" for k in preset_chosen())
             ax.set(xlabel="sequence length", ylabel="tokens/s per GPU")
-            ax.set_title(f"{hw} (projected; TSP: {mlp} MLP)")
+            ax.set_title(f"{hw} (projected; {'; '.join(chosen)})")
             seq_axis(ax, d.seq_len)
         _legend(np.atleast_1d(axes)[-1], ts, oom)
         fig.suptitle(

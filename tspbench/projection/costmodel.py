@@ -42,6 +42,7 @@ from tspbench.core.comm import bus_bytes
 from tspbench.core.config import ConfigError, read_csv_input, read_json_input
 from tspbench.core.mesh import Axis
 from tspbench.projection import analytic
+from tspbench.runtime.registry import strategies
 from tspbench.runtime.spec import RunSpec
 
 
@@ -128,14 +129,6 @@ def fabric(preset: dict, size: int) -> dict[str, dict[str, float]]:
         out[kind] = {"lat": lat, "bw": paths * link * whole}
     out["send_recv"] = {"lat": lat, "bw": link}
     return out
-
-
-def default_mlp_schedule(c: RunSpec, preset: dict) -> RunSpec:
-    """``c`` with the preset's TSP MLP schedule (``tsp_mlp_schedule``; ring if it names none),
-    for a strategy that takes one: what ``tspbench project`` and the planner use when the user
-    names none."""
-    schedule = preset.get("tsp_mlp_schedule", "ring")
-    return c.replace(mlp_schedule=schedule) if schedule in c.impl.mlp_schedules else c
 
 
 def metric_reductions(c: RunSpec) -> list[tuple[str, int]]:
@@ -273,14 +266,21 @@ def case_of_row(row: dict) -> RunSpec:
         v = row.get(k)
         return 1 if v is None or v != v else int(v)  # NaN: not a tpsp row
 
-    mlp = row.get("mlp_schedule")
+    cells = {o.name: (o, row.get(o.name)) for o in strategies()[row["strategy"]].options}
     return RunSpec.make(
-        row["strategy"], cfg, degree=int(row["degree"]), tp=opt("tp"), sp=opt("sp"),
-        dp=int(row["dp"]), seq_len=int(row["seq_len"]), batch=int(row["batch"]),
-        mode=row["mode"], dtype=row["dtype"], recompute=row.get("recompute", "none"),
-        kv_bucket=int(row.get("kv_bucket", 0) or 0),
-        mlp_schedule=mlp if isinstance(mlp, str) else "ring",  # NaN: a row without one
-    )  # fmt: skip
+        row["strategy"],
+        cfg,
+        degree=int(row["degree"]),
+        tp=opt("tp"),
+        sp=opt("sp"),
+        dp=int(row["dp"]),
+        seq_len=int(row["seq_len"]),
+        batch=int(row["batch"]),
+        mode=row["mode"],
+        dtype=row["dtype"],
+        recompute=row.get("recompute", "none"),
+        **{k: o.from_cell(v) for k, (o, v) in cells.items() if v is not None and v == v},
+    )  # fmt: skip  (NaN or absent: a row without the option, at its default)
 
 
 def check_summary(paths: list[str], preset: dict):

@@ -53,8 +53,7 @@ def _ops_key(key: RunSpec) -> str:
     lay = key.layout
     cfg = {k: v for k, v in dataclasses.asdict(key.cfg).items() if k != "name"}
     return json.dumps([key.strategy, cfg, lay.degree, lay.tp, lay.sp, key.mode, key.dtype,
-                       key.recompute, key.kv_bucket, key.overlap, key.mlp_schedule,
-                       key.kv_backward], sort_keys=True)  # fmt: skip
+                       key.recompute, dict(key.options)], sort_keys=True)  # fmt: skip
 
 
 MAX_OPS = 10**8  # operations per layer count: far above any model's (about 10^4 per layer)

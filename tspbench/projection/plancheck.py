@@ -15,6 +15,7 @@ from tspbench.core.config import ConfigError, load_model, read_csv_input
 from tspbench.projection import analytic, costmodel, planner
 from tspbench.projection.plancache import OpsCache, cache_dir
 from tspbench.projection.plantypes import Candidate, Config
+from tspbench.runtime.registry import searched
 from tspbench.runtime.spec import RunSpec
 
 GiB = 2**30
@@ -103,12 +104,10 @@ def check(
         configs = []
         for rec in members:
             spec = rec["spec"]
-            cand = Candidate(
-                spec.strategy, spec.layout, spec.batch, spec.recompute, spec.kv_bucket,
-                spec.mlp_schedule, spec=spec, peak=rec["steady"], fits=True,
-            )  # fmt: skip
-            conf = Config(spec.strategy, spec.layout, spec.recompute, spec.kv_bucket,
-                          spec.mlp_schedule, [cand])  # fmt: skip
+            opts = {k: spec.options[k] for k in searched() if k in spec.options}
+            cand = Candidate(spec.strategy, spec.layout, spec.batch, spec.recompute, opts,
+                             spec=spec, peak=rec["steady"], fits=True)  # fmt: skip
+            conf = Config(spec.strategy, spec.layout, spec.recompute, opts, [cand])
             planner.count_config(conf, ops, preset)
             configs.append((conf, rec["cell"]))
         ranked = planner.rank([c for c, _ in configs])

@@ -76,14 +76,16 @@ def pipeline_config(req: Request, spec: RunSpec, models: list[str] | None = None
                  modes=[req.mode])  # fmt: skip
     if spec.decoding:
         sweep["new_tokens"] = [spec.new_tokens]
+    own = {o.name: o.default for o in impl.options}
+    options = {k: v for k, v in spec.options.items() if v != own[k]}
+    if options:  # the strategy's options away from their defaults
+        sweep["options"] = options
     hw = req.hardware.get("name")
     config: dict[str, Any] = {"name": f"plan-{base}-S{req.seq_len}-g{req.gpus}", "model": base}
     if over:
         config["model_overrides"] = over
     config.update(dtype=req.dtype, warmup=1, steps=3, recompute=spec.recompute, timeout=600,
                   gpu=True, gpus_per_node=node_size(req.hardware), launcher="srun")  # fmt: skip
-    if spec.mlp_schedule != "ring":
-        config["mlp_schedule"] = spec.mlp_schedule
     if hw in costmodel.presets():
         config["hardware_preset"] = hw
         if req.hardware.get("node"):
@@ -92,6 +94,4 @@ def pipeline_config(req: Request, spec: RunSpec, models: list[str] | None = None
     head = f"# tspbench plan: {spec.label} D={lay.degree} dp={lay.dp} B={spec.batch}"
     if spec.decoding and req.gpus > lay.world_size:
         head += f" (one of {req.gpus // lay.world_size} model groups that serve apart)"
-    if spec.kv_bucket:
-        head += f"\n# kv_bucket={spec.kv_bucket}: no sweep key; pass --kv-bucket to tspbench run"
     return head + "\n" + yaml.safe_dump(config, sort_keys=False, default_flow_style=None)

@@ -14,7 +14,7 @@ from tspbench.core.configfile import check_schema, read_yaml
 from tspbench.projection import planner
 from tspbench.projection.plancache import OpsCache, cache_dir
 from tspbench.projection.plantypes import Plan, Request, Row
-from tspbench.runtime.registry import names, schema, strategies
+from tspbench.runtime.registry import names, schema, searched, strategies
 
 GiB = 2**30
 
@@ -89,8 +89,8 @@ def cell_rows(p: Plan, focus: str) -> list[dict]:
             "degree": c.layout.degree if c else None, "tp": c.layout.tp if c else None,
             "sp": c.layout.sp if c else None, "dp": c.layout.dp if c else None,
             "batch": c.batch if c else None, "recompute": c.recompute if c else None,
-            "mlp_schedule": c.schedule if c else None,
-            "kv_bucket": c.kv_bucket if c else None, "fits": bool(c and c.fits),
+            **{k: c.options.get(k) if c else None for k in searched()},
+            "fits": bool(c and c.fits),
             "peak_gib": c.peak / GiB if c else None,
             "cap_gib": req.memory_cap / GiB,
             "tokens_per_s": res.get("tokens_per_s") if c and c.fits else None,

@@ -3,9 +3,9 @@
 Every strategy of the registry is asked for its model groups (``sweep_layouts``) at every degree
 D that divides the GPUs and fits a node (``max_degree``; TP+SP at every T x Sigma of D), data
 parallelism fills the rest (dp = G / D); each group is tried with every micro-batch (1..16, or
-the one that gives ``global_batch`` = B x dp), recomputation none and full, for a strategy with
-a choice of MLP schedule (TSP) ring and broadcast, and for a strategy that reads KV buckets every
-bucket that splits a head group's KV heads (0: the whole group; then each proper divisor).
+the one that gives ``global_batch`` = B x dp), recomputation none and full, and every value of
+each option the strategy declares ``searched`` (``Strategy.searched_values``: TSP's MLP schedules
+ring and broadcast, and every KV bucket that splits a head group's KV heads).
 :class:`RunSpec` validates each candidate (a rule it breaks is the candidate's binding
 constraint); the analytic model (:func:`tspbench.projection.analytic.memory`, steady state)
 decides whether it fits the memory cap; the cost model
@@ -20,16 +20,16 @@ of all groups. Decode steps are charged no dispatch, so ``decode`` counts nothin
 counts its prefill's operations.
 
 Dispatch time needs the operations the real code issues (counted on fake tensors: seconds per
-configuration), which depend on the strategy, its group, recomputation, MLP schedule, bucket,
-mode, dtype and heads, never on S, the micro-batch or dp, so each configuration is counted once
+configuration), which depend on the strategy, its group, recomputation, options, mode, dtype
+and heads, never on S, the micro-batch or dp, so each configuration is counted once
 and kept on disk (``~/.cache/tspbench``, keyed by its shrunk copy and a digest of the step's
 source code). A plan counts only what can change its answer: every configuration is first
 projected without dispatch (an upper bound on its tokens/s), then counted in the order of the
 bounds until none left uncounted could enter the top rows or beat a strategy's best (branch and
 bound): every fitting row shown is exact, the rest are marked as bounds.
-A KV bucket repeats its group's gathers and kernel calls and removes none, so its counted
-whole-group twin's operations bound it (:func:`tighten`); priced as the twin otherwise (the
-analytic model sizes K/V by head groups), it is counted only with ``--exact`` or an estimate.
+An option declared ``bounded_by_default`` (TSP's KV bucket: it repeats its group's gathers and
+kernel calls and removes none) is bounded by its counted twin at the default (:func:`tighten`);
+priced as the twin otherwise, it is counted only with ``--exact`` or an estimate.
 
 This module enumerates and ranks; the records it fills are in :mod:`plantypes`, the caches in
 :mod:`plancache`, the printed answer in :mod:`planrender` and the commands in :mod:`planlaunch`.
@@ -38,10 +38,12 @@ This module enumerates and ranks; the records it fills are in :mod:`plantypes`, 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import time
 
 from tspbench.core.config import ConfigError
+from tspbench.core.options import Value
 from tspbench.core.strategy import Layout, Strategy
 from tspbench.projection import analytic, costmodel, decode
 from tspbench.projection.plancache import OpsCache, cache_dir, estimate_peak
@@ -54,7 +56,7 @@ from tspbench.projection.plantypes import (
     Row,
     divisors,
 )
-from tspbench.runtime.registry import strategies
+from tspbench.runtime.registry import searched, strategies
 from tspbench.runtime.spec import RunSpec
 
 GiB = 2**30
@@ -66,17 +68,8 @@ def one_rank_only(impl: type[Strategy]) -> bool:
     return all(lay.degree == 1 for lay in impl.sweep_layouts([2], [[2, 1], [1, 2]]))
 
 
-def reads_kv_bucket(spec: RunSpec) -> bool:
-    """Whether the strategy reads ``kv_bucket`` (others ignore it, so accept any value)."""
-    try:
-        spec.replace(kv_bucket=-1)
-    except ConfigError:
-        return True
-    return False
-
-
 def _spec(
-    req: Request, strategy: str, lay: Layout, batch: int, rc: str, kvb: int, mlp: str = "ring"
+    req: Request, strategy: str, lay: Layout, batch: int, rc: str, options: dict[str, Value]
 ) -> RunSpec:
     """A candidate's run. A decode run is one model group: its dp copies serve apart, each its
     own batch."""
@@ -84,23 +77,22 @@ def _spec(
         lay = dataclasses.replace(lay, dp=1)
     return RunSpec(
         strategy=strategy, cfg=req.cfg, layout=lay, seq_len=req.seq_len, batch=batch,
-        mode=req.mode, new_tokens=req.new_tokens, dtype=req.dtype, recompute=rc, kv_bucket=kvb,
-        mlp_schedule=mlp, quiet=True,
+        mode=req.mode, new_tokens=req.new_tokens, dtype=req.dtype, recompute=rc,
+        options=options, quiet=True,
     )  # fmt: skip
 
 
-def mlp_schedules(req: Request, impl: type[Strategy]) -> list[str]:
-    """The asked MLP schedules the strategy takes (TSP: ring, broadcast), else its only one."""
-    return [m for m in req.mlp_schedule if m in impl.mlp_schedules] or [impl.mlp_schedules[0]]
-
-
-def kv_buckets(req: Request, base: RunSpec | None) -> list[int]:
-    """0 (a head group's KV heads in one gather) and every proper divisor of a group's KV heads
-    (kv_heads / D), for a strategy that reads buckets; [0] for the rest."""
-    if base is None or not reads_kv_bucket(base):
-        return [0]
-    group = req.cfg.kv_heads // base.layout.degree
-    return [0, *(b for b in divisors(group) if b < group)]
+def option_sets(req: Request, impl: type[Strategy], base: RunSpec | None) -> list[dict]:
+    """Every combination of the strategy's searched options (the plan's order: the first varies
+    slowest), each restricted to the values the request names (none of them: its default)."""
+    offered = impl.searched_values(base)
+    axes = []
+    for name in (k for k in searched() if k in offered):
+        asked = req.options.get(name)
+        values = [v for v in offered[name] if asked is None or v in asked]
+        default = next(o.default for o in impl.options if o.name == name)
+        axes.append([(name, v) for v in values or [default]])
+    return [dict(combo) for combo in itertools.product(*axes)]
 
 
 def peak_of(spec: RunSpec) -> float:
@@ -153,19 +145,18 @@ def enumerate_configs(req: Request) -> tuple[list[Config], list[dict]]:
             base = None
             if not isinstance(batches, str):
                 try:
-                    base = _spec(req, name, lay, impl.replica_batch(lay), "none", 0)
+                    base = _spec(req, name, lay, impl.replica_batch(lay), "none", {})
                 except ConfigError:
                     pass
-            tries = [(rc, m, kvb) for rc in req.recompute for m in mlp_schedules(req, impl)
-                     for kvb in kv_buckets(req, base)]  # fmt: skip
-            for rc, mlp, kvb in tries:
-                conf = Config(name, lay, rc, kvb, mlp)
+            tries = [(rc, o) for rc in req.recompute for o in option_sets(req, impl, base)]
+            for rc, opts in tries:
+                conf = Config(name, lay, rc, opts)
                 if isinstance(batches, str):
-                    conf.candidates.append(Candidate(name, lay, 0, rc, kvb, mlp, reason=batches))
+                    conf.candidates.append(Candidate(name, lay, 0, rc, opts, reason=batches))
                 for b in [] if isinstance(batches, str) else batches:
-                    cand = Candidate(name, lay, b, rc, kvb, mlp)
+                    cand = Candidate(name, lay, b, rc, opts)
                     try:
-                        cand.spec = _spec(req, name, lay, b, rc, kvb, mlp)
+                        cand.spec = _spec(req, name, lay, b, rc, opts)
                     except ConfigError as e:
                         cand.reason = str(e)
                     conf.candidates.append(cand)
@@ -179,7 +170,7 @@ def enumerate_configs(req: Request) -> tuple[list[Config], list[dict]]:
                     continue
                 lay = dataclasses.replace(lay, dp=req.gpus // d)
                 try:
-                    _spec(req, name, lay, impl.replica_batch(lay), "none", 0)
+                    _spec(req, name, lay, impl.replica_batch(lay), "none", {})
                     why = None
                 except ConfigError as e:
                     why = str(e)
@@ -204,12 +195,13 @@ def count_config(conf: Config, ops: OpsCache, preset: dict) -> None:
 
 
 def tighten(configs: list[Config], preset: dict) -> None:
-    """Bound every uncounted KV bucket by its counted whole-group twin's operations (a bucket
-    dispatches at least as many: module docstring), so that it ranks no higher than the twin."""
-    counted = {c.twin: c.ops for c in configs if not c.kv_bucket and c.ops is not None}
+    """Bound every uncounted bounded configuration (a KV bucket) by its counted twin's
+    operations (it dispatches at least as many: module docstring), so that it ranks no higher
+    than the twin."""
+    counted = {c.twin: c.ops for c in configs if not c.bounded and c.ops is not None}
     for conf in configs:
         ops = counted.get(conf.twin)
-        if conf.kv_bucket and conf.ops is None and ops is not None and conf.bound_ops != ops:
+        if conf.bounded and conf.ops is None and ops is not None and conf.bound_ops != ops:
             conf.bound_ops = ops
             for c in conf.valid:
                 c.bound = charged(c, preset, ops)

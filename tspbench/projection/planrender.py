@@ -14,7 +14,7 @@ from tspbench.projection.costmodel import usable_memory
 from tspbench.projection.planlaunch import pipeline_config, run_lines
 from tspbench.projection.planner import binding, limit
 from tspbench.projection.plantypes import Candidate, Plan, Request, node_size
-from tspbench.runtime.registry import strategies
+from tspbench.runtime.registry import searched, strategies
 
 GiB = 2**30
 STEP = {"train": "step s", "infer": "step s", "decode": "s/token", "generate": "gen s"}
@@ -48,8 +48,7 @@ def candidate_dict(c: Candidate, req: Request) -> dict[str, Any]:
         "mode": req.mode,
         "dtype": req.dtype,
         "recompute": c.recompute,
-        "mlp_schedule": c.schedule,
-        "kv_bucket": c.kv_bucket,
+        **{k: c.options.get(k) for k in searched()},  # None: the strategy has no such option
         **serving,
         "fits": bool(c.fits),
         "peak_mem_bytes": c.peak,
@@ -183,22 +182,26 @@ def render(plan: Plan, models: list[str] | None = None) -> str:
         *(f"  note: {n}" for n in req.notes),
         "",
     ]
-    head = ["#", "strategy", "D", "dp", "B", "recompute", "mlp", "kvb", "peak GiB", "headroom",
-            "fits", "tokens/s", "tok/s/GPU", "MFU", STEP[req.mode], "limit"]  # fmt: skip
+    opts = searched()
+    head = ["#", "strategy", "D", "dp", "B", "recompute", *(o.short for o in opts.values()),
+            "peak GiB", "headroom", "fits", "tokens/s", "tok/s/GPU", "MFU", STEP[req.mode],
+            "limit"]  # fmt: skip
     table = []
     for i, r in enumerate(plan.shown, 1):
         c, res = r.cand, r.cand.result or {}
         src = "*" if c.peak_source != "analytic" else ""
         table.append([
             str(i), r.config.label, str(c.layout.degree), str(c.layout.dp), str(c.batch),
-            c.recompute, c.schedule or "-", str(c.kv_bucket), f"{c.peak / GiB:.1f}{src}",
+            c.recompute, *(c.shown(k) for k in opts), f"{c.peak / GiB:.1f}{src}",
             f"{(req.memory_cap - c.peak) / GiB:.1f}", "yes" if c.fits else "NO", _fmt_rate(c),
             ("" if c.exact else "<=") + f"{res['tokens_per_s'] / req.gpus:,.0f}" if res else "-",
             f"{res['mfu']:.1%}" if res.get("mfu") is not None else "-",
             f"{res['step_time_s']:.3f}" if res else "-", limit(r, req),
         ])  # fmt: skip
     widths = [max(len(x) for x in col) for col in zip(head, *table)]
-    right = {0, 2, 3, 4, 7, 8, 9, 11, 12, 13, 14}
+    n = 6 + len(opts)  # the columns before the peak; an int option's column is numbers
+    right = {0, 2, 3, 4, *(6 + i for i, o in enumerate(opts.values()) if not o.values())}
+    right |= {n + k for k in (0, 1, 3, 4, 5, 6)}
     for line in [head, *table]:
         cells = [
             x.rjust(w) if k in right else x.ljust(w) for k, (x, w) in enumerate(zip(line, widths))
@@ -214,15 +217,16 @@ def render(plan: Plan, models: list[str] | None = None) -> str:
         peak = "analytic, the larger of the prefill with its cache and a decode step"
     out.append(f"({foot}; <=: upper bound, dispatch not counted; peak: {peak}"
                + ("; *: fake-tensor estimate" if plan.estimated else "") + ")")  # fmt: skip
-    if any(c.kv_bucket for c in plan.candidates if c.spec):
-        out.append(
-            "(kvb: KV heads per gather, 0 the whole head group; the analytic memory "
-            "models whole head groups: a bucket's saving shows only with --estimate)"
-        )
+    for k, o in opts.items():
+        if o.note and any(
+            c.options.get(k, o.default) != o.default for c in plan.candidates if c.spec
+        ):
+            out.append(o.note)
     for c in plan.estimated:
+        shown = " ".join(f"{o.short}={c.shown(k)}" for k, o in opts.items())
         out.append(
             f"estimator: {strategies()[c.strategy].label(c.layout)} D={c.layout.degree} "
-            f"B={c.batch} {c.recompute} mlp={c.schedule or '-'} kvb={c.kv_bucket}: "
+            f"B={c.batch} {c.recompute} {shown}: "
             f"{c.peak / GiB:.1f} GiB, "
             f"{'fits' if c.fits else 'OVER the cap'} ({c.estimate['estimate_s']:.1f} s"
             f"{', cached' if c.estimate.get('cached') else ''})"
@@ -241,8 +245,8 @@ def render(plan: Plan, models: list[str] | None = None) -> str:
     out += [
         f"best plan: {best.config.label} D={c.layout.degree} dp={c.layout.dp} B={c.batch} "
         f"recompute={c.recompute}"
-        + (f" mlp_schedule={c.schedule}" if c.schedule else "")
-        + f" kv_bucket={c.kv_bucket}: "
+        + "".join(f" {k}={searched()[k].text(v)}" for k, v in c.options.items())
+        + ": "
         f"{c.peak / GiB:.1f} GiB per GPU ({c.peak_source}, headroom "
         f"{(req.memory_cap - c.peak) / GiB:.1f} GiB of the {cap:.1f} GiB cap), "
         f"{c.tokens_per_s:,.0f} tokens/s projected",

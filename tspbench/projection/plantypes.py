@@ -7,14 +7,16 @@ maps and the check can use them without the planner's machinery.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from tspbench.core.config import ConfigError, ModelConfig, load_model
-from tspbench.core.strategy import MLP_SCHEDULES, Layout
+from tspbench.core.options import Value
+from tspbench.core.strategy import Layout
 from tspbench.projection import costmodel
 from tspbench.projection.plancache import OpsCache
-from tspbench.runtime.registry import strategies
+from tspbench.runtime.registry import searched, strategies
 from tspbench.runtime.spec import CHOICES, DECODE_MODES, RunSpec
 
 MAX_BATCH = 4096  # tspbench run's --batch bound
@@ -37,7 +39,8 @@ class Request:
     global_batch: int | None = None
     max_batch: int = 16
     recompute: tuple[str, ...] = ("none", "full")
-    mlp_schedule: tuple[str, ...] = MLP_SCHEDULES  # TSP's, each tried (the rest: ring)
+    options: Mapping[str, tuple[Value, ...]] = field(default_factory=dict)  # searched options
+    # restricted to these values (the rest: every value the strategy offers)
     model: str = ""  # as the user named it (preset or path)
     notes: tuple[str, ...] = ()
 
@@ -86,6 +89,15 @@ class Request:
             for v in values if isinstance(values, tuple) else (values,):
                 if v not in choices:
                     raise ConfigError(f"--{key}={v!r}: must be one of {', '.join(choices)}")
+        for name, values in kw.get("options", {}).items():
+            option = searched().get(name)
+            if option is None:
+                raise ConfigError(f"--{name}: not an option the planner searches")
+            for v in values:
+                try:
+                    option.check(v)
+                except ConfigError as e:
+                    raise ConfigError(f"--{e}") from None
         mode = kw.get("mode", "train")
         if mode != "train":
             kw["recompute"] = ("none",)  # recomputation is a training matter
@@ -126,8 +138,7 @@ class Candidate:
     layout: Layout
     batch: int
     recompute: str
-    kv_bucket: int
-    mlp_schedule: str = "ring"
+    options: dict[str, Value] = field(default_factory=dict)  # its searched options' values
     spec: RunSpec | None = None
     reason: str | None = None  # the validation rule it breaks
     peak: float | None = None  # bytes per GPU
@@ -141,11 +152,11 @@ class Candidate:
     def exact(self) -> bool:
         return self.proj is not None
 
-    @property
-    def schedule(self) -> str | None:
-        """Its MLP schedule where the strategy has a choice (TSP), else None: a baseline's MLP
-        is not a ring, whatever the spec's default says."""
-        return self.mlp_schedule if len(strategies()[self.strategy].mlp_schedules) > 1 else None
+    def shown(self, name: str) -> str:
+        """A searched option's value as the table shows it ("-": the strategy has no such
+        option)."""
+        v = self.options.get(name)
+        return "-" if v is None else searched()[name].text(v)
 
     @property
     def result(self) -> dict | None:
@@ -158,23 +169,35 @@ class Candidate:
 
 @dataclass
 class Config:
-    """A strategy's group with one recomputation, MLP schedule and KV bucket, over its
-    micro-batches."""
+    """A strategy's group with one recomputation and one value of each searched option (TSP:
+    MLP schedule, KV bucket), over its micro-batches."""
 
     strategy: str
     layout: Layout
     recompute: str
-    kv_bucket: int
-    mlp_schedule: str = "ring"
+    options: dict[str, Value] = field(default_factory=dict)
     candidates: list[Candidate] = field(default_factory=list)
     ops: int | None = None
-    bound_ops: int = 0  # operations its bounds charge (a KV bucket: its counted twin's)
+    bound_ops: int = 0  # operations its bounds charge (a bounded one: its counted twin's)
+
+    @property
+    def bounded(self) -> bool:
+        """An option whose default dispatches no more (``bounded_by_default``) is not at it:
+        its counted twin's operations bound this one's (a KV bucket: the whole group)."""
+        opts = searched()
+        return any(
+            opts[k].bounded_by_default and v != opts[k].default for k, v in self.options.items()
+        )
 
     @property
     def twin(self) -> tuple:
-        """What it shares with its whole-group twin (bucket 0): all but the bucket."""
-        lay = self.layout
-        return (self.strategy, lay.degree, lay.tp, lay.sp, self.recompute, self.mlp_schedule)
+        """What it shares with its twin: all but the bounded options, which are at default."""
+        lay, opts = self.layout, searched()
+        own = tuple(
+            (k, opts[k].default if opts[k].bounded_by_default else v)
+            for k, v in self.options.items()
+        )
+        return (self.strategy, lay.degree, lay.tp, lay.sp, self.recompute, own)
 
     @property
     def label(self) -> str:

@@ -113,11 +113,11 @@ def spec(p: dict[str, Any]) -> RunSpec:
 
 def project_point(p: dict[str, Any]) -> dict[str, Any]:
     """``tspbench project``'s projection of one point on its preset: the same code path
-    (load_preset, the preset's default MLP schedule, costmodel.project), per GPU."""
-    from tspbench.projection.costmodel import default_mlp_schedule, load_preset, project
+    (load_preset, the options the preset chooses, costmodel.project), per GPU."""
+    from tspbench.projection.costmodel import load_preset, project
 
     preset = load_preset(p["preset"])
-    c = default_mlp_schedule(spec(p), preset)
+    c = spec(p).preset_options(preset)
     res = project(c, preset)
     per_gpu = res["tokens_per_s"] / (c.degree * c.dp)
     return {"per_gpu": per_gpu, "ratio": per_gpu / p["published_tokens_per_s_per_gpu"], **res}

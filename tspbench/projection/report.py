@@ -125,13 +125,13 @@ def estimate_report(
 
 def project_report(spec: RunSpec, preset: dict[str, Any]) -> tuple[dict[str, Any], str]:
     """``tspbench project``: the cost model's step time and throughput of ``spec`` on
-    ``preset`` (record, text); the MLP schedule is named where the strategy has a choice."""
+    ``preset`` (record, text); the options a preset chooses (TSP's MLP schedule) are named."""
     from tspbench.projection.costmodel import project
     from tspbench.projection.decode import project_decode
 
     res = project_decode(spec, preset) if spec.decoding else project(spec, preset)
-    mlp = {"mlp_schedule": spec.mlp_schedule} if len(spec.impl.mlp_schedules) > 1 else {}
-    obj = {"hardware": preset["name"], "projected": True, **mlp, **res}
+    chosen = {k: spec.options[k] for k in spec.impl.preset_options(preset)}
+    obj = {"hardware": preset["name"], "projected": True, **chosen, **res}
     text = (
         f"projected on {preset['name']}: {spec.label} {spec.cfg.name} S={spec.seq_len} "
         f"D={spec.layout.degree} dp={spec.layout.dp} {spec.mode}\n"

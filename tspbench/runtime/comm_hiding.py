@@ -109,8 +109,9 @@ def check_hides(spec: RunSpec) -> None:
     overlap on and off are the same step."""
     from tspbench.core.config import ConfigError
 
-    on = spec.replace(overlap=True)  # (DP's gradient buckets overlap with the switch on or off)
-    if not any(ev.overlapped for ev in on.impl.schedule(on)):
+    # no switch: nothing to turn off (DP's gradient buckets overlap with the switch on or off)
+    on = spec.replace(overlap=True) if "overlap" in spec.options else None
+    if on is None or not any(ev.overlapped for ev in on.impl.schedule(on)):
         raise ConfigError(
             f"--strategy={spec.strategy}: overlaps none of its collectives in this layout "
             "(overlap on and off are the same step): nothing for the overlap benchmark to measure"

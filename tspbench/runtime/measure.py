@@ -102,10 +102,8 @@ def build_strategy(spec: RunSpec, mesh, device: torch.device, overlap: bool | No
         dtype=DTYPES[spec.dtype],
         device=device,
         recompute=spec.recompute,
-        overlap=spec.overlap if overlap is None else overlap,
-        kv_bucket=spec.kv_bucket,
-        mlp_schedule=spec.mlp_schedule,
-        kv_backward=spec.kv_backward,
+        **spec.options,
+        **({} if overlap is None else {"overlap": overlap}),
     )
 
 

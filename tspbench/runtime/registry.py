@@ -6,6 +6,7 @@ from typing import Any
 
 from tspbench.core import datafiles
 from tspbench.core.config import ConfigError
+from tspbench.core.options import Option
 from tspbench.core.strategy import Strategy
 
 
@@ -31,6 +32,37 @@ def get_strategy(name: str) -> type[Strategy]:
 def reference_name() -> str:
     """The single-device reference strategy's name (the one every other is checked on)."""
     return next(n for n, s in strategies().items() if s.reference)
+
+
+def all_options() -> dict[str, Option]:
+    """Every strategy's options by name, in registry then declaration order: the command line's
+    flags and the record's keys. A name two strategies declare is one option (the same
+    :class:`Option`), else ConfigError."""
+    out: dict[str, Option] = {}
+    for name, impl in strategies().items():
+        for o in impl.options:
+            if out.setdefault(o.name, o) != o:
+                raise ConfigError(f"option {o.name}: strategy {name} declares it differently")
+    return out
+
+
+def searched() -> dict[str, Option]:
+    """Every strategy's ``searched`` options in the plan's order: those with listed values, then
+    the counted ones (an int range), each group in registry order (the plan table's columns, and
+    its enumeration's: the first varies slowest)."""
+    opts = [o for o in all_options().values() if o.searched]
+    return {o.name: o for o in sorted(opts, key=lambda o: not o.values())}
+
+
+def preset_chosen() -> list[str]:
+    """The options some strategy chooses from a hardware preset (the same for every preset),
+    in registry order: what a projection names beside its strategy."""
+    return list(dict.fromkeys(k for s in strategies().values() for k in s.preset_options({})))
+
+
+def takers(option: str) -> list[str]:
+    """The strategies that declare ``option``."""
+    return [n for n, s in strategies().items() if any(o.name == option for o in s.options)]
 
 
 def names() -> tuple[str, ...]:

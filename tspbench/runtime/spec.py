@@ -11,21 +11,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
 from tspbench.core.config import ConfigError, ModelConfig, get_config, parse_overrides
-from tspbench.core.strategy import KV_BACKWARDS, MLP_SCHEDULES, Layout, Strategy
-from tspbench.runtime.registry import get_strategy, strategies
+from tspbench.core.options import Options, Value
+from tspbench.core.strategy import Layout, Strategy
+from tspbench.runtime.registry import all_options, get_strategy, strategies, takers
 
 BYTES = {"fp32": 4, "bf16": 2}
 CHOICES = {
     "mode": ("train", "infer", "decode", "generate"),
     "dtype": tuple(BYTES),
     "recompute": ("none", "full"),
-    "mlp_schedule": MLP_SCHEDULES,  # TSP's (the others take only the default, ring)
-    "kv_backward": KV_BACKWARDS,  # TSP's (the others take only the default, regather)
 }
 
 DECODE_MODES = ("decode", "generate")  # prefill, then one token per step (docs/decode.md)
@@ -42,11 +42,6 @@ def parse_size(text: str) -> int:
     if value <= 0:
         raise ValueError(f"{text!r}: must be positive")
     return value
-
-
-def mlp_tag(tag: str, mlp_schedule: str) -> str:
-    """A cell id's strategy tag with a non-default MLP schedule (ids of ring runs unchanged)."""
-    return tag if mlp_schedule == "ring" else f"{tag}-mlp-{mlp_schedule}"
 
 
 # tspbench/schemas/record.schema.json's version: bump it when a key changes meaning or goes
@@ -69,10 +64,7 @@ class RunSpec:
     new_tokens: int = 0  # decode, generate: tokens generated per sequence
     dtype: str = "fp32"
     recompute: str = "none"
-    overlap: bool = True
-    kv_bucket: int = 0
-    mlp_schedule: str = "ring"  # TSP's gated MLP: ring or broadcast (docs/method.md section 4)
-    kv_backward: str = "regather"  # TSP's attention backward: re-gather K/V, or save them
+    options: Mapping[str, Value] = field(default_factory=dict)  # the strategy's own: Options
     seed: int = 0
     warmup: int = 1
     steps: int = 3
@@ -80,20 +72,12 @@ class RunSpec:
     quiet: bool = False
 
     def __post_init__(self) -> None:
-        for field, choices in CHOICES.items():
-            if getattr(self, field) not in choices:
-                value = getattr(self, field)
-                raise ConfigError(f"{field}={value!r}: must be one of {', '.join(choices)}")
-        if self.mlp_schedule not in self.impl.mlp_schedules:  # a schedule (CHOICES), not theirs
-            raise ConfigError(
-                f"mlp_schedule={self.mlp_schedule!r}: only strategy tsp chooses its MLP schedule "
-                f"(got {self.strategy}: leave it ring)"
-            )
-        if self.kv_backward not in self.impl.kv_backwards:
-            raise ConfigError(
-                f"kv_backward={self.kv_backward!r}: only strategy tsp chooses how its attention "
-                f"backward gets K/V (got {self.strategy}: leave it regather)"
-            )
+        for name, choices in CHOICES.items():
+            if getattr(self, name) not in choices:
+                value = getattr(self, name)
+                raise ConfigError(f"{name}={value!r}: must be one of {', '.join(choices)}")
+        options = Options(self.impl.options, self.options, self.strategy)  # defaults filled in
+        object.__setattr__(self, "options", options)
         if self.decoding:
             if self.recompute != "none":
                 raise ConfigError(
@@ -107,17 +91,14 @@ class RunSpec:
                     f"(strategies that decode: {can})"
                 )
             self.impl.validate_decode(
-                self.cfg, self.layout, self.seq_len, self.new_tokens, self.batch,
-                kv_bucket=self.kv_bucket,
-            )  # fmt: skip
+                self.cfg, self.layout, self.seq_len, self.new_tokens, self.batch, **options
+            )
             return
         if self.new_tokens:
             raise ConfigError(
                 f"new_tokens={self.new_tokens}: only --mode {' or '.join(DECODE_MODES)} generates"
             )
-        self.impl.validate(
-            self.cfg, self.layout, self.seq_len, self.batch, kv_bucket=self.kv_bucket
-        )
+        self.impl.validate(self.cfg, self.layout, self.seq_len, self.batch, **options)
 
     @classmethod
     def make(
@@ -131,13 +112,24 @@ class RunSpec:
         dp: int = 1,
         **fields: Any,
     ) -> RunSpec:
-        """A spec from the strategy's own reading of degree, T x Sigma and replicas."""
+        """A spec from the strategy's own reading of degree, T x Sigma and replicas; ``fields``
+        that are not the spec's are the strategy's options."""
         layout = get_strategy(strategy).make_layout(degree, tp, sp, dp)
-        return cls(strategy=strategy, cfg=cfg, layout=layout, **fields)
+        fields, options = _split(fields, {})
+        return cls(strategy=strategy, cfg=cfg, layout=layout, options=options, **fields)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RunSpec:
-        """From ``tspbench run``'s arguments (ConfigError names the field and the rule)."""
+        """From ``tspbench run``'s arguments (ConfigError names the field and the rule); an
+        option the strategy does not declare is refused, not recorded as if it meant something."""
+        known = all_options()
+        named = {k: getattr(args, k) for k in known if getattr(args, k, None) is not None}
+        for name in named.keys() - {o.name for o in get_strategy(args.strategy).options}:
+            who = takers(name)
+            raise ConfigError(
+                f"{known[name].flag}: strategy {args.strategy} takes no such option "
+                f"({', '.join(who)} take{'s' if len(who) == 1 else ''} it)"
+            )
         return cls.make(
             args.strategy,
             get_config(args.model, **parse_overrides(args.set)),
@@ -155,10 +147,7 @@ class RunSpec:
             ),
             dtype=args.dtype,
             recompute=args.recompute,
-            overlap=args.overlap == "on",
-            kv_bucket=args.kv_bucket,
-            mlp_schedule=getattr(args, "mlp_schedule", None) or "ring",
-            kv_backward=getattr(args, "kv_backward", None) or "regather",
+            options=named,
             **{k: getattr(args, k) for k in MEASURE_FIELDS if hasattr(args, k)},
         )
 
@@ -179,34 +168,36 @@ class RunSpec:
         if self.decoding:
             argv += ["--new-tokens", str(self.new_tokens)]
         argv += ["--dtype", self.dtype, "--recompute", self.recompute]
-        argv += ["--overlap", "on" if self.overlap else "off", "--kv-bucket", str(self.kv_bucket)]
-        if len(self.impl.mlp_schedules) > 1:  # TSP names it (``project`` would pick the preset's)
-            argv += ["--mlp-schedule", self.mlp_schedule]
-        if len(self.impl.kv_backwards) > 1:
-            argv += ["--kv-backward", self.kv_backward]
+        for o in self.impl.options:  # each named (``project`` would pick the preset's)
+            argv += [o.flag, o.text(self.options[o.name])]
         argv += ["--seed", str(self.seed), "--warmup", str(self.warmup), "--steps", str(self.steps)]
         if self.max_memory is not None:
             argv += ["--max-memory", str(self.max_memory)]
         return argv + (["--quiet"] if self.quiet else [])
 
+    def preset_options(self, preset: dict[str, Any], named: Collection[str] = ()) -> RunSpec:
+        """With the options its strategy chooses from the preset's facts (its topology), but
+        those the user ``named``: what ``tspbench project`` and the projected tables use."""
+        chosen = self.impl.preset_options(preset)
+        return self.replace(**{k: v for k, v in chosen.items() if k not in named})
+
     def replace(self, **changes: Any) -> RunSpec:
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes``; those that are not the spec's fields are options (another
+        strategy starts from its own defaults)."""
+        changes, options = _split(changes, {} if "strategy" in changes else self.options)
+        return dataclasses.replace(self, options=options, **changes)
 
     # -- names ------------------------------------------------------------------------------------
     @property
     def label(self) -> str:
         """Strategy and factorisation as tables spell it, e.g. ``tpsp (2x2)``."""
-        label = self.impl.label(self.layout)
-        if self.mlp_schedule != "ring":
-            label += f" ({self.mlp_schedule} MLP)"
-        return label + (" (K/V saved)" if self.kv_backward == "save" else "")
+        return self.impl.label(self.layout) + self.options.suffix("label")
 
     @property
     def tag(self) -> str:
         """The strategy and its factorisation as cell ids spell it, and a schedule other than
         the default: ``tsp-mlp-broadcast``, ``tsp-kvsave``."""
-        tag = mlp_tag(self.impl.tag(self.layout), self.mlp_schedule)
-        return tag + ("-kvsave" if self.kv_backward == "save" else "")
+        return self.impl.tag(self.layout) + self.options.suffix("tag")
 
     @property
     def id(self) -> str:
@@ -238,10 +229,8 @@ class RunSpec:
             "seed": self.seed,
             "max_memory": self.max_memory,
             "recompute": self.recompute,
-            "overlap": self.overlap,
-            "kv_bucket": self.kv_bucket,
-            "mlp_schedule": self.mlp_schedule,
-            "kv_backward": self.kv_backward,
+            # every strategy's options: the run's, else unused at the declared default
+            **{k: self.options.get(k, o.default) for k, o in all_options().items()},
             "model_config": dataclasses.asdict(self.cfg),
             "launcher": launcher,
         }
@@ -296,3 +285,16 @@ class RunSpec:
         """Tokens this rank computes on: the replica's share (DP gives ranks whole sequences)."""
         split = self.cp * self.impl.replica_batch(self.layout)
         return self.batch * self.seq_len // split
+
+
+FIELDS = {f.name for f in dataclasses.fields(RunSpec)}
+
+
+def _split(
+    given: dict[str, Any], options: Mapping[str, Value]
+) -> tuple[dict[str, Any], dict[str, Value]]:
+    """(the spec's fields, ``options`` (or the given ``options``) updated by the rest: the
+    strategy's options)."""
+    fields = {k: v for k, v in given.items() if k in FIELDS and k != "options"}
+    base = given.get("options", options)
+    return fields, {**base, **{k: v for k, v in given.items() if k not in FIELDS}}

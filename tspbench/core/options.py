@@ -1,0 +1,146 @@
+"""The settings a strategy declares for itself (:class:`Option`) and a run's values of them
+(:class:`Options`).
+
+A strategy's own knobs (TSP's MLP schedule, say) are declared on its class, so the harness (the
+command line, the run's spec and record, the sweep schema, the planner, ids and labels) lists
+them without naming any: a new strategy's options need no edit outside its folder.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+from tspbench.core.config import ConfigError
+
+Value = bool | int | str
+
+
+@dataclass(frozen=True)
+class Option:
+    """One setting of a strategy: its name (``--head-split`` on the command line, ``head_split``
+    in the record and the sweep config), its values, its default and what the planner tries."""
+
+    name: str
+    default: Value
+    help: str
+    choices: tuple[Value, ...] = ()  # a str option's values (a bool takes on/off, an int bounds)
+    bounds: tuple[int, int] = (0, 0)  # an int option's inclusive range
+    searched: bool = False  # the planner tries each value (Strategy.searched_values)
+    tag: str = ""  # cell-id suffix where the value is not the default ("{value}": the value)
+    label: str = ""  # label suffix likewise, e.g. " ({value} MLP)"
+    short: str = ""  # its column in the plan's table
+    note: str = ""  # under the plan's table where a candidate is not at the default
+    bounded_by_default: bool = False  # its default issues no more operations than any value
+    # (the planner bounds an uncounted value's dispatch by its counted default twin)
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def values(self) -> tuple[Value, ...]:
+        """Every value it takes where they are few (an int option's: none listed)."""
+        return (True, False) if isinstance(self.default, bool) else self.choices
+
+    def check(self, value: object) -> Value:
+        """``value`` if this option takes it, else ConfigError naming the option and the rule."""
+        if isinstance(self.default, bool):
+            ok = isinstance(value, bool)
+        elif isinstance(self.default, int):
+            lo, hi = self.bounds
+            ok = isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
+        else:
+            ok = value in self.choices
+        if not ok:
+            rule = (
+                f"must be an integer between {self.bounds[0]} and {self.bounds[1]}"
+                if isinstance(self.default, int) and not isinstance(self.default, bool)
+                else f"must be one of {', '.join(map(self.text, self.values()))}"
+            )
+            raise ConfigError(f"{self.name}={value!r}: {rule}")
+        return value  # type: ignore[return-value]
+
+    def text(self, value: Value) -> str:
+        """The value as the command line spells it (a bool: on, off)."""
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        return str(value)
+
+    def parse(self, text: str) -> Value:
+        """The command line's text as a value (ValueError saying what is expected)."""
+        if isinstance(self.default, bool):
+            if text not in ("on", "off"):
+                raise ValueError(f"{text!r}: must be on or off")
+            return text == "on"
+        if isinstance(self.default, int):
+            try:
+                value = int(text)
+            except ValueError:
+                raise ValueError(f"{text!r}: must be an integer") from None
+            if not self.bounds[0] <= value <= self.bounds[1]:
+                raise ValueError(f"{text!r}: must be between {self.bounds[0]} and {self.bounds[1]}")
+            return value
+        return text
+
+    def from_cell(self, value: object) -> Value:
+        """A value read back from a table's cell (pandas: numpy scalars, a float for an int)."""
+        if isinstance(self.default, bool):
+            return str(value).lower() in ("true", "on", "1")
+        return int(value) if isinstance(self.default, int) else str(value)  # type: ignore[call-overload]
+
+
+# Shared by the strategies that overlap communication with compute (each declares it).
+OVERLAP = Option(
+    "overlap",
+    True,
+    "prefetch the next weight shard (unit) and drain gradient reductions while computing "
+    "(off: measure it)",
+    tag="-overlap-{value}",
+    label=" (overlap {value})",
+)
+
+
+class Options(Mapping[str, Value]):
+    """A run's values of its strategy's options, in declaration order, every one filled in:
+    read-only and hashable (a run's spec is)."""
+
+    def __init__(self, declared: tuple[Option, ...], values: Mapping[str, object], who: str):
+        known = {o.name for o in declared}
+        for name in values:
+            if name not in known:
+                takes = ", ".join(sorted(known)) or "none"
+                raise ConfigError(
+                    f"{name}: strategy {who} takes no such option (its options: {takes})"
+                )
+        self._declared = declared
+        self._items = tuple((o.name, o.check(values.get(o.name, o.default))) for o in declared)
+
+    def suffix(self, what: str) -> str:
+        """The ``tag`` or ``label`` suffixes of the values that are not their defaults (a run
+        at every default is named as before the options existed)."""
+        return "".join(
+            getattr(o, what).format(value=o.text(v))
+            for o, (_, v) in zip(self._declared, self._items)
+            if v != o.default
+        )
+
+    def __getitem__(self, name: str) -> Value:
+        for k, v in self._items:
+            if k == name:
+                return v
+        raise KeyError(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return (k for k, _ in self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __hash__(self) -> int:
+        return hash(self._items)
+
+    def __eq__(self, other: object) -> bool:
+        return dict(self) == dict(other) if isinstance(other, Mapping) else NotImplemented
+
+    def __repr__(self) -> str:
+        return f"Options({dict(self._items)!r})"
