@@ -13,10 +13,10 @@ import pandas as pd
 
 from tspbench.core.config import ModelConfig
 from tspbench.pipeline.aggregate import per_sweep
+from tspbench.pipeline.claim_choices import design_note
 from tspbench.pipeline.labels import TIE, tied
 from tspbench.projection import analytic
 from tspbench.projection.costmodel import load_preset, usable_memory
-from tspbench.runtime.registry import get_strategy
 from tspbench.runtime.spec import RunSpec
 
 GB, GiB = 1e9, 2**30
@@ -103,46 +103,12 @@ def memory_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
                 "paper's recompute setting is not stated; a live-tensor count does not see the "
                 "CUDA context, NCCL buffers or allocator fragmentation (several GB on a GPU). "
                 + _growth(mem, best.strategy)
-                + (_tsp_choices(cfg, c) if _has_choices(c["strategy"], c["subject"]) else ""),
+                + design_note(cfg, c),
                 c["source"],
                 f"{_rel(src.projected)}/memory.csv: {best.strategy}, S={c['seq_len']}",
             )
         )
     return rows
-
-
-def _has_choices(strategy: str, subject: str) -> bool:
-    """The subject's row, when the subject has the K/V backward design choice (TSP)."""
-    return strategy == subject and "kv_backward" in {o.name for o in get_strategy(subject).options}
-
-
-def _tsp_choices(cfg: ModelConfig, c: dict, D: int = 8) -> str:
-    """What two design choices of ours save at length S (bytes per GPU): re-gathering each head
-    group's K/V in backward instead of saving them (both are implemented: ``--kv-backward``;
-    the analytic peaks of the two, bf16), and the online log-sum-exp loss instead of
-    materialising a [S/D, V] fp32 logits shard."""
-    S = c["seq_len"]
-    peaks = {
-        (rc, kb): analytic.memory(
-            RunSpec.make(
-                c["subject"], cfg, degree=D, seq_len=S, dtype="bf16", recompute=rc, kv_backward=kb
-            )
-        )["peak"]
-        for rc in ("none", "full")
-        for kb in ("regather", "save")
-    }
-    both = [
-        f"{peaks[rc, 'regather'] / GB:.1f} -> {peaks[rc, 'save'] / GB:.1f} GB "
-        f"(+{(peaks[rc, 'save'] - peaks[rc, 'regather']) / GB:.1f}) {how}"
-        for rc, how in (("none", "without recompute"), ("full", "with it"))
-    ]
-    logits = S // D * cfg.vocab * 4
-    return (
-        f" Our design choices, at S = {S}: saving each head group's gathered K/V for backward "
-        f"(--kv-backward save, implemented and tested) instead of re-gathering it keeps the "
-        f"whole sequence's K/V of every head per layer: analytic peak {both[0]}, {both[1]}; a "
-        f"loss that materialises its logits would add {logits / GB:.1f} GB."
-    )
 
 
 def _growth(mem: pd.DataFrame, label: str) -> str:

@@ -51,7 +51,8 @@ def claims_table(path: Path = CLAIMS, src: Sources | None = None) -> pd.DataFram
     cfg = get_config(spec["model"])
     rows: list[Row] = []
     for c in spec["claims"]:
-        rows += CHECKS[c["kind"]]({**c, "subject": spec["subject"]}, cfg, src)
+        shared = {"subject": spec["subject"], "design_choice": spec.get("design_choice")}
+        rows += CHECKS[c["kind"]]({**c, **shared}, cfg, src)
     return pd.DataFrame([r.__dict__ for r in rows])
 
 
