@@ -77,6 +77,22 @@ def test_options_belong_to_their_strategy():
     assert dict(tsp.replace(strategy="single", layout=tsp.layout).options) == {}
 
 
+def test_an_option_is_one_option_and_names_its_cells(monkeypatch):
+    """Two strategies that declare one name declare one option; every option has an id tag (two
+    cells differing only in it would share an id and one record)."""
+    from tspbench.core.options import OVERLAP
+    from tspbench.runtime.registry import all_options, get_strategy
+
+    assert all_options()["overlap"] is OVERLAP
+    tsp = argv_spec(["--strategy", "tsp", "--seq-len", "64", "--kv-bucket", "1"])
+    assert tsp.id.startswith("tsp-kvb1.") and tsp.label == "tsp (KV bucket 1)"
+    tp = get_strategy("tp")
+    for bad in (dataclasses.replace(OVERLAP, default=False), dataclasses.replace(OVERLAP, tag="")):
+        monkeypatch.setattr(tp, "options", (bad,))
+        with pytest.raises(ConfigError, match="option overlap of strategy tp"):
+            all_options()
+
+
 def test_frozen_and_keyword_only():
     spec = argv_spec(ARGVS[0])
     with pytest.raises(dataclasses.FrozenInstanceError):

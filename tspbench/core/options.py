@@ -27,7 +27,8 @@ class Option:
     choices: tuple[Value, ...] = ()  # a str option's values (a bool takes on/off, an int bounds)
     bounds: tuple[int, int] = (0, 0)  # an int option's inclusive range
     searched: bool = False  # the planner tries each value (Strategy.searched_values)
-    tag: str = ""  # cell-id suffix where the value is not the default ("{value}": the value)
+    tag: str = ""  # cell-id suffix where the value is not the default ("{value}": the value);
+    # every option needs one, so that two cells that differ only in it never share an id
     label: str = ""  # label suffix likewise, e.g. " ({value} MLP)"
     short: str = ""  # its column in the plan's table
     note: str = ""  # under the plan's table where a candidate is not at the default

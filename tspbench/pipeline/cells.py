@@ -271,11 +271,6 @@ def sweep_cells(config: dict, what: str = "config") -> tuple[list[Cell], list[di
                 known = cells.get(spec.id)
                 if known is None:
                     cells[spec.id] = Cell(spec, (sweep["name"],))
-                elif known.spec != spec:  # an option that names no cell (no tag) differs
-                    raise ConfigError(
-                        f"{what}: sweeps[{i}]: cell {spec.id} is another sweep's with other "
-                        "options: give them one sweep each, or the same options"
-                    )
                 elif sweep["name"] not in known.sweeps:  # one run, counted in both sweeps
                     cells[spec.id] = replace(known, sweeps=(*known.sweeps, sweep["name"]))
     if not cells:

@@ -37,12 +37,14 @@ def reference_name() -> str:
 def all_options() -> dict[str, Option]:
     """Every strategy's options by name, in registry then declaration order: the command line's
     flags and the record's keys. A name two strategies declare is one option (the same
-    :class:`Option`), else ConfigError."""
+    :class:`Option`), and each has a tag (two cells that differ only in it would share an id),
+    else ConfigError."""
     out: dict[str, Option] = {}
     for name, impl in strategies().items():
         for o in impl.options:
-            if out.setdefault(o.name, o) != o:
-                raise ConfigError(f"option {o.name}: strategy {name} declares it differently")
+            if out.setdefault(o.name, o) != o or not o.tag:
+                raise ConfigError(f"option {o.name} of strategy {name}: declared differently "
+                                  "by another strategy, or without a tag")  # fmt: skip
     return out
 
 
