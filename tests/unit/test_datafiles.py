@@ -38,6 +38,21 @@ def test_a_marked_schema_without_the_names_is_an_error():
     assert datafiles.schema("regress.schema.yaml")["required"] == ["exact", "relative"]  # unmarked
 
 
+def test_the_record_schema_takes_every_strategy_option():
+    """A record states every strategy's options (an unused one at its default): the schema's
+    properties come from the declarations (tspbench/core/options.py), none copied into it."""
+    from tspbench.runtime.registry import all_options
+
+    props = schema("record.schema.json")["properties"]
+    raw = datafiles.read_text("schemas/record.schema.json")
+    for name in all_options():
+        assert name in props and f'"{name}"' not in raw, name
+    assert props["mlp_schedule"]["enum"] == ["ring", "broadcast"]
+    assert props["overlap"]["type"] == "boolean" and props["kv_bucket"]["minimum"] == 0
+    with pytest.raises(ValueError, match="needs the options"):
+        datafiles.schema("record.schema.json", names())
+
+
 def test_the_packaged_files_lie_inside_the_package():
     import tspbench
 

@@ -5,6 +5,7 @@ finite numbers, and one-line ConfigErrors naming the field, the value and the ru
 from __future__ import annotations
 
 import functools
+import json
 import math
 from collections import deque
 from pathlib import Path
@@ -69,12 +70,13 @@ def non_finite(obj: object) -> tuple[str, float] | None:
 
 
 @functools.cache
-def _validator(schema: str, strategies: tuple[str, ...]) -> Any:
+def _validator(schema: str, strategies: tuple[str, ...], options: str) -> Any:
     """The packaged ``schema``'s validator, with integers that are ints: JSON Schema counts 2.0
-    as an integer, and the CLI refuses "2.0" (cached: aggregate checks every record of a sweep)."""
+    as an integer, and the CLI refuses "2.0" (cached: aggregate checks every record of a sweep;
+    ``options``: their schemas as JSON, hashable)."""
     import jsonschema
 
-    spec = datafiles.schema(schema, strategies)
+    spec = datafiles.schema(schema, strategies, tuple(json.loads(options).items()))
     base = jsonschema.validators.validator_for(spec)
     strict = base.TYPE_CHECKER.redefine(
         "integer", lambda _, v: isinstance(v, int) and not isinstance(v, bool)
@@ -83,11 +85,16 @@ def _validator(schema: str, strategies: tuple[str, ...]) -> Any:
 
 
 def check_schema(
-    obj: object, schema: str, what: str, finite: bool = True, strategies: tuple[str, ...] = ()
+    obj: object,
+    schema: str,
+    what: str,
+    finite: bool = True,
+    strategies: tuple[str, ...] = (),
+    options: datafiles.Options = (),
 ) -> None:
-    """Validate ``obj`` against the packaged ``schema`` (its strategy enums ``strategies``; strict
-    integers; with ``finite``, no NaN or infinity anywhere); ConfigError naming the field, the
-    value and the rule, on one line."""
+    """Validate ``obj`` against the packaged ``schema`` (its strategy enums ``strategies``, its
+    option properties ``options``; strict integers; with ``finite``, no NaN or infinity
+    anywhere); ConfigError naming the field, the value and the rule, on one line."""
     import jsonschema
 
     try:
@@ -96,7 +103,8 @@ def check_schema(
         raise ConfigError(f"{what}: {e}") from None
     if finite and bad:
         raise ConfigError(f"{what}: {bad[0]}: {bad[1]!r} is not a finite number")
-    error = jsonschema.exceptions.best_match(_validator(schema, strategies).iter_errors(obj))
+    validator = _validator(schema, strategies, json.dumps(dict(options)))
+    error = jsonschema.exceptions.best_match(validator.iter_errors(obj))
     if error is not None:
         where = ".".join(map(str, error.absolute_path)) or "(top level)"
         message = error.message  # the value's repr, then the rule: keep both ends of a long one

@@ -89,6 +89,17 @@ class Option:
             return str(value).lower() in ("true", "on", "1")
         return int(value) if isinstance(self.default, int) else str(value)  # type: ignore[call-overload]
 
+    def schema(self, takers: list[str]) -> dict[str, object]:
+        """The JSON Schema of its values, as a record states them (``takers``: the strategies
+        that declare it; the others record the default, unused)."""
+        about = {"description": f"{', '.join(takers)}: {self.help} (others: unused)"}
+        if isinstance(self.default, bool):
+            return {"type": "boolean", **about}
+        if isinstance(self.default, int):
+            lo, hi = self.bounds
+            return {"type": "integer", "minimum": lo, "maximum": hi, **about}
+        return {"enum": list(self.choices), **about}
+
 
 # Shared by the strategies that overlap communication with compute (each declares it).
 OVERLAP = Option(

@@ -26,7 +26,7 @@ from tspbench.core.comm import KINDS
 from tspbench.core.config import ConfigError
 from tspbench.pipeline.cells import Cell
 from tspbench.runtime.record import write_atomic
-from tspbench.runtime.registry import all_options, names
+from tspbench.runtime.registry import all_options, names, option_schemas
 from tspbench.runtime.spec import DECODE_MODES
 
 SCALARS = [
@@ -104,7 +104,7 @@ def read_record(cell: Cell, path: Path) -> tuple[dict | None, str]:
         if path.stat().st_size > MAX_RECORD_BYTES:
             return None, f"{path}: {path.stat().st_size} bytes, not a run record"
         rec = json.loads(path.read_text())
-        check_schema(rec, "record.schema.json", str(path), finite=False, strategies=names())
+        check_schema(rec, "record.schema.json", str(path), False, names(), option_schemas())
     except (OSError, ValueError, RecursionError) as e:  # ConfigError and JSON errors included
         return None, str(e) if isinstance(e, ConfigError) else f"{path}: {type(e).__name__}: {e}"
     expected = cell.spec.header("", cell.gpus)

@@ -72,6 +72,12 @@ def names() -> tuple[str, ...]:
     return tuple(strategies())
 
 
+def option_schemas() -> datafiles.Options:
+    """Every strategy option's schema, as a record states it (the schemas' ``x-options``)."""
+    return tuple((k, o.schema(takers(k))) for k, o in all_options().items())
+
+
 def schema(name: str) -> dict[str, Any]:
-    """A packaged schema with the registry's strategy names filled in (core.datafiles)."""
-    return datafiles.schema(name, names())
+    """A packaged schema with the registry's strategy names and options filled in
+    (core.datafiles)."""
+    return datafiles.schema(name, names(), option_schemas())
