@@ -84,6 +84,7 @@ class GatherUnit(torch.autograd.Function):
 
 class FSDPCP(Strategy):
     name = "fsdp_cp"
+    display = "FSDP+CP"  # legends, titles and tables' captions
 
     @classmethod
     def context_parallel(cls, layout: Layout) -> int:

@@ -36,6 +36,7 @@ MLP = {"ring": RingMLP, "broadcast": BroadcastMLP}
 
 class TSP(TSPDecoding, Strategy):  # decode: tsp_impl/decode.py
     name = "tsp"
+    display = "TSP"  # legends, titles and tables' captions
 
     @classmethod
     def context_parallel(cls, layout: Layout) -> int:

@@ -21,6 +21,7 @@ import pandas as pd
 
 from tspbench.core.config import get_config
 from tspbench.core.strategy import Layout
+from tspbench.pipeline.labels import display, label_order
 from tspbench.pipeline.plotting import (
     draw_lines,
     legend,
@@ -32,7 +33,6 @@ from tspbench.pipeline.plotting import (
     styles,
 )
 from tspbench.pipeline.projected_decode import write_decode_report
-from tspbench.pipeline.tables import label_order
 from tspbench.projection.analytic import memory
 from tspbench.projection.costmodel import default_mlp_schedule, load_preset, project, usable_memory
 from tspbench.runtime.record import write_atomic
@@ -294,7 +294,7 @@ def write_report(cfg: dict, estimates: Path, out: Path, plots: Path, command: st
             oom |= _lines(ax, d, "seq_len", "tokens_per_s_per_gpu", colors, marks)
             mlp = "/".join(d.mlp_schedule.dropna().unique())  # TSP's, the preset's
             ax.set(xlabel="sequence length", ylabel="tokens/s per GPU")
-            ax.set_title(f"{hw} (projected; TSP: {mlp} MLP)")
+            ax.set_title(f"{hw.upper()} (projected; TSP: {mlp} MLP)")
             seq_axis(ax, d.seq_len)
         _legend(np.atleast_1d(axes)[-1], ts, oom)
         fig.suptitle(
@@ -313,7 +313,8 @@ def write_report(cfg: dict, estimates: Path, out: Path, plots: Path, command: st
         ax.set(yscale="log", xlabel="GPUs", ylabel="tokens/s (forward)", title="all replicas")
         log_ticks(ax.yaxis, d.tokens_per_s)
         oom |= _lines(ax2, rel, "gpus", "ratio", colors, marks)
-        ax2.set(xlabel="GPUs", ylabel=f"tokens/s relative to {ref}", title=f"relative to {ref}")
+        vs = f"relative to {display(ref)}"
+        ax2.set(xlabel="GPUs", ylabel=f"tokens/s {vs}", title=vs)
         for a in (ax, ax2):
             log_x(a, d.gpus, str)
         _legend(ax2, d, oom)
@@ -329,8 +330,8 @@ def write_report(cfg: dict, estimates: Path, out: Path, plots: Path, command: st
         ax.set(
             xlabel="micro-batch",
             ylabel="tokens/s (train)",
-            title=f"PROJECTED micro-batch sweep, {cfg['throughput']['batch_gpus']} x {hw0}\n"
-            f"{_fits(oom, hw0)} (analytic memory)",
+            title=f"PROJECTED micro-batch sweep, {cfg['throughput']['batch_gpus']} x {hw0.upper()}"
+            f"\n{_fits(oom, hw0)} (analytic memory)",
         )
         log_x(ax, d.batch, str)
         _legend(ax, d, oom)
