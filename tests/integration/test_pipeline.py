@@ -82,7 +82,9 @@ def test_a_gpu_sweep_with_a_cpu_only_torch_stops_before_any_cell(tmp_path):
     assert smk("-n", "--cores", "2", "--configfile", "g.yaml", cwd=tmp_path).returncode == 0
     p = smk("--cores", "2", "--configfile", "g.yaml", cwd=tmp_path)
     assert p.returncode != 0 and "built without CUDA or ROCm" in p.stdout + p.stderr
-    assert not (tmp_path / "results").exists() and not (tmp_path / "logs").exists()
+    # nothing of the sweep's (results/reference: the committed references copy_workflow brings)
+    assert sorted(p.name for p in (tmp_path / "results").iterdir()) == ["reference"]
+    assert not (tmp_path / "logs").exists()
 
 
 def _write(tmp_path: Path, cfg: dict) -> Path:
