@@ -131,18 +131,19 @@ def test_claims_schema_enums_are_the_registries():
 def test_competitive_throughput_is_judged_against_the_best_alternative():
     """'Competitive with TP+SP, and better with longer sequences' (issue 29): TSP's forward
     tokens/s per GPU over the best of every other layout at each length, not only TP+SP's (on
-    the MI300X references SP is the best alternative: TSP 0.80 of it at 16K, rising to 1.01 at
-    128K: not above 0.8 everywhere, rising, so partly); TP+SP's ratios are shown beside."""
+    the MI300X references SP is the best alternative at every length), each length naming it,
+    TP+SP's ratios beside; competitive (above 0.8 everywhere) and rising make 'holds', one of
+    the two 'partly', as a projection."""
     df = claims_table(src=REFS).set_index("claim")
     row = df.loc[
         "Throughput is competitive with TP+SP, and better with longer sequences and larger D"
     ]
     per_s = row["ours"].split("(PROJECTED): ")[1].split(";")[0].split(", ")
     ratios = [float(x.split()[1]) for x in per_s]
-    assert ratios == sorted(ratios) and min(ratios) <= 0.8, ratios
     assert all("(" in x for x in per_s)  # each length names its best alternative
     assert "TSP / best TP+SP: {" in row["ours"]
-    assert row["verdict"] == "projected: partly"
+    halves = (min(ratios) > 0.8) + (ratios == sorted(ratios))
+    assert row["verdict"] == {2: "projected: holds", 1: "projected: partly", 0: "differs"}[halves]
 
 
 def test_the_micro_batch_claim_is_judged_by_the_largest_batch_that_fits():
@@ -170,3 +171,27 @@ def test_peaks_within_half_a_percent_are_a_tie():
 
     assert tied(100.0, 100.03) and tied(100.03, 100.0) and tied(100.0, 100.5)
     assert not tied(100.0, 101.0) and not tied(101.0, 100.0)
+
+
+def test_measured_cells_of_several_degrees_and_sweeps_are_compared_like_with_like(tmp_path):
+    """The Slurm test's sweep (seq: TSP and TP at D = 2, S = 64; 'four': TSP at D = 4, S = 64
+    and 128) made `tspbench claims` crash (exit 1, CI): TSP twice at S = 64 once sweeps were
+    read by what they vary. Cells are compared per length, degree, GPU count and batch."""
+    from tests.helpers.records import CPU, summary
+    from tspbench.pipeline.claims import claims_table
+
+    def sweep(name, strategies, D, lengths):
+        return {"name": name, "strategies": strategies, "degrees": [D], "gpus": [D],
+                "seq_lens": lengths, "batches": [1], "modes": ["train"]}  # fmt: skip
+
+    cfg = {"name": "mixed", "model": "tiny", "dtype": "fp32", "warmup": 0, "steps": 1,
+           "gpus_per_node": 4, "launcher": "local",
+           "sweeps": [sweep("seq", ["tsp", "tp"], 2, [64]),
+                      sweep("four", ["tsp"], 4, [64, 128])]}  # fmt: skip
+    _, df = summary(cfg, tmp_path, launcher="local", hardware=CPU)
+    df.to_csv(tmp_path / "summary.csv", index=False)
+    table = claims_table(src=Sources(REFS.projected, tmp_path / "summary.csv"))
+    row = table.set_index("claim").loc[
+        "TSP has the lowest peak memory per GPU at every length from 16K to 128K"
+    ]
+    assert "measured on this CPU" in row["ours"]

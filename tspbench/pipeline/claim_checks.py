@@ -214,9 +214,11 @@ def lowest_memory_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
                     losses.append((text, d[subject] - d[best]))
     cpu = per_sweep(pd.read_csv(src.measured))  # a cell of two sweeps counts in each
     seq = cpu[(cpu.role == "seq") & (cpu.status == "ok") & (cpu["mode"] == "train")]
-    cpu_ok = all(
-        tied(g.set_index("strategy").peak_mem_bytes[subject], g.peak_mem_bytes.min())
-        for _, g in seq.groupby("seq_len")
+    like = seq.drop_duplicates("cell").groupby(["seq_len", "degree", "gpus", "batch"])
+    cpu_ok = all(  # like with like: one length, degree, GPU count and batch at a time
+        tied(g.loc[g.strategy == subject, "peak_mem_bytes"].min(), g.peak_mem_bytes.min())
+        for _, g in like
+        if (g.strategy == subject).any()
     )
     n = 2 * len(c["seq_lens"])
     ours = (
