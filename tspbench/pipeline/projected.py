@@ -63,11 +63,8 @@ class Cell:
 
 def layouts(cfg: dict, strategies: list[str]) -> list[tuple[str, Layout]]:
     """(strategy, model group) pairs at the config's degree (TP+SP: its factorisations)."""
-    return [
-        (s, lay)
-        for s in strategies
-        for lay in get_strategy(s).sweep_layouts([cfg["degree"]], cfg["tpsp"])
-    ]
+    pairs = [(s, get_strategy(s).sweep_layouts([cfg["degree"]], cfg["tpsp"])) for s in strategies]
+    return [(s, lay) for s, lays in pairs for lay in lays]
 
 
 def _spec(
@@ -236,9 +233,9 @@ def write_report(cfg: dict, estimates: Path, out: Path, plots: Path, command: st
         f"**Projected**, not measured: {cfg['model']} model, {cfg['dtype']}, D = {cfg['degree']}. "
         f"Memory: fake-tensor estimates of the real code (rank 0, fused flash-attention memory; "
         f"TSP with the ring MLP, `tspbench run`'s default), "
-        f"device memory {cfg['device_memory_gib']} GiB ({hw0} preset). Throughput: cost model on "
-        f"the named hardware preset (tspbench/projection/hardware.json), TSP with the preset's MLP "
-        f"schedule (`mlp_schedule`). Made by: `{command}`."
+        f"device memory {cfg['device_memory_gib']} GiB (usable on {hw0}). Throughput: cost model "
+        f"on the named hardware preset (tspbench/projection/hardware.json), TSP with the "
+        f"preset's MLP schedule (`mlp_schedule`). Made by: `{command}`."
     )
     mem = memory_table(cfg, estimates)
     wide = mem.assign(
@@ -341,10 +338,12 @@ def write_report(cfg: dict, estimates: Path, out: Path, plots: Path, command: st
 
 def load(path: str) -> dict[str, Any]:
     """The projection config, checked against its schema before any value reaches the estimate
-    rule's shell line or the report: one-line ConfigError naming the field, value and rule."""
+    rule's shell line or the report (one-line ConfigError), the fit cap filled in."""
     from tspbench.pipeline.cells import check_schema, read_yaml
 
     cfg = read_yaml(path, "projected config")
-    where = f"projected config {str(path)!r}"
-    check_schema(cfg, "projected.schema.yaml", where, strategies=names())
-    return cfg
+    check_schema(
+        cfg, "projected.schema.yaml", f"projected config {str(path)!r}", strategies=names()
+    )
+    usable = usable_memory(load_preset(cfg["hardware"][0])) / GiB  # as every fit decision uses
+    return {"device_memory_gib": round(usable, 1), **cfg}
