@@ -10,6 +10,18 @@ from tspbench.core.config import read_csv_input
 from tspbench.projection.costmodel import case_of_row, project
 
 
+def measured_runs(paths: list[str]) -> tuple[list, list[str]]:
+    """The ok training and forward cells of each summary (indexed by cell; decode cells are
+    projected by projection/decode.py), and the cells every summary has."""
+    runs = []
+    for path in paths:
+        df = read_csv_input(path, "--summary")
+        if "mode" in df.columns:
+            df = df[~df["mode"].isin(["decode", "generate"])]
+        runs.append(df[df["status"] == "ok"].drop_duplicates("cell").set_index("cell"))
+    return runs, [c for c in runs[0].index if all(c in r.index for r in runs[1:])]
+
+
 def check_summary(paths: list[str], preset: dict):
     """Predicted against measured step time for every cell that succeeded in every summary CSV.
 
@@ -19,13 +31,7 @@ def check_summary(paths: list[str], preset: dict):
     """
     import pandas as pd
 
-    runs = []
-    for path in paths:
-        df = read_csv_input(path, "--summary")
-        if "mode" in df.columns:  # decode cells are projected by projection/decode.py
-            df = df[~df["mode"].isin(["decode", "generate"])]
-        runs.append(df[df["status"] == "ok"].drop_duplicates("cell").set_index("cell"))
-    cells = [c for c in runs[0].index if all(c in r.index for r in runs[1:])]
+    runs, cells = measured_runs(paths)
     rows = []
     for cell in cells:
         row = runs[0].loc[cell].to_dict()
