@@ -21,7 +21,15 @@ def test_paper_dry_run_on_the_slurm_profile_has_the_right_resources(tmp_path):
     paper = yaml.safe_load((ROOT / "workflows/config/paper.yaml").read_text())
     cfg = tmp_path / "paper.yaml"
     cfg.write_text(
-        yaml.safe_dump({**paper, "exclusive": True, "cpus_per_task": 4, "mem_mb": 500000})
+        yaml.safe_dump(
+            {
+                **paper,
+                "node_resources": "config",
+                "exclusive": True,
+                "cpus_per_task": 4,
+                "mem_mb": 500000,
+            }
+        )  # fmt: skip
     )
     p = smk("-n", "-p", "--profile", "workflows/profiles/slurm", "--configfile", str(cfg))
     assert p.returncode == 0, p.stderr[-3000:]
