@@ -22,6 +22,7 @@ from tspbench.core.strategy import Batch, Layout, Strategy
 
 class DP(Strategy):
     name = "dp"
+    display = "DP"  # legends, titles and tables' captions
 
     @classmethod
     def replica_batch(cls, layout: Layout, per_rank: int = 1) -> int:
@@ -96,6 +97,7 @@ class Single(DP):
     """The single-device reference (D must be 1)."""
 
     name = "single"
+    display = "single device"  # legends, titles and tables' captions
     reference = True
     grad_staging_copies = 0  # one rank: nothing to reduce
 

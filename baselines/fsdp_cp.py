@@ -85,6 +85,7 @@ class GatherUnit(torch.autograd.Function):
 
 class FSDPCP(Strategy):
     name = "fsdp_cp"
+    display = "FSDP+CP"  # legends, titles and tables' captions
     options = (OVERLAP,)
 
     @classmethod

@@ -32,6 +32,7 @@ from tspbench.core.strategy import Batch, Layout, Strategy
 
 class SP(Strategy):
     name = "sp"
+    display = "SP"  # legends, titles and tables' captions
 
     @classmethod
     def context_parallel(cls, layout: Layout) -> int:

@@ -38,6 +38,7 @@ from tspbench.core.vocab_parallel import cross_entropy_sum, embedding
 
 class TP(Strategy):
     name = "tp"
+    display = "TP"  # legends, titles and tables' captions
     vocab_parallel_loss = True
 
     @classmethod

@@ -40,6 +40,7 @@ from tspbench.core.vocab_parallel import cross_entropy_sum, embedding
 
 class TPSP(Strategy):
     name = "tpsp"
+    display = "TP+SP"  # legends, titles and tables' captions
     factored = True
 
     @classmethod

@@ -57,6 +57,7 @@ KV_BACKWARD = Option(
 
 class TSP(TSPDecoding, Strategy):  # decode: tsp_impl/decode.py
     name = "tsp"
+    display = "TSP"  # legends, titles and tables' captions
     options = (OVERLAP, KV_BUCKET, MLP_SCHEDULE, KV_BACKWARD)  # the record's order
 
     @classmethod

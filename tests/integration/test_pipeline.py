@@ -21,7 +21,15 @@ def test_paper_dry_run_on_the_slurm_profile_has_the_right_resources(tmp_path):
     paper = yaml.safe_load((ROOT / "workflows/config/paper.yaml").read_text())
     cfg = tmp_path / "paper.yaml"
     cfg.write_text(
-        yaml.safe_dump({**paper, "exclusive": True, "cpus_per_task": 4, "mem_mb": 500000})
+        yaml.safe_dump(
+            {
+                **paper,
+                "node_resources": "config",
+                "exclusive": True,
+                "cpus_per_task": 4,
+                "mem_mb": 500000,
+            }
+        )  # fmt: skip
     )
     p = smk("-n", "-p", "--profile", "workflows/profiles/slurm", "--configfile", str(cfg))
     assert p.returncode == 0, p.stderr[-3000:]
@@ -82,7 +90,9 @@ def test_a_gpu_sweep_with_a_cpu_only_torch_stops_before_any_cell(tmp_path):
     assert smk("-n", "--cores", "2", "--configfile", "g.yaml", cwd=tmp_path).returncode == 0
     p = smk("--cores", "2", "--configfile", "g.yaml", cwd=tmp_path)
     assert p.returncode != 0 and "built without CUDA or ROCm" in p.stdout + p.stderr
-    assert not (tmp_path / "results").exists() and not (tmp_path / "logs").exists()
+    # nothing of the sweep's (results/reference: the committed references copy_workflow brings)
+    assert sorted(p.name for p in (tmp_path / "results").iterdir()) == ["reference"]
+    assert not (tmp_path / "logs").exists()
 
 
 def _write(tmp_path: Path, cfg: dict) -> Path:

@@ -294,6 +294,7 @@ def test_a_signal_at_any_moment_leaves_a_record_saying_so(tmp_path, sig, when):
     assert leftovers(str(out)) == []
 
 
+@pytest.mark.slow  # test_cli's launcher test already compares two runs' losses bit for bit
 def test_same_seed_same_loss_bitwise(tmp_path):
     recs = []
     for i in range(2):

@@ -276,7 +276,7 @@ def test_inference_claims_from_measured_decode_cells(cpu, tmp_path):
     ctx = rows.loc[
         "Memory-efficient inference - TSP serves the longest context in one GPU's memory"
     ]
-    assert ctx["verdict"] == "holds" and "PROJECTED" in ctx["ours"]
+    assert ctx["verdict"] == "projected: holds" and "PROJECTED" in ctx["ours"]
 
 
 def test_a_training_configs_recompute_does_not_reach_its_decode_cells():

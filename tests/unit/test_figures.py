@@ -310,10 +310,10 @@ def test_projected_figures_keep_every_strategy_visible(projected):
             styles = {(ln.get_marker(), str(ln.get_linestyle())) for ln in lines.values()}
             markers = {ln.get_marker() for ln in lines.values()}
             assert len(markers) == len(lines) and len(styles) == len(lines), name
-            assert lines["tsp"].get_zorder() == max(ln.get_zorder() for ln in lines.values())
-            assert ax.get_lines().index(lines["tsp"]) > max(
-                ax.get_lines().index(ln) for k, ln in lines.items() if k != "tsp"
-            ), f"{name}: tsp is not drawn last"
+            assert lines["TSP"].get_zorder() == max(ln.get_zorder() for ln in lines.values())
+            assert ax.get_lines().index(lines["TSP"]) > max(
+                ax.get_lines().index(ln) for k, ln in lines.items() if k != "TSP"
+            ), f"{name}: TSP is not drawn last"
         legends = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
         assert len(legends) == 1, name
         leg = legends[0]
@@ -347,3 +347,47 @@ def test_projected_tables_follow_the_strategy_order(projected):
     rows = [line.split("|")[2].strip() for line in text.splitlines() if line.startswith("| ")]
     rows = rows[1:]  # the header
     assert rows[0] == "tsp" and rows[rows.index("dp") + 1] == "tsp", rows
+
+
+def _styles_drawn(figs, seen: dict[str, set]) -> dict[str, set]:
+    """Every legend label of every line in ``figs``: the (colour, marker, dash) it was drawn in."""
+    from matplotlib.colors import to_hex
+
+    for fig in figs:
+        for ax in fig.axes:
+            for label, ln in _strategy_lines(ax).items():
+                style = (to_hex(ln.get_color()), ln.get_marker(), str(ln.get_linestyle()))
+                seen.setdefault(label, set()).add(style)
+    return seen
+
+
+def test_a_strategy_looks_the_same_in_every_figure(paper, default_cpu, projected, tmp_path):
+    """Issue 36: colours went by position among a figure's labels (SP red in one figure, purple
+    in another, single in FSDP+CP's style). Every figure of the paper and default pipelines
+    (synthetic records) and of the projected report: one style per label across all of them,
+    display names in the legends (TSP, TP+SP (2x4), FSDP+CP), no two labels alike."""
+    import matplotlib.pyplot as plt
+
+    import tspbench.pipeline.decode_figures as decode_figures
+    import tspbench.pipeline.figures as figures
+
+    seen = _styles_drawn(projected[2].values(), {})
+
+    def keep(fig, path):
+        _styles_drawn([fig], seen)
+        plt.close(fig)
+        return []
+
+    mp = pytest.MonkeyPatch()
+    for module in (figures, decode_figures):
+        mp.setattr(module, "save", keep)
+    try:
+        for i, (_, df) in enumerate((paper, default_cpu)):
+            figures.write_figures(df, tmp_path / str(i))
+    finally:
+        mp.undo()
+    assert {"TSP", "TP", "SP", "FSDP+CP", "TP+SP (2x4)", "TP+SP (4x2)", "DP"} <= set(seen)
+    assert not any(k in seen for k in ("tsp", "fsdp_cp", "tpsp (2x4)")), sorted(seen)
+    assert {k: v for k, v in seen.items() if len(v) > 1} == {}
+    styles = [next(iter(v)) for v in seen.values()]
+    assert len(set(styles)) == len(styles)

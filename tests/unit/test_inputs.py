@@ -327,8 +327,11 @@ def test_a_failed_parquet_write_leaves_no_temporary(tmp_path, capsys):
     parquet.mkdir()  # cannot be replaced by a file
     argv = ["aggregate", "--config-json", json.dumps(MINI), "--runs", str(runs)]
     argv += ["--csv", str(tmp_path / "s.csv"), "--parquet", str(parquet)]
-    code, err = exit_line(capsys, [*argv, "--filtered", str(tmp_path / "f.csv")])
-    assert code == 2 and "--parquet=" in err and err.count("\n") == 1, err
+    with pytest.raises(SystemExit) as e:  # refused as the arguments are read: no work done
+        main([*argv, "--filtered", str(tmp_path / "f.csv")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "argument --parquet:" in err and err.count("\n") == 1, err
+    assert "is a directory" in err and not (tmp_path / "s.csv").exists()
     assert not list(tmp_path.glob(".summary.parquet*")), list(tmp_path.iterdir())
 
 

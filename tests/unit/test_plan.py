@@ -83,21 +83,28 @@ def test_ranks_strategies_and_prints_commands(capsys, counted, tmp_path):
     assert rows[0][FITS] == "yes"  # fitting rows first
     fits = [r[FITS] for r in rows]
     assert fits == sorted(fits, key=lambda f: f != "yes")
-    assert "best plan: tsp" in out
+    best = rows[0][1]  # whichever wins: the projection decides, the test does not
+    assert f"best plan: {best} D={rows[0][2]} dp={rows[0][3]} B={rows[0][4]}" in out
     run = next(line.strip() for line in out.splitlines() if line.strip().startswith("tspbench run"))
     srun = next(line.strip() for line in out.splitlines() if line.strip().startswith("srun "))
-    assert "--strategy tsp" in run and "--nproc 8" in run and "--launch env" in srun
-    # the run line carries the best row's MLP schedule and KV bucket
-    mlp, kvb = re.search(r"best plan: .* mlp_schedule=(\w+) kv_bucket=(\d+):", out).groups()
-    assert mlp == rows[0][6] and kvb == rows[0][7]
-    assert f"--mlp-schedule {mlp}" in run and f"--kv-bucket {kvb}" in run
+    assert f"--strategy {best}" in run and "--nproc 8" in run and "--launch env" in srun
+    # the best plan and its run line carry the best row's options where its strategy has them
+    # (TSP: MLP schedule and KV bucket; "-" in the table where it has none)
+    line = next(line for line in out.splitlines() if line.startswith("best plan:"))
+    for col, name in ((6, "mlp_schedule"), (7, "kv_bucket")):
+        flag, value = "--" + name.replace("_", "-"), rows[0][col]
+        if value == "-":
+            assert flag not in run and f" {name}=" not in line
+        else:
+            assert f"{flag} {value}" in run and f" {name}={value}" in line
     # the pipeline snippet is a sweep config the pipeline accepts
     from tspbench.pipeline.cells import sweep_cells
 
     snippet = out.split("pipeline config (workflows/config/<name>.yaml):\n", 1)[1]
     cells, filtered = sweep_cells(yaml.safe_load(snippet))
-    assert len(cells) == 1 and not filtered and cells[0].spec.strategy == "tsp"
-    assert cells[0].spec.options["mlp_schedule"] == mlp
+    assert len(cells) == 1 and not filtered and cells[0].spec.strategy == best
+    opts = cells[0].spec.options  # the sweep's options: the best row's
+    assert [str(opts.get(n, "-")) for n in ("mlp_schedule", "kv_bucket")] == rows[0][6:8]
 
 
 def test_json_best_7b_128k_on_8_mi300x_fits(capsys, counted, tmp_path):

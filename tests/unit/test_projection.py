@@ -102,7 +102,8 @@ def test_tsp_mlp_schedule_default_follows_the_preset():
 
 def test_project_check_reads_repeated_runs(tmp_path):
     """Repeated runs of a sweep: the median is the measurement, the range is reported."""
-    from tspbench.projection.costmodel import check_footer, check_summary, load_preset
+    from tspbench.projection.costcheck import check_footer, check_summary
+    from tspbench.projection.costmodel import load_preset
 
     ref = pd.read_csv(REF / "default-summary-1.csv")
     cells = ref[ref["status"] == "ok"].head(3)

@@ -79,7 +79,8 @@ def cmd_project(args: argparse.Namespace) -> int:
 
 
 def cmd_project_check(args: argparse.Namespace) -> int:
-    from tspbench.projection.costmodel import check_summary, load_preset
+    from tspbench.projection.costcheck import check_summary
+    from tspbench.projection.costmodel import load_preset
     from tspbench.projection.report import check_report
     from tspbench.runtime.record import write_atomic
 

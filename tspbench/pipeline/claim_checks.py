@@ -16,7 +16,7 @@ from tspbench.pipeline.aggregate import per_sweep
 from tspbench.pipeline.claim_choices import design_note
 from tspbench.pipeline.labels import TIE, tied
 from tspbench.projection import analytic
-from tspbench.projection.costmodel import load_preset, usable_memory
+from tspbench.projection.costmodel import load_preset
 from tspbench.runtime.spec import RunSpec
 
 GB, GiB = 1e9, 2**30
@@ -180,9 +180,11 @@ def lowest_memory_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
                     losses.append((text, d[subject] - d[best]))
     cpu = per_sweep(pd.read_csv(src.measured))  # a cell of two sweeps counts in each
     seq = cpu[(cpu.role == "seq") & (cpu.status == "ok") & (cpu["mode"] == "train")]
-    cpu_ok = all(
-        tied(g.set_index("strategy").peak_mem_bytes[subject], g.peak_mem_bytes.min())
-        for _, g in seq.groupby("seq_len")
+    like = seq.drop_duplicates("cell").groupby(["seq_len", "degree", "gpus", "batch"])
+    cpu_ok = all(  # like with like: one length, degree, GPU count and batch at a time
+        tied(g.loc[g.strategy == subject, "peak_mem_bytes"].min(), g.peak_mem_bytes.min())
+        for _, g in like
+        if (g.strategy == subject).any()
     )
     n = 2 * len(c["seq_lens"])
     ours = (
@@ -232,55 +234,6 @@ def gap_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
             "projected fake-tensor peaks for S; the analytic model for D (no estimate at D < 8)",
             c["source"],
             f"{_rel(src.projected)}/memory.csv",
-        )
-    ]
-
-
-def microbatch_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
-    mb = src.table("microbatch")
-    mb = mb[mb.hardware == "mi300x"]
-    cap = usable_memory(load_preset("mi300x")) / GiB
-    largest = {s: int(g[g.fits].batch.max()) for s, g in mb.groupby("strategy") if g.fits.any()}
-    peak16 = mb[mb.batch == mb.batch.max()].set_index("strategy")["peak_gib_analytic"]
-    ours = peak16[c["subject"]]
-    tsp_least = tied(ours, peak16.min())  # the lowest, or within a tie of it
-    return [
-        Row(
-            c["claim"],
-            "larger micro-batches fit with TSP",
-            f"largest micro-batch that fits {cap:.0f} GiB (16 GPUs, 16K, projected): {largest}; "
-            f"peak at B={mb.batch.max()}: TSP {ours:.1f} GiB, lowest: {peak16.idxmin()}",
-            "holds" if tsp_least else "partly",
-            "every strategy fits every listed micro-batch on a 192 GB MI300X, so the sweep "
-            "cannot show a larger one; TSP's peak is the lowest at the largest batch"
-            if tsp_least
-            else "another strategy has a lower peak at the largest batch",
-            c["source"],
-            f"{_rel(src.projected)}/microbatch.csv",
-        )
-    ]
-
-
-def competitive_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
-    """The subject's throughput against the best layout (factorisation) of ``versus``."""
-    t = src.table("throughput_vs_seq")
-    t = t[(t.hardware == "mi300x") & (t["mode"] == "infer")]
-    d = t.pivot_table(index="seq_len", columns="strategy", values="tokens_per_s_per_gpu")
-    layouts = list(t.loc[t.base == c["versus"], "strategy"].unique())
-    best = d[layouts].max(axis=1)
-    ratio = {int(k): round(float(v), 2) for k, v in (d[c["subject"]] / best).items()}
-    rising = list(ratio.values()) == sorted(ratio.values())
-    competitive = min(ratio.values()) > 0.8  # the claim's two halves: each one is "partly"
-    return [
-        Row(
-            c["claim"],
-            "competitive with TP+SP; better with S and D",
-            f"TSP / best of {', '.join(layouts)} tokens/s per GPU, forward, MI300X "
-            f"(projected): {ratio}; D not judged (one D in these tables)",
-            {2: "holds", 1: "partly", 0: "differs"}[competitive + rising],
-            "cost-model projection (good to tens of percent, docs/projection.md)",
-            c["source"],
-            f"{_rel(src.projected)}/throughput_vs_seq.csv",
         )
     ]
 

@@ -2,7 +2,8 @@
 
 Each claim of ``tspbench/data/claims.yaml`` (or ``--claims``) gets ``paper`` (the published
 number and its source), ``ours`` (measured on this machine, or projected and labelled so, with the
-cell or file it came from), a ``verdict`` (holds / partly / differs / not checkable here) and the
+cell or file it came from), a ``verdict`` (holds / partly / differs / not checkable here; and
+``projected: holds`` / ``projected: partly`` where only our projection answers) and the
 ``reason``.
 Numbers come from fresh pipeline outputs when they exist (``results/projected``,
 ``results/default``), else from the committed references (both under the current directory),
@@ -21,6 +22,7 @@ from tspbench.core import datafiles
 from tspbench.core.config import get_config
 from tspbench.core.configfile import check_schema, read_yaml
 from tspbench.pipeline import claim_checks as checks
+from tspbench.pipeline import claim_projected as projected
 from tspbench.pipeline.claim_checks import Row, Sources
 from tspbench.pipeline.decode_claims import kv_cache_rows, longest_context_rows
 from tspbench.runtime.registry import names
@@ -34,8 +36,9 @@ CHECKS = {
     "throughput": checks.throughput_rows,
     "lowest_memory": checks.lowest_memory_rows,
     "gap_grows": checks.gap_rows,
-    "microbatch": checks.microbatch_rows,
-    "competitive": checks.competitive_rows,
+    "microbatch": projected.microbatch_rows,
+    "competitive": projected.competitive_rows,
+    "memory_ratio": projected.memory_ratio_rows,
     "crossover": checks.crossover_rows,
     "kv_cache": kv_cache_rows,
     "longest_context": longest_context_rows,

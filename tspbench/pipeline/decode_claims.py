@@ -148,7 +148,7 @@ def longest_context_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
                 for k, v in longest.items()
             )  # fmt: skip
             + f"; TSP / best other = {margin:.2f}x",
-            "holds" if best == c["subject"] and margin > 1 else "differs",
+            "projected: holds" if best == c["subject"] and margin > 1 else "differs",
             f"analytic decode memory per GPU ({cfg.name} bf16, batch 1, "
             f"{c.get('new_tokens', 128)} new tokens; peak = the larger of the prefill, a forward "
             "pass with the cache alive, and a decode step): the KV cache is split D ways by every "

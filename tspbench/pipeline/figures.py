@@ -26,6 +26,7 @@ from matplotlib import ticker  # noqa: E402
 
 from tspbench.pipeline.aggregate import per_sweep  # noqa: E402
 from tspbench.pipeline.decode_figures import write_decode_figures  # noqa: E402
+from tspbench.pipeline.labels import display  # noqa: E402
 from tspbench.pipeline.plotting import (  # noqa: E402
     draw_lines,
     failed_markers,
@@ -272,6 +273,7 @@ def breakdown(p: Plot, scale: float, note: str, foot: str, colors: dict) -> plt.
     model_state = ok["weights"] + ok["grads"] + ok["optimizer state"]
     ok["activations + buffers"] = (ok["peak_mem_bytes"] / scale - model_state).clip(lower=0)
     ok = ok.set_index("label").reindex([k for k in colors if k in set(ok["label"])])[PARTS]
+    ok.index = [display(k) for k in ok.index]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     ok.plot.bar(stacked=True, ax=ax, color=sns.color_palette("muted", len(PARTS)))
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
@@ -279,7 +281,7 @@ def breakdown(p: Plot, scale: float, note: str, foot: str, colors: dict) -> plt.
     ax.set_xlabel("")
     S = int(df["seq_len"].max())
     failed = label_order(df.loc[df["status"] != "ok", "label"])
-    extra = f"; no result: {', '.join(failed)}" if failed else ""
+    extra = f"; no result: {', '.join(map(display, failed))}" if failed else ""
     ax.set_title(f"Memory breakdown at S = {S} (training{extra}){note}\n{foot}", fontsize=9)
     ax.tick_params(axis="x", rotation=20)
     return fig

@@ -33,6 +33,16 @@ def is_reference(names: pd.Series) -> pd.Series:
     return names.map(lambda n: getattr(strategies().get(n), "reference", False)).astype(bool)
 
 
+def display(label: object) -> str:
+    """A label as a reader spells it: the strategy's own display name with the label's variant
+    (``tpsp (2x4)`` -> ``TP+SP (2x4)``, ``fsdp_cp`` -> ``FSDP+CP``); anything else as it is."""
+    name, _, rest = str(label).partition(" ")
+    impl = strategies().get(name)
+    if impl is None:
+        return str(label)
+    return getattr(impl, "display", name) + (f" {rest}" if rest else "")
+
+
 def label_order(labels) -> list[str]:
     """Strategy labels in the registry's order (TSP first), factorisations in numeric order
     within a strategy (``tpsp 2x4`` before ``tpsp 4x2``); unknown labels last."""

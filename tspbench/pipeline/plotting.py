@@ -8,7 +8,9 @@ and PNG + PDF written atomically (``save``).
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 from pathlib import Path
 
 import matplotlib
@@ -21,6 +23,7 @@ import seaborn as sns  # noqa: E402
 from matplotlib import ticker  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 
+from tspbench.pipeline.labels import ORDER, display  # noqa: E402
 from tspbench.pipeline.tables import MARK, label_order  # noqa: E402
 
 __all__ = [
@@ -35,23 +38,68 @@ __all__ = [
     "seq_axis",
     "styles",
 ]
-MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "h", "p", "H", "d", "8")  # one per strategy
+VARIANT_MARKERS = ("*", "<", ">", "1")  # a strategy's variants (factorisations, schedules)
 DASHES = ("-", "--", "-.", ":", (0, (5, 1)), (0, (3, 1, 1, 1)), (0, (1, 1)), (0, (6, 2, 1, 2)))
 
 
+def _strategy(label: str) -> tuple[int, str]:
+    """(the strategy's place in the registry, the label's variant: its factorisation or
+    schedule, '' for the plain strategy); an unknown label goes after every strategy."""
+    name, _, variant = str(label).partition(" ")
+    return (ORDER.index(name) if name in ORDER else len(ORDER)), variant
+
+
+def _variant_no(variant: str) -> int:
+    """0 for the plain strategy; a factorisation ``(TxS)`` by its place among all power-of-two
+    factorisations (2x4 and 4x2 differ, 2x2 and 2x4 too); a named variant by a stable hash of
+    its name: the same number in every figure and run."""
+    if not variant:
+        return 0
+    m = re.fullmatch(r"\((\d+)x(\d+)\)", variant)
+    if m and int(m[1]) in POW2 and int(m[2]) in POW2:
+        return 1 + FACTORISATIONS.index((int(m[1]), int(m[2])))
+    return (
+        1
+        + len(FACTORISATIONS)
+        + int(hashlib.blake2b(variant.encode(), digest_size=2).hexdigest(), 16) % 40
+    )
+
+
+POW2 = [2**k for k in range(11)]
+FACTORISATIONS = sorted(((t, s) for t in POW2 for s in POW2), key=lambda f: (f[0] * f[1], f[0]))
+SHADES = (0.0, 0.35, -0.35, 0.6, -0.2)  # a variant's colour: the strategy's, lighter or darker
+
+
+def _shade(colour: tuple, amount: float) -> tuple:
+    """``colour`` mixed with white (amount > 0) or black (< 0)."""
+    target = 1.0 if amount > 0 else 0.0
+    return tuple(c + (target - c) * abs(amount) for c in colour[:3])
+
+
 def palette(labels) -> dict[str, tuple]:
-    """One colour per strategy label, the same in every figure (tsp first)."""
-    ordered = label_order(labels)
-    return dict(zip(ordered, sns.color_palette("deep", len(ordered))))
+    """One colour per strategy, fixed by its place in the registry: the same in every figure
+    whatever else the figure shows; a variant takes a lighter or darker shade of it."""
+    colours = sns.color_palette("deep", 10)
+    out = {}
+    for k in label_order(labels):
+        i, variant = _strategy(k)
+        v = _variant_no(variant)
+        out[k] = _shade(colours[i % len(colours)], SHADES[v % len(SHADES)] if v else 0.0)
+    return out
 
 
 def styles(labels) -> dict[str, tuple[str, object]]:
-    """(marker, dash style) per strategy label, in the palette's order: two strategies whose
-    lines coincide still look different."""
-    return {
-        k: (MARKERS[i % len(MARKERS)], DASHES[i % len(DASHES)])
-        for i, k in enumerate(label_order(labels))
-    }
+    """(marker, dash style) per label, fixed like the colour: the strategy's own marker, and for
+    a variant (factorisation, schedule) a marker, dash and shade by its number, so two lines
+    that coincide still look different and a label looks the same in every figure."""
+    out = {}
+    for k in label_order(labels):
+        i, variant = _strategy(k)
+        v = _variant_no(variant)
+        mark = VARIANT_MARKERS[v % len(VARIANT_MARKERS)] if v else MARKERS[i % len(MARKERS)]
+        out[k] = (mark, DASHES[(i + v) % len(DASHES)])
+    return out
 
 
 def save(fig, path_stem: Path) -> list[Path]:
@@ -130,7 +178,7 @@ def draw_lines(
             lw=1.6,
             ms=5.5 if i == 0 else 9,
             zorder=z,
-            label=k,
+            label=display(k),
             **face,
         )
         if spread is not None and len(d):
@@ -146,7 +194,7 @@ def legend(
     """The legend outside the axes, on the right (it never hides a point), strategies in
     ``labels`` order, and a red cross named ``failed`` when the axis marks cells so."""
     by_label = dict(zip(*reversed(ax.get_legend_handles_labels())))
-    names = [k for k in labels if k in by_label]
+    names = [display(k) for k in labels if display(k) in by_label]
     handles = [by_label[k] for k in names]
     if failed:
         handles.append(Line2D([], [], color="red", marker="x", ls="none", ms=7, mew=2))

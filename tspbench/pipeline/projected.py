@@ -21,6 +21,7 @@ import pandas as pd
 
 from tspbench.core.config import get_config
 from tspbench.core.strategy import Layout
+from tspbench.pipeline.labels import display, label_order
 from tspbench.pipeline.plotting import (
     draw_lines,
     legend,
@@ -32,7 +33,6 @@ from tspbench.pipeline.plotting import (
     styles,
 )
 from tspbench.pipeline.projected_decode import write_decode_report
-from tspbench.pipeline.tables import label_order
 from tspbench.projection.analytic import memory
 from tspbench.projection.costmodel import load_preset, project, usable_memory
 from tspbench.runtime.record import write_atomic
@@ -63,11 +63,8 @@ class Cell:
 
 def layouts(cfg: dict, strategies: list[str]) -> list[tuple[str, Layout]]:
     """(strategy, model group) pairs at the config's degree (TP+SP: its factorisations)."""
-    return [
-        (s, lay)
-        for s in strategies
-        for lay in get_strategy(s).sweep_layouts([cfg["degree"]], cfg["tpsp"])
-    ]
+    pairs = [(s, get_strategy(s).sweep_layouts([cfg["degree"]], cfg["tpsp"])) for s in strategies]
+    return [(s, lay) for s, lays in pairs for lay in lays]
 
 
 def _spec(
@@ -236,10 +233,10 @@ def write_report(cfg: dict, estimates: Path, out: Path, plots: Path, command: st
         f"**Projected**, not measured: {cfg['model']} model, {cfg['dtype']}, D = {cfg['degree']}. "
         f"Memory: fake-tensor estimates of the real code (rank 0, fused flash-attention memory; "
         f"TSP with the ring MLP, `tspbench run`'s default), "
-        f"device memory {cfg['device_memory_gib']} GiB ({hw0} preset). Throughput: cost model on "
-        f"the named hardware preset (tspbench/projection/hardware.json), each strategy with the "
-        f"options the preset's topology chooses ({', '.join(f'`{k}`' for k in preset_chosen())})."
-        f" Made by: `{command}`."
+        f"device memory {cfg['device_memory_gib']} GiB (usable on {hw0}). Throughput: cost model "
+        f"on the named hardware preset (tspbench/projection/hardware.json), each strategy with "
+        f"the options its topology chooses ({', '.join(f'`{k}`' for k in preset_chosen())}). "
+        f"Made by: `{command}`."
     )
     mem = memory_table(cfg, estimates)
     wide = mem.assign(
@@ -295,7 +292,7 @@ def write_report(cfg: dict, estimates: Path, out: Path, plots: Path, command: st
             oom |= _lines(ax, d, "seq_len", "tokens_per_s_per_gpu", colors, marks)
             chosen = (f"{k} {'/'.join(map(str, d[k].dropna().unique()))}" for k in preset_chosen())
             ax.set(xlabel="sequence length", ylabel="tokens/s per GPU")
-            ax.set_title(f"{hw} (projected; {'; '.join(chosen)})")
+            ax.set_title(f"{hw.upper()} (projected; {'; '.join(chosen)})")
             seq_axis(ax, d.seq_len)
         _legend(np.atleast_1d(axes)[-1], ts, oom)
         fig.suptitle(
@@ -314,7 +311,8 @@ def write_report(cfg: dict, estimates: Path, out: Path, plots: Path, command: st
         ax.set(yscale="log", xlabel="GPUs", ylabel="tokens/s (forward)", title="all replicas")
         log_ticks(ax.yaxis, d.tokens_per_s)
         oom |= _lines(ax2, rel, "gpus", "ratio", colors, marks)
-        ax2.set(xlabel="GPUs", ylabel=f"tokens/s relative to {ref}", title=f"relative to {ref}")
+        vs = f"relative to {display(ref)}"
+        ax2.set(xlabel="GPUs", ylabel=f"tokens/s {vs}", title=vs)
         for a in (ax, ax2):
             log_x(a, d.gpus, str)
         _legend(ax2, d, oom)
@@ -330,8 +328,8 @@ def write_report(cfg: dict, estimates: Path, out: Path, plots: Path, command: st
         ax.set(
             xlabel="micro-batch",
             ylabel="tokens/s (train)",
-            title=f"PROJECTED micro-batch sweep, {cfg['throughput']['batch_gpus']} x {hw0}\n"
-            f"{_fits(oom, hw0)} (analytic memory)",
+            title=f"PROJECTED micro-batch sweep, {cfg['throughput']['batch_gpus']} x {hw0.upper()}"
+            f"\n{_fits(oom, hw0)} (analytic memory)",
         )
         log_x(ax, d.batch, str)
         _legend(ax, d, oom)
@@ -341,10 +339,12 @@ def write_report(cfg: dict, estimates: Path, out: Path, plots: Path, command: st
 
 def load(path: str) -> dict[str, Any]:
     """The projection config, checked against its schema before any value reaches the estimate
-    rule's shell line or the report: one-line ConfigError naming the field, value and rule."""
+    rule's shell line or the report (one-line ConfigError), the fit cap filled in."""
     from tspbench.pipeline.cells import check_schema, read_yaml
 
     cfg = read_yaml(path, "projected config")
-    where = f"projected config {str(path)!r}"
-    check_schema(cfg, "projected.schema.yaml", where, strategies=names())
-    return cfg
+    check_schema(
+        cfg, "projected.schema.yaml", f"projected config {str(path)!r}", strategies=names()
+    )
+    usable = usable_memory(load_preset(cfg["hardware"][0])) / GiB  # as every fit decision uses
+    return {"device_memory_gib": round(usable, 1), **cfg}

@@ -2,14 +2,17 @@
 
 Step time of one rank (the slowest rank is the same: zigzag balances the work):
 
-    T = compute + dispatch + critical comm + max(0, overlappable comm - overlap * compute)
+    T = device + exposed host time,
+    device = compute + critical comm + max(0, overlappable comm - overlap * compute)
 
 - compute: GEMM FLOPs / GEMM rate + attention FLOPs / attention rate + elementwise bytes /
   memory bandwidth (FLOPs from :mod:`tspbench.projection.analytic`, elementwise traffic ~
   writing and reading every saved activation once per pass);
-- dispatch: operations per step x the per-operation overhead (kernel launch on a GPU, the
-  Python dispatcher on a CPU); operations are counted on the real code under fake tensors, which
-  is cheap because the count does not depend on the tensor sizes;
+- host issue: operations per step x the per-operation overhead (kernel launch and the Python
+  dispatcher); operations are counted on the real code under fake tensors, which is cheap
+  because the count does not depend on the tensor sizes. A GPU runs a queue the host fills
+  ahead of it, so only the part the device waits for is exposed (:func:`exposed_host`); on a
+  CPU the same cores do both and all of it adds;
 - communication: every collective of :func:`tspbench.projection.analytic.schedule` costs a
   latency plus its bus bytes over the bandwidth of its link class and group size
   (:func:`fabric`): the model group inside a node uses the intra-node fabric (on a fully
@@ -32,14 +35,13 @@ from __future__ import annotations
 import functools
 import json
 import math
-import statistics
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from tspbench.core import datafiles
 from tspbench.core.comm import bus_bytes
-from tspbench.core.config import ConfigError, read_csv_input, read_json_input
+from tspbench.core.config import ConfigError, read_json_input
 from tspbench.core.mesh import Axis
 from tspbench.projection import analytic
 from tspbench.runtime.registry import strategies
@@ -200,7 +202,6 @@ def project(c: RunSpec, preset: dict, ops: int | None = None) -> dict[str, Any]:
     compute = fl["gemm"] / gemm_rate + fl["attention"] / attn_rate
     compute += elem / r["memory_bandwidth"]
     ops = count_ops(c) if ops is None else ops
-    dispatch = ops * r["op_overhead_s"]
     crit = ovl = 0.0
     for ev in analytic.schedule(c):
         _, axis, kind, size, nbytes = ev
@@ -215,43 +216,64 @@ def project(c: RunSpec, preset: dict, ops: int | None = None) -> dict[str, Any]:
         else:
             crit += t
     straggler = r.get("straggler", 1.0)  # the step waits for its slowest rank
-    compute, dispatch = compute * straggler, dispatch * straggler
+    compute *= straggler
     for _, size in metric_reductions(c):  # uncounted, but they synchronise the ranks
         crit += r.get("groups", {}).get(str(size), r)["all_reduce"]["lat"]
     hidden = min(ovl, r["overlap_efficiency"] * compute)
-    step = compute + dispatch + crit + ovl - hidden
-    tokens = c.batch * c.seq_len * c.dp
-    model = analytic.flops(c)  # MFU counts model FLOPs, as a record's (no recomputation)
-    return {
-        "step_time_s": step,
-        "tokens_per_s": tokens / step,
+    device = compute + crit + ovl - hidden
+    per_op = r["op_overhead_s"] * straggler
+    base = {
+        "device_s": device,
         "compute_s": compute,
-        "dispatch_s": dispatch,
         "comm_critical_s": crit,
         "comm_overlappable_s": ovl,
         "comm_hidden_s": hidden,
-        "ops_per_step": ops,
-        "dispatch_s_per_op": r["op_overhead_s"] * straggler,
-        "flops_per_rank": model,
+        "dispatch_s_per_op": per_op,
+        "serial_dispatch": serial_dispatch(preset),
+        "flops_per_rank": analytic.flops(c),  # MFU counts model FLOPs, as a record's
         "flops_executed_per_rank": fl["gemm"] + fl["attention"],
-        "mfu": model / step / preset["peak_flops"] if "peak_flops" in preset else None,
+        "tokens_per_step": c.batch * c.seq_len * c.dp,
+        "peak_flops": preset.get("peak_flops"),
     }
+    return recharge(base, ops)
+
+
+def serial_dispatch(preset: dict) -> bool:
+    """Whether the host's issue time adds to the step: on a CPU (a calibrated ``cpu`` preset)
+    the same cores dispatch and compute; a GPU runs a queue the host fills ahead of it."""
+    return preset.get("device") == "cpu"
+
+
+def exposed_host(host_s: float, device_s: float, per_op_s: float, serial: bool) -> float:
+    """The host's issue time the step waits for. Serial (CPU): all of it. A GPU: launches are
+    asynchronous, so the host only shows where the device drains its queue before the next
+    operation arrives: the first launch after the step's synchronisation (its loss and
+    gradient-norm reads), and whatever the host's issue takes beyond the device's own work
+    (the host cannot get ahead of a queue it issues more slowly than the device runs it;
+    docs/projection.md, "Dispatch")."""
+    if serial:
+        return host_s
+    return min(host_s, per_op_s) + max(0.0, host_s - device_s)
 
 
 def recharge(p: dict[str, Any], ops: int) -> dict[str, Any]:
-    """A projection of :func:`project` with ``ops`` operations charged instead of its own: the
-    dispatch term is the only one that depends on them (what a plan does to a configuration's
-    bound once its operations are counted, for hundreds of candidates)."""
-    dispatch = ops * p["dispatch_s_per_op"]
-    step = p["step_time_s"] - p["dispatch_s"] + dispatch
-    scale = p["step_time_s"] / step
-    return p | {
+    """A projection with ``ops`` operations issued: its step time, throughput and MFU from its
+    device time and the host's exposed issue time (:func:`exposed_host`). :func:`project` ends
+    here; a plan recharges a configuration's bound (``ops=0``) once its operations are
+    counted, for hundreds of candidates."""
+    host = ops * p["dispatch_s_per_op"]
+    exposed = exposed_host(host, p["device_s"], p["dispatch_s_per_op"], p["serial_dispatch"])
+    step = p["device_s"] + exposed
+    peak = p["peak_flops"]
+    head = {
         "step_time_s": step,
-        "tokens_per_s": p["tokens_per_s"] * scale,
-        "dispatch_s": dispatch,
+        "tokens_per_s": p["tokens_per_step"] / step,
+        "mfu": p["flops_per_rank"] / step / peak if peak else None,
+        "exposed_host_s": exposed,
+        "dispatch_s": host,
         "ops_per_step": ops,
-        "mfu": None if p["mfu"] is None else p["mfu"] * scale,
     }
+    return head | {k: v for k, v in p.items() if k not in head}
 
 
 def case_of_row(row: dict) -> RunSpec:
@@ -266,85 +288,11 @@ def case_of_row(row: dict) -> RunSpec:
         v = row.get(k)
         return 1 if v is None or v != v else int(v)  # NaN: not a tpsp row
 
+    # the row's options (NaN or absent: a row without one, at its default)
     cells = {o.name: (o, row.get(o.name)) for o in strategies()[row["strategy"]].options}
     return RunSpec.make(
-        row["strategy"],
-        cfg,
-        degree=int(row["degree"]),
-        tp=opt("tp"),
-        sp=opt("sp"),
-        dp=int(row["dp"]),
-        seq_len=int(row["seq_len"]),
-        batch=int(row["batch"]),
-        mode=row["mode"],
-        dtype=row["dtype"],
-        recompute=row.get("recompute", "none"),
+        row["strategy"], cfg, degree=int(row["degree"]), tp=opt("tp"), sp=opt("sp"),
+        dp=int(row["dp"]), seq_len=int(row["seq_len"]), batch=int(row["batch"]),
+        mode=row["mode"], dtype=row["dtype"], recompute=row.get("recompute", "none"),
         **{k: o.from_cell(v) for k, (o, v) in cells.items() if v is not None and v == v},
-    )  # fmt: skip  (NaN or absent: a row without the option, at its default)
-
-
-def check_summary(paths: list[str], preset: dict):
-    """Predicted against measured step time for every cell that succeeded in every summary CSV.
-
-    Several summaries are repeated runs of one sweep: the measured time is their median, and
-    the runs' range is kept so that each error can be read against the machine's own
-    run-to-run spread.
-    """
-    import pandas as pd
-
-    runs = []
-    for path in paths:
-        df = read_csv_input(path, "--summary")
-        if "mode" in df.columns:  # decode cells are projected by projection/decode.py
-            df = df[~df["mode"].isin(["decode", "generate"])]
-        runs.append(df[df["status"] == "ok"].drop_duplicates("cell").set_index("cell"))
-    cells = [c for c in runs[0].index if all(c in r.index for r in runs[1:])]
-    rows = []
-    for cell in cells:
-        row = runs[0].loc[cell].to_dict()
-        times = sorted(float(r.loc[cell, "step_time_s"]) for r in runs)
-        measured = statistics.median(times)
-        c = case_of_row(row)
-        p = project(c, preset)
-        rows.append(
-            {
-                "strategy": c.strategy,
-                "label": row.get("label", ""),
-                "seq_len": c.seq_len,
-                "degree": c.degree,
-                "dp": c.dp,
-                "batch": c.batch,
-                "mode": c.mode,
-                "runs": len(times),
-                "measured_s": measured,
-                "measured_min_s": times[0],
-                "measured_max_s": times[-1],
-                "spread": times[-1] / times[0] - 1,
-                "projected_s": p["step_time_s"],
-                "error": p["step_time_s"] / measured - 1,
-                "inside_range": times[0] <= p["step_time_s"] <= times[-1],
-                "compute_s": p["compute_s"],
-                "dispatch_s": p["dispatch_s"],
-                "comm_s": p["comm_critical_s"] + p["comm_overlappable_s"] - p["comm_hidden_s"],
-            }
-        )
-    return pd.DataFrame(rows)
-
-
-def check_footer(table) -> str:
-    """One paragraph: how many cells are within 25%, against the run-to-run spread."""
-    errs = table["error"].abs()
-    n = len(table)
-    text = (
-        f"{n} cells; |error| median {errs.median():.1%}, max {errs.max():.1%}; "
-        f"within 25%: {(errs <= 0.25).sum()}/{n}"
-    )
-    if n and table["runs"].min() > 1:
-        spread = table["spread"]
-        text += (
-            f". Measured = median of {table['runs'].min()} runs; run-to-run spread (max/min - 1) "
-            f"median {spread.median():.1%}, max {spread.max():.1%}; projection inside the "
-            f"measured range: {table['inside_range'].sum()}/{n}; within 25% or inside the "
-            f"range: {((errs <= 0.25) | table['inside_range']).sum()}/{n}"
-        )
-    return text + "\n"
+    )  # fmt: skip

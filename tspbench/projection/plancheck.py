@@ -11,8 +11,9 @@ import re
 import statistics
 from pathlib import Path
 
-from tspbench.core.config import ConfigError, load_model, read_csv_input
+from tspbench.core.config import ConfigError, load_model
 from tspbench.projection import analytic, costmodel, planner
+from tspbench.projection.costcheck import measured_runs
 from tspbench.projection.plancache import OpsCache, cache_dir
 from tspbench.projection.plantypes import Candidate, Config
 from tspbench.runtime.registry import searched
@@ -52,13 +53,7 @@ def check(
         if not Path(p).is_file():
             raise ConfigError(f"{p}: no such file")
     preset = costmodel.load_preset(hardware)
-    runs = []
-    for path in summaries:
-        df = read_csv_input(path, "--summary")
-        if "mode" in df.columns:  # decode cells are projected by projection/decode.py
-            df = df[~df["mode"].isin(["decode", "generate"])]
-        runs.append(df[df["status"] == "ok"].drop_duplicates("cell").set_index("cell"))
-    cells = [c for c in runs[0].index if all(c in r.index for r in runs[1:])]
+    runs, cells = measured_runs(summaries)
     ops = OpsCache(cache_dir(cache))
     lines = ["# The planner against measured and estimated cells (PROJECTED vs measured)", ""]
 

@@ -215,7 +215,7 @@ def render(plan: Plan, models: list[str] | None = None) -> str:
         foot += ("; tokens/s: generated tokens of the dp model groups, each serving its own "
                  "batch")  # fmt: skip
         peak = "analytic, the larger of the prefill with its cache and a decode step"
-    out.append(f"({foot}; <=: upper bound, dispatch not counted; peak: {peak}"
+    out.append(f"({foot}; <=: upper bound, the host's issue time not counted; peak: {peak}"
                + ("; *: fake-tensor estimate" if plan.estimated else "") + ")")  # fmt: skip
     for k, o in opts.items():
         if o.note and any(

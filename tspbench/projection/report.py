@@ -145,6 +145,6 @@ def project_report(spec: RunSpec, preset: dict[str, Any]) -> tuple[dict[str, Any
 
 def check_report(table: pd.DataFrame) -> str:
     """``tspbench project-check``: the per-cell table as Markdown with its summary footer."""
-    from tspbench.projection.costmodel import check_footer
+    from tspbench.projection.costcheck import check_footer
 
     return table.to_markdown(index=False, floatfmt=".3f") + "\n\n" + check_footer(table)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from tspbench.runtime.guard import HUNG, RENDEZVOUS, WAITED
 
 FAIL_KEY = "tspbench/fail/{}"
+TRACEBACK_KEY = "tspbench/traceback/{}"  # a failed rank's traceback, which rank 0 prints once
 WRITTEN_KEY = "tspbench/record-written"
 
 
@@ -35,12 +36,15 @@ def classify(e: BaseException) -> str:
     return "oom" if oom else "error"
 
 
-def post(status: str, msg: str, wait_s: float = 2.0) -> None:
-    """Tell the peers why this rank stopped (best effort: the store may be gone with rank 0)."""
+def post(status: str, msg: str, wait_s: float = 2.0, tb: str = "") -> None:
+    """Tell the peers why this rank stopped, and its traceback (best effort: the store may be
+    gone with rank 0)."""
 
     def send() -> None:
         try:
             store = dist.distributed_c10d._get_default_store()
+            if tb:  # before the cause: rank 0 reads it once it has read the cause
+                store.set(TRACEBACK_KEY.format(dist.get_rank()), tb)
             store.set(FAIL_KEY.format(dist.get_rank()), f"{status}\t{msg}")
         except Exception:
             pass
@@ -128,6 +132,19 @@ def causes(
         if quiet or now > deadline:
             return found
         time.sleep(0.1)
+
+
+def traceback_of(rank: int, me: int, own: str = "") -> str:
+    """The traceback rank ``rank`` posted (``own``: this rank's, ``me``, when it is the one);
+    empty when it posted none or the store is gone."""
+    if rank == me:
+        return own
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        key = TRACEBACK_KEY.format(rank)
+        return store.get(key).decode() if store.check([key]) else ""
+    except Exception:
+        return ""
 
 
 def root_cause(

@@ -201,20 +201,22 @@ def run_env(
         if env.rank == 0:
             status = write({**header, "status": "ok", **result})
     except Exception as e:
-        caught = failure.classify(e), f"{type(e).__name__}: {e}".strip()
-        if not spec.quiet:
-            traceback.print_exc()
+        caught = failure.classify(e), f"{type(e).__name__}: {e}".strip(), traceback.format_exc()
     # Out of the except block, the exception's frames, and the tensors they held, are freed: an
     # allocator failure leaves the memory (and address space) that reporting it needs.
     if caught is not None:
-        status, msg = caught
-        failure.post(status, msg)
+        status, msg, tb = caught
+        failure.post(status, msg, tb=tb)
         guard.beat()
+        if not spec.quiet:  # one line per rank; the root cause's traceback once, from rank 0
+            print(f"[tspbench] rank {env.rank}: {status}: {msg}", file=sys.stderr, flush=True)
         if env.rank != 0:
             oom = failure.leave(world, status)
             sys.stdout.flush()
             return 0 if oom else 1
         status, msg, failed = failure.root_cause(failure.causes(world), (status, msg), world)
+        if not spec.quiet and failed:
+            print(failure.traceback_of(failed[0], 0, tb), file=sys.stderr, end="", flush=True)
         write({**header, "status": status, "error_message": msg, "failed_ranks": failed})
         failure.exit_now(0 if status in ("ok", "oom") else 1)
     guard.beat()

@@ -1,0 +1,133 @@
+"""The claims only a projection can answer here (no 7B on 8 GPUs measured yet), judged so that
+the verdict says it: ``projected: holds`` or ``projected: partly`` where our projection agrees,
+``differs`` where it does not. Read against the paper's sources (issue 29): the micro-batch
+claim is judged by the largest micro-batch each layout fits, not by a sweep every strategy
+fits; the TSP/TP memory ratio at 128K is a claim of its own; and "competitive throughput" is
+TSP against the best of every baseline at the same GPU count, not only TP+SP."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from tspbench.core.config import ConfigError, ModelConfig
+from tspbench.pipeline.claim_checks import GB, GiB, Row, Sources, _rel, verdict
+from tspbench.projection import analytic
+from tspbench.projection.costmodel import load_preset, usable_memory
+from tspbench.runtime.registry import get_strategy
+from tspbench.runtime.spec import RunSpec
+
+MAX_BATCH = 4096  # micro-batches tried per replica (a search: peaks grow with the batch)
+
+
+def largest_batch(peak, budget: float, hi: int = MAX_BATCH) -> int:
+    """The largest micro-batch B <= ``hi`` with ``peak(B) <= budget`` (0: not even one)."""
+    if peak(1) > budget:
+        return 0
+    if peak(hi) <= budget:
+        return hi
+    lo = 1  # peak(lo) fits, peak(hi) does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if peak(mid) <= budget else (lo, mid)
+    return lo
+
+
+def _layouts(strategies: list[str], D: int, dp: int) -> list[tuple[str, object]]:
+    """(strategy, layout) at degree D with ``dp`` replicas, each T x Sigma of a factored one."""
+    factors = [[t, D // t] for t in range(2, D) if D % t == 0]
+    return [
+        (s, replace(lay, dp=dp))
+        for s in strategies
+        for lay in get_strategy(s).sweep_layouts([D], factors)
+    ]
+
+
+def microbatch_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
+    """The largest micro-batch every layout fits in one MI300X's usable memory (analytic peak,
+    the projected micro-batch sweep's setting: 16 GPUs, D = 8, 16K, bf16, recompute full)."""
+    budget = usable_memory(load_preset(c.get("hardware", "mi300x")))
+    D, gpus, S = c.get("degree", 8), c.get("gpus", 16), c.get("seq_len", 16384)
+    largest: dict[str, int] = {}
+    for s, lay in _layouts(c["strategies"], D, gpus // D):
+
+        def peak(B: int, s=s, lay=lay) -> float:
+            batch = get_strategy(s).replica_batch(lay, B)
+            spec = RunSpec(strategy=s, cfg=cfg, layout=lay, seq_len=S, dtype="bf16", batch=batch,
+                           recompute="full")  # fmt: skip
+            return analytic.memory(spec)["peak"]
+
+        try:
+            label = RunSpec(strategy=s, cfg=cfg, layout=lay, seq_len=S).label
+            largest[label] = largest_batch(peak, budget)
+        except ConfigError:  # a layout the model cannot split is no competitor here
+            continue
+    ours = largest.pop(c["subject"])
+    best = max(largest, key=largest.get)
+    shown = ", ".join(f"{k} {v}" for k, v in sorted(largest.items(), key=lambda kv: -kv[1]))
+    judged = "projected: holds" if ours > largest[best] else "projected: partly"
+    return [
+        Row(
+            c["claim"],
+            "larger micro-batches fit with TSP",
+            f"largest micro-batch per replica in {budget / GiB:.1f} GiB ({gpus} GPUs, D = {D}, "
+            f"S = {S // 1024}K, recompute full, PROJECTED): TSP {ours}; {shown}",
+            judged if ours >= largest[best] else "differs",
+            f"analytic peaks (the fake-tensor estimator agrees with them to a few percent at "
+            f"these shapes, docs/projection.md), searched up to {MAX_BATCH}; the projected "
+            "micro-batch sweep (1-16) fits every strategy, so it could not judge this",
+            c["source"],
+            "tspbench/projection/analytic.py",
+        )
+    ]
+
+
+def memory_ratio_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
+    """TSP's peak over the ``versus`` strategy's at one length, against the paper's ratio."""
+    mem = src.table("memory")
+    at = mem[(mem.seq_len == c["seq_len"]) & (mem.recompute == "full")].set_index("strategy")
+    ours = at.loc[c["subject"], "peak_gib"] / at.loc[c["versus"], "peak_gib"]
+    paper = c["paper_gb"][0] / c["paper_gb"][1]
+    return [
+        Row(
+            c["claim"],
+            f"{c['paper_gb'][0]:.1f} / {c['paper_gb'][1]:.1f} GB = {paper:.2f}",
+            f"{at.loc[c['subject'], 'peak_gib'] * GiB / GB:.1f} / "
+            f"{at.loc[c['versus'], 'peak_gib'] * GiB / GB:.1f} GB = {ours:.2f} (PROJECTED, "
+            "recompute full)",
+            verdict(ours, paper),
+            "a ratio cancels what a live-tensor count misses on both sides (the CUDA context, "
+            "NCCL buffers, allocator slack: a few GB per GPU each)",
+            c["source"],
+            f"{_rel(src.projected)}/memory.csv: S={c['seq_len']}",
+        )
+    ]
+
+
+def competitive_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
+    """The subject's throughput per GPU against the best of every other layout at the same GPU
+    count (the claim names TP+SP; the question a reader asks is the best alternative)."""
+    t = src.table("throughput_vs_seq")
+    t = t[(t.hardware == "mi300x") & (t["mode"] == "infer")]
+    d = t.pivot_table(index="seq_len", columns="strategy", values="tokens_per_s_per_gpu")
+    others = [k for k in d.columns if k != c["subject"]]
+    best = d[others].idxmax(axis=1)
+    ratio = {int(S): round(float(d.loc[S, c["subject"]] / d.loc[S, best[S]]), 2) for S in d.index}
+    named = d[[k for k in others if k.split()[0] == c["versus"]]].max(axis=1)
+    vs_named = {int(S): round(float(d.loc[S, c["subject"]] / named[S]), 2) for S in d.index}
+    rising = list(ratio.values()) == sorted(ratio.values())
+    competitive = min(ratio.values()) > 0.8  # the claim's two halves: each one is "partly"
+    judged = {2: "projected: holds", 1: "projected: partly", 0: "differs"}[competitive + rising]
+    return [
+        Row(
+            c["claim"],
+            "competitive with TP+SP; better with S and D",
+            "TSP / the best other layout, tokens/s per GPU, forward, MI300X (PROJECTED): "
+            + ", ".join(f"{S // 1024}K {r} ({best[S]})" for S, r in ratio.items())
+            + f"; TSP / best TP+SP: {vs_named}; D not judged (one D in these tables)",
+            judged,
+            "cost-model projection, 1.3-1.6x fast against published H100 runs "
+            "(docs/projection.md): the ratios, not the rates, are what it judges",
+            c["source"],
+            f"{_rel(src.projected)}/throughput_vs_seq.csv",
+        )
+    ]

@@ -1,0 +1,83 @@
+"""``tspbench project-check``: the cost model's step time against measured summaries, cell by
+cell, read against the machine's own run-to-run spread (out of :mod:`costmodel`, which projects;
+this judges it)."""
+
+from __future__ import annotations
+
+import statistics
+
+from tspbench.core.config import read_csv_input
+from tspbench.projection.costmodel import case_of_row, project
+
+
+def measured_runs(paths: list[str]) -> tuple[list, list[str]]:
+    """The ok training and forward cells of each summary (indexed by cell; decode cells are
+    projected by projection/decode.py), and the cells every summary has."""
+    runs = []
+    for path in paths:
+        df = read_csv_input(path, "--summary")
+        if "mode" in df.columns:
+            df = df[~df["mode"].isin(["decode", "generate"])]
+        runs.append(df[df["status"] == "ok"].drop_duplicates("cell").set_index("cell"))
+    return runs, [c for c in runs[0].index if all(c in r.index for r in runs[1:])]
+
+
+def check_summary(paths: list[str], preset: dict):
+    """Predicted against measured step time for every cell that succeeded in every summary CSV.
+
+    Several summaries are repeated runs of one sweep: the measured time is their median, and
+    the runs' range is kept so that each error can be read against the machine's own
+    run-to-run spread.
+    """
+    import pandas as pd
+
+    runs, cells = measured_runs(paths)
+    rows = []
+    for cell in cells:
+        row = runs[0].loc[cell].to_dict()
+        times = sorted(float(r.loc[cell, "step_time_s"]) for r in runs)
+        measured = statistics.median(times)
+        c = case_of_row(row)
+        p = project(c, preset)
+        rows.append(
+            {
+                "strategy": c.strategy,
+                "label": row.get("label", ""),
+                "seq_len": c.seq_len,
+                "degree": c.degree,
+                "dp": c.dp,
+                "batch": c.batch,
+                "mode": c.mode,
+                "runs": len(times),
+                "measured_s": measured,
+                "measured_min_s": times[0],
+                "measured_max_s": times[-1],
+                "spread": times[-1] / times[0] - 1,
+                "projected_s": p["step_time_s"],
+                "error": p["step_time_s"] / measured - 1,
+                "inside_range": times[0] <= p["step_time_s"] <= times[-1],
+                "compute_s": p["compute_s"],
+                "dispatch_s": p["dispatch_s"],
+                "comm_s": p["comm_critical_s"] + p["comm_overlappable_s"] - p["comm_hidden_s"],
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def check_footer(table) -> str:
+    """One paragraph: how many cells are within 25%, against the run-to-run spread."""
+    errs = table["error"].abs()
+    n = len(table)
+    text = (
+        f"{n} cells; |error| median {errs.median():.1%}, max {errs.max():.1%}; "
+        f"within 25%: {(errs <= 0.25).sum()}/{n}"
+    )
+    if n and table["runs"].min() > 1:
+        spread = table["spread"]
+        text += (
+            f". Measured = median of {table['runs'].min()} runs; run-to-run spread (max/min - 1) "
+            f"median {spread.median():.1%}, max {spread.max():.1%}; projection inside the "
+            f"measured range: {table['inside_range'].sum()}/{n}; within 25% or inside the "
+            f"range: {((errs <= 0.25) | table['inside_range']).sum()}/{n}"
+        )
+    return text + "\n"
