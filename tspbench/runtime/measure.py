@@ -102,8 +102,7 @@ def build_strategy(spec: RunSpec, mesh, device: torch.device, overlap: bool | No
         dtype=DTYPES[spec.dtype],
         device=device,
         recompute=spec.recompute,
-        **spec.options,
-        **({} if overlap is None else {"overlap": overlap}),
+        **{**spec.options, **({} if overlap is None else {"overlap": overlap})},
     )
 
 
