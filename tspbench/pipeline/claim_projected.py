@@ -11,6 +11,7 @@ from dataclasses import replace
 
 from tspbench.core.config import ConfigError, ModelConfig
 from tspbench.pipeline.claim_checks import GB, GiB, Row, Sources, _rel, verdict
+from tspbench.pipeline.decode_claims import _layouts as layouts
 from tspbench.projection import analytic
 from tspbench.projection.costmodel import load_preset, usable_memory
 from tspbench.runtime.registry import get_strategy
@@ -32,23 +33,14 @@ def largest_batch(peak, budget: float, hi: int = MAX_BATCH) -> int:
     return lo
 
 
-def _layouts(strategies: list[str], D: int, dp: int) -> list[tuple[str, object]]:
-    """(strategy, layout) at degree D with ``dp`` replicas, each T x Sigma of a factored one."""
-    factors = [[t, D // t] for t in range(2, D) if D % t == 0]
-    return [
-        (s, replace(lay, dp=dp))
-        for s in strategies
-        for lay in get_strategy(s).sweep_layouts([D], factors)
-    ]
-
-
 def microbatch_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
     """The largest micro-batch every layout fits in one MI300X's usable memory (analytic peak,
     the projected micro-batch sweep's setting: 16 GPUs, D = 8, 16K, bf16, recompute full)."""
     budget = usable_memory(load_preset(c.get("hardware", "mi300x")))
     D, gpus, S = c.get("degree", 8), c.get("gpus", 16), c.get("seq_len", 16384)
     largest: dict[str, int] = {}
-    for s, lay in _layouts(c["strategies"], D, gpus // D):
+    for s, group in layouts(c["strategies"], D):  # each model group, gpus // D replicas of it
+        lay = replace(group, dp=gpus // D)
 
         def peak(B: int, s=s, lay=lay) -> float:
             batch = get_strategy(s).replica_batch(lay, B)
