@@ -1,7 +1,8 @@
 """TSP's closed forms per rank: its parameters, its schedule of collectives, its memory.
 
-What :class:`tsp_impl.model.TSP` answers when the analytic and cost models ask (the methods of
-:class:`tspbench.core.strategy.Strategy`), written next to the schedules they count: the
+What :class:`tsp_impl.model.TSP` answers when the analytic and cost models ask (its ``costs``, a
+:class:`TSPCosts`: the methods of :class:`tspbench.core.costs.Costs`), written next to the
+schedules they count: the
 broadcast attention (attention.py), the ring or broadcast MLP (mlp.py, ``mlp_schedule``) and the
 vocabulary-parallel embedding and loss (vocab.py). docs/method.md section 6 (communication) and
 section 7 (memory).
@@ -16,6 +17,7 @@ from tspbench.core import costs
 from tspbench.core.config import ModelConfig
 from tspbench.core.costs import Schedule, Spec
 from tspbench.core.mesh import Axis
+from tspbench.core.strategy import Layout
 
 
 def param_numel(cfg: ModelConfig, D: int) -> int:
@@ -176,3 +178,37 @@ def mlp_t(c: Spec) -> int:
         return 5 * tf + min(D + 1, 5) * sl
     n = min(D, 4)
     return max(5 * tf + n * sl, 3 * tf + (n + 1) * sl)
+
+
+class TSPCosts(costs.Costs):
+    """The functions above behind the costs interface."""
+
+    loss_head_passes = 4  # the loss recomputes its logits shard by shard in backward
+    recompute_skips_w2 = True  # the MLP's recomputed forward skips its gate and W2 (mlp.py)
+
+    def tensor_degree(self, layout: Layout) -> int:
+        return 1  # each GEMM runs on a whole weight shard (a head group, an MLP slice)
+
+    def weight_split(self, layout: Layout) -> int:
+        return layout.degree  # every weight is 1/D per rank; each GEMM runs on whole weights
+
+    def param_numel(self, cfg: ModelConfig, layout: Layout) -> int:
+        return param_numel(cfg, layout.degree)
+
+    def schedule(self, spec: Spec) -> Schedule:
+        return schedule(spec)
+
+    def saved_per_layer(self, spec: Spec) -> int:
+        return saved_per_layer(spec)
+
+    def saved_loss(self, spec: Spec) -> int:
+        return saved_loss(spec)
+
+    def inference_working_set(self, spec: Spec) -> tuple[int, int]:
+        return inference_working_set(spec)
+
+    def backward_transients(self, spec: Spec) -> tuple[int, int, int]:
+        return backward_transients(spec)
+
+    def metric_reductions(self, layout: Layout, train: bool) -> tuple[int, int]:
+        return layout.degree, layout.degree if train else 1  # tokens and weights split D ways

@@ -32,7 +32,7 @@ from tspbench.core.collectives import reduce_from
 from tspbench.core.comm import Comm
 from tspbench.core.config import ModelConfig
 from tspbench.core.costs import Schedule, Spec
-from tspbench.core.decode import FP32, PHASE, DecodeHooks, greedy, run_layers
+from tspbench.core.decode import FP32, PHASE, DecodeHooks, Decoder, greedy, run_layers
 from tspbench.core.kvcache import KVCache, Step, merge_scatter, partial_attention
 from tspbench.core.layers import rms_norm
 from tspbench.core.mesh import Axis
@@ -94,22 +94,20 @@ def layer_views(lp: dict, cfg: ModelConfig, D: int) -> dict[str, torch.Tensor]:
     }  # fmt: skip
 
 
-class TSPDecoding:
-    """The decode methods of :class:`tsp_impl.model.TSP` (a base of it)."""
-
-    decodes = True
+class TSPDecoder(Decoder):
+    """TSP's decode path, on a :class:`tsp_impl.model.TSP` (``self.model``)."""
 
     @classmethod
-    def validate_decode(cls, cfg, layout, prompt_len, new_tokens, batch, **options) -> None:
-        super().validate_decode(cfg, layout, prompt_len, new_tokens, batch)  # type: ignore[misc]
-        cls.validate(cfg, layout, prompt_len, batch, **options)  # type: ignore[attr-defined]
+    def validate(cls, strategy, cfg, layout, prompt_len, new_tokens, batch, **options) -> None:
+        super().validate(strategy, cfg, layout, prompt_len, new_tokens, batch)
+        strategy.validate(cfg, layout, prompt_len, batch, **options)
 
     @classmethod
-    def decode_cache_split(cls, layout) -> tuple[int, int]:
+    def cache_split(cls, layout) -> tuple[int, int]:
         return layout.degree, 1  # by sequence over D, every head
 
     @classmethod
-    def decode_schedule(cls, spec: Spec) -> Schedule:
+    def schedule(cls, spec: Spec) -> Schedule:
         """Embedding all-reduce; per layer the q/k/v all-gather, the merge's max all-reduce and
         reduce-scatter, two all-reduces of [B, h]; the greedy all-gather (docs/decode.md s. 3)."""
         cfg, B, e, D = spec.cfg, spec.batch, spec.e, spec.degree
@@ -125,32 +123,35 @@ class TSPDecoding:
         return ev
 
     def _step(self, x: torch.Tensor) -> Step:
-        h = rms_norm(x, self.norm, self.cfg.norm_eps)
-        return greedy((h @ self.head.T).float(), self.comm)
+        m = self.model
+        h = rms_norm(x, m.norm, m.cfg.norm_eps)
+        return greedy((h @ m.head.T).float(), m.comm)
 
     @torch.no_grad()
     def prefill(self, tokens: torch.Tensor, max_len: int) -> tuple[KVCache, Step]:
-        cfg, comm, eps = self.cfg, self.comm, self.cfg.norm_eps
+        m = self.model
+        cfg, comm, eps = m.cfg, m.comm, m.cfg.norm_eps
         D, r, (B, P) = comm.size, comm.rank, tokens.shape
-        local = zigzag.shard(tokens, D, r).to(self.device)
-        plan = self.plan(P)
-        x = VocabEmbedding.apply(local, self.embed, comm, self.overlap)
+        local = zigzag.shard(tokens, D, r).to(m.device)
+        plan = m.plan(P)
+        x = VocabEmbedding.apply(local, m.embed, comm, m.overlap)
         slots = KVCache.capacity(P, max_len, D)
         cache = KVCache.empty(cfg.layers, B, cfg.kv_heads, slots, cfg.head_dim, x, D, r)
-        mlp = MLP[self.mlp_schedule]
-        for i, lp in enumerate(self.layers):
+        mlp = MLP[m.mlp_schedule]
+        for i, lp in enumerate(m.layers):
             x = x + attention_into_cache(
                 rms_norm(x, lp["attn_norm"], eps), lp["attn"], plan, cache, i
             )
-            x = mlp.apply(x, rms_norm(x, lp["mlp_norm"], eps), lp["mlp"], comm, self.overlap, False)
+            x = mlp.apply(x, rms_norm(x, lp["mlp_norm"], eps), lp["mlp"], comm, m.overlap, False)
         cache.start(P // D, P)
         last = x[:, -1].contiguous()  # position P-1 ends chunk 2D-1: rank 0's last local token
         return cache, self._step(comm.broadcast(last, src=0))
 
     @torch.no_grad()
     def decode_step(self, cache: KVCache, tokens: torch.Tensor) -> Step:
-        cfg, comm = self.cfg, self.comm
-        x = embedding(tokens.to(self.device), self.embed, comm)
-        layers = [layer_views(lp, cfg, comm.size) for lp in self.layers]
+        m = self.model
+        cfg, comm = m.cfg, m.comm
+        x = embedding(tokens.to(m.device), m.embed, comm)
+        layers = [layer_views(lp, cfg, comm.size) for lp in m.layers]
         hooks = DecodeHooks(attend(cache, comm), exit=lambda t: reduce_from(t, comm))
         return self._step(run_layers(cfg, layers, x, cache, hooks))

@@ -15,15 +15,15 @@ import contextlib
 
 import torch
 
-from tsp_impl import costs
 from tsp_impl.attention import BroadcastAttention
-from tsp_impl.decode import TSPDecoding
+from tsp_impl.costs import TSPCosts
+from tsp_impl.decode import TSPDecoder
 from tsp_impl.mlp import BroadcastMLP, RingMLP
 from tsp_impl.plan import TSPPlan
 from tsp_impl.vocab import VocabEmbedding, VocabParallelLoss
 from tspbench.core import recompute, zigzag
 from tspbench.core.config import ConfigError, ModelConfig
-from tspbench.core.costs import Schedule, Spec
+from tspbench.core.costs import Spec
 from tspbench.core.init import chunk_slice
 from tspbench.core.layers import rms_norm
 from tspbench.core.mesh import Axis, Mesh
@@ -55,18 +55,16 @@ KV_BACKWARD = Option(
 )  # fmt: skip
 
 
-class TSP(TSPDecoding, Strategy):  # decode: tsp_impl/decode.py
+class TSP(Strategy):
     name = "tsp"
     display = "TSP"  # legends, titles and tables' captions
+    costs = TSPCosts()  # tsp_impl/costs.py
+    decoder = TSPDecoder  # tsp_impl/decode.py
     options = (OVERLAP, KV_BUCKET, MLP_SCHEDULE, KV_BACKWARD)  # the record's order
 
     @classmethod
     def context_parallel(cls, layout: Layout) -> int:
         return layout.degree
-
-    # -- closed-form costs (tsp_impl/costs.py) ---------------------------------------------------
-    loss_head_passes = 4  # the loss recomputes its logits shard by shard in backward
-    recompute_skips_w2 = True  # the MLP's recomputed forward skips its gate and W2 (mlp.py)
 
     @classmethod
     def searched_values(cls, spec: Spec | None) -> dict[str, tuple[Value, ...]]:
@@ -83,38 +81,6 @@ class TSP(TSPDecoding, Strategy):  # decode: tsp_impl/decode.py
         and the ring moves a slice less per pass (docs/projection.md)."""
         mesh = preset.get("topology") == "full_mesh"
         return {MLP_SCHEDULE.name: "broadcast" if mesh else "ring"}
-
-    @classmethod
-    def weight_split(cls, layout: Layout) -> int:
-        return layout.degree  # every weight is 1/D per rank; each GEMM runs on whole weights
-
-    @classmethod
-    def param_numel(cls, cfg: ModelConfig, layout: Layout) -> int:
-        return costs.param_numel(cfg, layout.degree)
-
-    @classmethod
-    def schedule(cls, spec: Spec) -> Schedule:
-        return costs.schedule(spec)
-
-    @classmethod
-    def saved_per_layer(cls, spec: Spec) -> int:
-        return costs.saved_per_layer(spec)
-
-    @classmethod
-    def saved_loss(cls, spec: Spec) -> int:
-        return costs.saved_loss(spec)
-
-    @classmethod
-    def inference_working_set(cls, spec: Spec) -> tuple[int, int]:
-        return costs.inference_working_set(spec)
-
-    @classmethod
-    def backward_transients(cls, spec: Spec) -> tuple[int, int, int]:
-        return costs.backward_transients(spec)
-
-    @classmethod
-    def metric_reductions(cls, layout: Layout, train: bool) -> tuple[int, int]:
-        return layout.degree, layout.degree if train else 1  # tokens and weights split D ways
 
     @classmethod
     def validate(

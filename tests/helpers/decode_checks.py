@@ -59,16 +59,17 @@ def check_decode(case: dict) -> dict:
     bf16 = spec.dtype == "bf16"
 
     mesh.counter.reset()
-    cache, step = strat.prefill(tokens, spec.seq_len + spec.new_tokens - 1)
+    dec = strat.decoding()
+    cache, step = dec.prefill(tokens, spec.seq_len + spec.new_tokens - 1)
     steps, counted = [step], []
     for _ in range(spec.new_tokens - 1):
         mesh.counter.reset()
-        steps.append(strat.decode_step(cache, steps[-1].tokens))
+        steps.append(dec.decode_step(cache, steps[-1].tokens))
         counted.append(mesh.counter.by_kind(axes=("model", "tp", "sp")))
     logits = [s.full_logits() for s in steps]  # gathered after counting
     forced = [s.tokens for s in steps] if bf16 else None
     ref = reference_generation(spec.cfg, tokens, spec.new_tokens, spec.seed, forced)
-    expect = bytes_per_step(spec.impl.decode_schedule(spec))
+    expect = bytes_per_step(spec.impl.decoder.schedule(spec))
     if bf16:
         same = all(greedy_agrees(s.tokens, r, BF16_LOGITS_TOL) for s, r in zip(steps, ref))
         near = all(err(a, b) <= BF16_LOGITS_TOL for a, b in zip(logits, ref))
@@ -83,7 +84,7 @@ def check_decode(case: dict) -> dict:
         "expect": expect,
         "bytes_exact": all(c == expect for c in counted),
         "cache_bytes": cache.nbytes(),
-        "cache_expect": spec.impl.kv_cache_bytes(spec),
+        "cache_expect": spec.impl.decoder.kv_cache_bytes(spec),
         "cache_length": cache.length,
         "tokens": [s.tokens.tolist() for s in steps],
     }

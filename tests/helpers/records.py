@@ -58,7 +58,7 @@ def decode_fields(spec, k: float) -> dict:
     latency = k * 1e-3 * (1 + spec.seq_len * spec.batch / 1e4)
     return {
         "new_tokens": spec.new_tokens,
-        "kv_cache_bytes": spec.impl.kv_cache_bytes(spec),
+        "kv_cache_bytes": spec.impl.decoder.kv_cache_bytes(spec),
         "prefill_time_s": 10 * latency,
         "decode_latency_s": latency,
         "decode_latency_p90_s": 1.3 * latency,

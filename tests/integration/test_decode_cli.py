@@ -54,9 +54,9 @@ def test_decode_record(records, name):
     assert rec["decode_latency_p90_s"] >= rec["decode_latency_s"] > 0
     spec = _spec(rec)
     assert rec["decode_bytes_per_token"] == sum(
-        bytes_per_step(spec.impl.decode_schedule(spec)).values()
+        bytes_per_step(spec.impl.decoder.schedule(spec)).values()
     )
-    assert rec["kv_cache_bytes"] == spec.impl.kv_cache_bytes(spec)
+    assert rec["kv_cache_bytes"] == spec.impl.decoder.kv_cache_bytes(spec)
     assert rec["kv_cache_bytes"] < rec["peak_mem_bytes"]
 
 

@@ -36,6 +36,6 @@ def test_default_decode_cells_are_listed_and_one_runs_end_to_end(tmp_path):
     assert rec["status"] == "ok", rec.get("error_message")
     spec = RunSpec.make("tsp", get_config("tiny", ffn=256), degree=2, seq_len=256,
                         mode="decode", new_tokens=8)  # fmt: skip
-    assert rec["kv_cache_bytes"] == spec.impl.kv_cache_bytes(spec)
+    assert rec["kv_cache_bytes"] == spec.impl.decoder.kv_cache_bytes(spec)
     assert len(rec["generated_tokens"]) == 1 and len(rec["generated_tokens"][0]) == 8
     assert rec["decode_latency_p90_s"] >= rec["decode_latency_s"] > 0

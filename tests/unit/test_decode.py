@@ -100,7 +100,7 @@ LAYS = [
                                               ("llama3-8b", "fp32", 4)])  # fmt: skip
 def test_decode_bytes_are_the_documented_closed_form(strategy, lay, model, dtype, B):
     spec = _spec(strategy, model, dtype, B, **lay)
-    got = sum(bytes_per_step(spec.impl.decode_schedule(spec)).values())
+    got = sum(bytes_per_step(spec.impl.decoder.schedule(spec)).values())
     assert got == pytest.approx(closed_form(spec), rel=1e-12)
 
 
@@ -109,7 +109,7 @@ def test_the_documented_7b_example():
 
     def mb(s: str) -> float:
         spec = _spec(s, "7b", "bf16", 1, degree=8)
-        return round(sum(bytes_per_step(spec.impl.decode_schedule(spec)).values()) / 1e6, 2)
+        return round(sum(bytes_per_step(spec.impl.decoder.schedule(spec)).values()) / 1e6, 2)
 
     assert (mb("tp"), mb("tsp"), mb("sp")) == (0.93, 2.09, 0.93)
 
@@ -122,7 +122,7 @@ def test_kv_cache_bytes_closed_form(strategy, lay):
     seq, heads = {"single": (1, 8), "tp": (1, 1), "sp": (8, 8), "tsp": (lay.get("degree"), 8),
                   "tpsp": (lay.get("sp"), 8 // lay.get("tp", 1))}[strategy]  # fmt: skip
     slots = 1024 // seq + math.ceil(8 / seq)
-    assert spec.impl.kv_cache_bytes(spec) == per_token_head * slots * heads
+    assert spec.impl.decoder.kv_cache_bytes(spec) == per_token_head * slots * heads
 
 
 def test_the_cache_grows_round_robin_balanced():

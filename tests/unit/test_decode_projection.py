@@ -35,8 +35,8 @@ def test_projects_decode_at_paper_scale(hw, strategy, P, B):
     res = project_decode(c, load_preset(hw))
     assert 0 < res["decode_latency_s"] < res["prefill_time_s"]
     assert res["decode_tokens_per_s"] == pytest.approx(B / res["decode_latency_s"])
-    assert res["decode_bytes_per_token"] == sum(bytes_per_step(c.impl.decode_schedule(c)).values())
-    assert res["kv_cache_bytes"] == c.impl.kv_cache_bytes(c) < res["peak_mem_bytes"]
+    assert res["decode_bytes_per_token"] == sum(bytes_per_step(c.impl.decoder.schedule(c)).values())
+    assert res["kv_cache_bytes"] == c.impl.decoder.kv_cache_bytes(c) < res["peak_mem_bytes"]
 
 
 def test_the_cache_decides_the_memory_at_long_context():
@@ -70,7 +70,7 @@ def test_model_cli_decode_is_the_decode_model(capsys):
     c = _spec("tsp", 131072, 1)
     assert obj["memory_bytes"] == memory(c)
     step = {k.split("/")[1]: b for k, b in obj["comm_bytes"].items() if k.startswith("decode step")}
-    assert step == {k: b for k, b in bytes_per_step(c.impl.decode_schedule(c)).items() if b}
+    assert step == {k: b for k, b in bytes_per_step(c.impl.decoder.schedule(c)).items() if b}
 
 
 @pytest.fixture

@@ -43,7 +43,7 @@ def test_fsdp_cp_hides_its_units_not_its_kv(rc):
     from baselines.fsdp_cp import FSDPCP
 
     spec = _spec("fsdp_cp", recompute=rc)
-    u0, ul, un = FSDPCP.unit_bytes(spec)
+    u0, ul, un = FSDPCP.costs.unit_bytes(spec)
     got = _overlapped(spec)
     want = Counter({("forward", "all_gather", float(ul)): L,
                     ("forward", "all_gather", float(un)): 1,

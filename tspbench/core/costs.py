@@ -1,9 +1,9 @@
 """Closed-form pieces of a step's cost that several strategies share.
 
-Every strategy states the cost of its step per rank by answering the cost classmethods of
-:class:`tspbench.core.strategy.Strategy` (``param_numel``, ``schedule``, ``saved_per_layer``,
-...): the analytic model (:mod:`tspbench.projection.analytic`) and the cost model ask them and
-never switch on a strategy's name. This module holds what the answers share: the event of a
+Every strategy states the cost of its step per rank through its costs object, a :class:`Costs`
+(``param_numel``, ``schedule``, ``saved_per_layer``, ...): the analytic model
+(:mod:`tspbench.projection.analytic`) and the cost model ask it and never switch on a
+strategy's name. This module holds that interface and what the answers share: the event of a
 communication schedule (docs/method.md section 6), parameter counts, and the formulas of the
 plain autograd layer and loss (:func:`tspbench.core.layers.transformer_layer`, torch's
 cross-entropy or the vocabulary-parallel one) that the baselines run, with their GEMM weights
@@ -18,10 +18,12 @@ context-parallel degree.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any, Protocol
 
 from tspbench.core.config import ModelConfig
+from tspbench.core.layout import Layout
 
 FP32 = 4
 
@@ -49,7 +51,7 @@ class Spec(Protocol):
     duck-typed here, so that the core and the strategies need not import the runtime."""
 
     cfg: ModelConfig
-    layout: Any  # a tspbench.core.strategy.Layout (not imported: strategy imports this module)
+    layout: Layout
     seq_len: int
     batch: int
     degree: int  # D
@@ -235,3 +237,57 @@ def backward_transients(c: Spec, T: int) -> tuple[int, int]:
         freed = 4 * t * fl * e + 2 * act
         layer_t = max(layer_t, act + 2 * t * nh * c.cfg.head_dim * e + 7 * kvu // 2 - freed)
     return 2 * logits, layer_t
+
+
+class Costs(ABC):
+    """A strategy's closed forms per rank: what the analytic and cost models ask of it (its
+    ``costs``), never instantiated with state. The defaults are a plain autograd model (the
+    functions above) whose GEMM weights are split ``tensor_degree`` ways; a strategy overrides
+    what its code does differently (docs/method.md section 6: communication, 7: memory). What
+    no default can answer without lying (a schedule of 0 bytes, a weight split of 1, metrics
+    reduced nowhere) is abstract: a strategy that forgets one cannot be instantiated."""
+
+    loss_head_passes: int = 3  # LM-head GEMMs per training step (forward, 2 backward)
+    recompute_skips_w2: bool = True  # the recomputed forward stops after the last op that
+    # saves a tensor: in a plain autograd layer, before the final W2 GEMM
+    vocab_parallel_loss: bool = False  # Megatron's vocabulary-parallel cross-entropy
+    grad_staging_copies: int = 0  # packed copies of all grads reduced after backward
+
+    @abstractmethod
+    def tensor_degree(self, layout: Layout) -> int:
+        """Ranks each GEMM's weight is split over (1: every rank applies whole weights)."""
+
+    @abstractmethod
+    def schedule(self, spec: Spec) -> Schedule:
+        """The model group's collectives one rank issues in a step (data parallelism apart)."""
+
+    @abstractmethod
+    def metric_reductions(self, layout: Layout, train: bool) -> tuple[int, int]:
+        """Group sizes of the all-reduces of the reported loss (over the ranks that split tokens)
+        and of the gradient norm (training: over the ranks that split weights); 1: none."""
+
+    def weight_split(self, layout: Layout) -> int:
+        """Ranks each weight is stored split over: the per-rank GEMM width, the head grad's rows."""
+        return self.tensor_degree(layout)
+
+    def param_numel(self, cfg: ModelConfig, layout: Layout) -> int:
+        """Parameter elements held by one rank (what the optimizer steps)."""
+        return split_numel(cfg, self.tensor_degree(layout))
+
+    def saved_per_layer(self, spec: Spec) -> int:
+        """Bytes one layer keeps for backward (no recomputation)."""
+        return saved_per_layer(spec, self.tensor_degree(spec.layout))
+
+    def saved_loss(self, spec: Spec) -> int:
+        """Bytes the final norm and the loss keep for backward."""
+        return saved_loss(spec, self.tensor_degree(spec.layout), self.vocab_parallel_loss)
+
+    def inference_working_set(self, spec: Spec) -> tuple[int, int]:
+        """Transient bytes of a forward-only step: (in a layer, in the loss)."""
+        T = self.tensor_degree(spec.layout)
+        return inference_working_set(spec, T, self.vocab_parallel_loss)
+
+    def backward_transients(self, spec: Spec) -> tuple[int, int, int]:
+        """Transient bytes at the loss's backward, a layer's backward and the end of backward."""
+        staging = self.grad_staging_copies * self.param_numel(spec.cfg, spec.layout) * spec.e
+        return (*backward_transients(spec, self.tensor_degree(spec.layout)), staging)

@@ -2,15 +2,16 @@
 layers share: one decode layer with hooks, prefill into a cache, the greedy choice over a
 vocabulary split, Megatron's KV-head replication and the closed forms of bytes and cache size.
 
-:class:`Decoding` is a base of :class:`tspbench.core.strategy.Strategy`: a strategy without a
-decode path keeps its defaults, which refuse with a ConfigError.
+:class:`Decoder` is what a strategy's ``decoder`` implements (docs/adding-a-strategy.md); a
+strategy without a decode path says ``decoder = None``.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -26,26 +27,23 @@ from tspbench.core.reference import LAYER_PARAMS, param_shapes
 FP32 = 4
 
 
-class Decoding:
-    """Prefill into a KV cache, then one greedy token per sequence per step."""
+class Decoder(ABC):
+    """A strategy's decode path (its ``decoder``; None where it has none): built on the
+    strategy's model (``self.model``), it prefills a KV cache, then steps one greedy token per
+    sequence; its closed forms (the step's collectives, the cache's split) say what it costs.
+    Everything a silent default would get wrong is abstract."""
 
-    name: ClassVar[str]
-    decodes: ClassVar[bool] = False  # has a decode path (prefill, decode_step)
+    def __init__(self, model: Any) -> None:
+        """``model``: the strategy instance whose weights and groups the decode runs on."""
+        self.model = model
 
     @classmethod
-    def validate_decode(
-        cls,
-        cfg: ModelConfig,
-        layout,
-        prompt_len: int,
-        new_tokens: int,
-        batch: int,
-        **options: Any,
-    ) -> None:
-        """Raise ConfigError (field, value, rule) for a decode run this strategy cannot do
-        (``options``: the run's values of the strategy's own options)."""
-        if not cls.decodes:
-            raise ConfigError(f"strategy={cls.name!r}: has no decode path")
+    def validate(
+        cls, strategy: Any, cfg: ModelConfig, layout, prompt_len: int, new_tokens: int,
+        batch: int, **options: Any,
+    ) -> None:  # fmt: skip
+        """Raise ConfigError (field, value, rule) for a decode run of ``strategy`` (its class)
+        this path cannot do (``options``: the run's values of the strategy's own options)."""
         for field in ("degree", "tp", "sp", "dp"):
             v = getattr(layout, field)
             if not isinstance(v, int) or v < 1:
@@ -60,14 +58,14 @@ class Decoding:
         if batch < 1 or prompt_len < 1:
             raise ConfigError(f"batch={batch}, prompt_len={prompt_len}: must be positive")
 
+    @abstractmethod
     def prefill(self, tokens: torch.Tensor, max_len: int) -> tuple[KVCache, Step]:
         """Run the prompt [B, P] (on every rank), keep its K/V in a cache with room for
         ``max_len`` tokens; return the cache and the last prompt position's step (collective)."""
-        raise ConfigError(f"strategy={self.name!r}: has no decode path")
 
+    @abstractmethod
     def decode_step(self, cache: KVCache, tokens: torch.Tensor) -> Step:
         """Append ``tokens`` [B] (on every rank) to the cache; the next step (collective)."""
-        raise ConfigError(f"strategy={self.name!r}: has no decode path")
 
     @torch.no_grad()
     def generate(self, tokens: torch.Tensor, new_tokens: int) -> tuple[KVCache, list[Step]]:
@@ -80,20 +78,20 @@ class Decoding:
 
     # -- closed forms (docs/decode.md sections 3 and 4) -------------------------------------------
     @classmethod
-    def decode_schedule(cls, spec: costs.Spec) -> costs.Schedule:
+    @abstractmethod
+    def schedule(cls, spec: costs.Spec) -> costs.Schedule:
         """The collectives one rank issues in one decode step."""
-        raise ConfigError(f"strategy={cls.name!r}: has no decode path")
 
     @classmethod
-    def decode_cache_split(cls, layout) -> tuple[int, int]:
+    @abstractmethod
+    def cache_split(cls, layout) -> tuple[int, int]:
         """(ranks splitting the cached sequence, ranks splitting the KV heads)."""
-        return 1, 1
 
     @classmethod
     def kv_cache_bytes(cls, spec: costs.Spec) -> int:
         """Bytes of one rank's KV cache, allocated for prompt + new_tokens - 1 tokens."""
         cfg, P = spec.cfg, spec.seq_len
-        seq, heads = cls.decode_cache_split(spec.layout)
+        seq, heads = cls.cache_split(spec.layout)
         slots = KVCache.capacity(P, P + spec.new_tokens - 1, seq)  # type: ignore[attr-defined]
         kv_heads = kv_heads_local(cfg.kv_heads, heads)
         return 2 * cfg.layers * spec.batch * slots * kv_heads * cfg.head_dim * spec.e

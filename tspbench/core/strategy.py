@@ -1,9 +1,17 @@
-"""The one interface every strategy implements (TSP, every baseline and the reference).
+"""The interface every strategy implements (TSP, every baseline and the reference), in three
+parts (docs/adding-a-strategy.md):
 
-A strategy builds its sharded model from a config and a :class:`Mesh`, shards a global batch into
-this rank's inputs, computes the loss (forward), lets autograd run the backward, finishes the
-gradients (the reductions a strategy does after backward) and exposes its local parameters to the
-shared :class:`AdamW`. ``full_params``/``full_grads`` gather whole tensors for checking.
+- :class:`Strategy`, what the runtime calls: it builds its sharded model from a config and a
+  :class:`Mesh`, shards a global batch into this rank's inputs, computes the loss (forward),
+  lets autograd run the backward, finishes the gradients (the reductions a strategy does after
+  backward) and exposes its local parameters to the shared :class:`AdamW`; ``hidden`` and
+  ``full_params`` gather whole tensors for checking. Its classmethods describe the strategy to
+  the harness (layouts, labels, options) so that nothing switches on its name.
+- ``costs``, a :class:`tspbench.core.costs.Costs`: its closed forms (bytes, memory, schedule).
+- ``decoder``, a :class:`tspbench.core.decode.Decoder` subclass, or None: its decode path.
+
+A concrete strategy that leaves out any of them, or whose costs or decoder still has an
+abstract member, is refused when its class is defined (``__init_subclass__``).
 """
 
 from __future__ import annotations
@@ -18,28 +26,15 @@ import torch.utils.checkpoint
 from tspbench.core import costs, recompute, zigzag
 from tspbench.core.comm import Comm
 from tspbench.core.config import ConfigError, ModelConfig
-from tspbench.core.decode import Decoding
+from tspbench.core.decode import Decoder
 from tspbench.core.grad_sync import BucketedAllReduce
 from tspbench.core.init import Index
+from tspbench.core.layout import Layout
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.options import Option, Options, Value
 from tspbench.core.reference import init_param, init_param_flat
 
 RECOMPUTE = ("none", "full")
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Parallel sizes requested by the user: the model group and data-parallel replicas."""
-
-    degree: int = 1  # D: ranks in one model group
-    tp: int = 1  # T (tpsp only)
-    sp: int = 1  # Sigma (tpsp only)
-    dp: int = 1  # model replicas
-
-    @property
-    def world_size(self) -> int:
-        return self.degree * self.dp
 
 
 @dataclass
@@ -51,11 +46,37 @@ class Batch:
     n_tokens: int
 
 
-class Strategy(Decoding, ABC):  # Decoding: prefill/decode_step (docs/decode.md)
-    name: ClassVar[str]
+REQUIRED = ("name", "display", "costs", "decoder")  # every concrete strategy sets these
+
+
+class Strategy(ABC):
+    name: ClassVar[str]  # the registry's, records' and command line's name
+    display: ClassVar[str]  # legends, titles and tables' captions
+    costs: ClassVar[costs.Costs]  # its closed forms (tspbench/core/costs.py)
+    decoder: ClassVar[type[Decoder] | None]  # its decode path (tspbench/core/decode.py), or None
     reference: ClassVar[bool] = False  # the single-device reference the others are checked on
     factored: ClassVar[bool] = False  # takes a sweep's T x Sigma factor list (its `tpsp` key)
     options: ClassVar[tuple[Option, ...]] = ()  # its own settings (tspbench/core/options.py)
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        """Refuse a concrete strategy that lacks a part, at its definition (import) time: a
+        silent default would run, or be projected, wrongly (a schedule of 0 bytes)."""
+        super().__init_subclass__(**kw)
+        if any(getattr(getattr(cls, n, None), "__isabstractmethod__", False) for n in dir(cls)):
+            return  # still abstract: an intermediate base (ABCMeta marks it only after this)
+        missing = [k for k in REQUIRED if not hasattr(cls, k)]
+        if missing:
+            raise TypeError(f"strategy {cls.__name__}: lacks {', '.join(missing)}")
+        if not isinstance(cls.costs, costs.Costs):
+            raise TypeError(f"strategy {cls.name}: costs must be a tspbench.core.costs.Costs")
+        dec = cls.decoder
+        if dec is not None and not (isinstance(dec, type) and issubclass(dec, Decoder)):
+            raise TypeError(f"strategy {cls.name}: decoder must be a Decoder subclass or None")
+        if dec is not None and getattr(dec, "__abstractmethods__", None):
+            raise TypeError(
+                f"strategy {cls.name}: decoder {dec.__name__} leaves abstract: "
+                + ", ".join(sorted(dec.__abstractmethods__))
+            )
 
     def __init__(
         self,
@@ -226,6 +247,22 @@ class Strategy(Decoding, ABC):  # Decoding: prefill/decode_step (docs/decode.md)
     def forward_only(self, batch: Batch) -> torch.Tensor:
         return self.loss(batch)[1]
 
+    def decoding(self) -> Decoder:
+        """This model's decode path (docs/decode.md); ConfigError where it has none."""
+        if self.decoder is None:
+            raise ConfigError(f"strategy={self.name!r}: has no decode path")
+        return self.decoder(self)
+
+    @classmethod
+    def validate_decode(
+        cls, cfg: ModelConfig, layout: Layout, prompt_len: int, new_tokens: int, batch: int,
+        **options: Value,
+    ) -> None:  # fmt: skip
+        """Raise ConfigError (field, value, rule) for a decode run it cannot do."""
+        if cls.decoder is None:
+            raise ConfigError(f"strategy={cls.name!r}: has no decode path")
+        cls.decoder.validate(cls, cfg, layout, prompt_len, new_tokens, batch, **options)
+
     # -- self-description: what the harness asks instead of switching on strategy names -------
     @classmethod
     def make_layout(cls, degree: int | None, tp: int, sp: int, dp: int) -> Layout:
@@ -264,15 +301,6 @@ class Strategy(Decoding, ABC):  # Decoding: prefill/decode_step (docs/decode.md)
         """The smallest micro-batch giving every rank ``per_rank`` sequences' worth of work."""
         return per_rank
 
-    # -- closed-form costs per rank, asked by the analytic and cost models ----------------------
-    # The defaults are a plain autograd model (tspbench/core/costs.py) whose GEMM weights are
-    # split tensor_degree ways; docs/method.md section 6 (communication), section 7 (memory).
-    loss_head_passes: ClassVar[int] = 3  # LM-head GEMMs per training step (forward, 2 backward)
-    recompute_skips_w2: ClassVar[bool] = True  # the recomputed forward stops after the last op
-    # that saves a tensor: in a plain autograd layer, before the final W2 GEMM
-    vocab_parallel_loss: ClassVar[bool] = False  # Megatron's vocabulary-parallel cross-entropy
-    grad_staging_copies: ClassVar[int] = 0  # packed copies of all grads reduced after backward
-
     @classmethod
     def searched_values(cls, spec: costs.Spec | None) -> dict[str, tuple[Value, ...]]:
         """The values the planner tries of each ``searched`` option for a run like ``spec``
@@ -284,51 +312,3 @@ class Strategy(Decoding, ABC):  # Decoding: prefill/decode_step (docs/decode.md)
         """The options a hardware preset's facts (its topology) choose where the user named none
         (``tspbench project``, the planner's single runs)."""
         return {}
-
-    @classmethod
-    def tensor_degree(cls, layout: Layout) -> int:
-        """Ranks each GEMM's weight is split over (1: every rank applies whole weights)."""
-        return 1
-
-    @classmethod
-    def weight_split(cls, layout: Layout) -> int:
-        """Ranks each weight is stored split over: the per-rank GEMM width, the head grad's rows."""
-        return cls.tensor_degree(layout)
-
-    @classmethod
-    def param_numel(cls, cfg: ModelConfig, layout: Layout) -> int:
-        """Parameter elements held by one rank (what the optimizer steps)."""
-        return costs.split_numel(cfg, cls.tensor_degree(layout))
-
-    @classmethod
-    def schedule(cls, spec: costs.Spec) -> costs.Schedule:
-        """The model group's collectives one rank issues in a step (data parallelism apart)."""
-        return costs.Schedule()
-
-    @classmethod
-    def saved_per_layer(cls, spec: costs.Spec) -> int:
-        """Bytes one layer keeps for backward (no recomputation)."""
-        return costs.saved_per_layer(spec, cls.tensor_degree(spec.layout))
-
-    @classmethod
-    def saved_loss(cls, spec: costs.Spec) -> int:
-        """Bytes the final norm and the loss keep for backward."""
-        return costs.saved_loss(spec, cls.tensor_degree(spec.layout), cls.vocab_parallel_loss)
-
-    @classmethod
-    def inference_working_set(cls, spec: costs.Spec) -> tuple[int, int]:
-        """Transient bytes of a forward-only step: (in a layer, in the loss)."""
-        T = cls.tensor_degree(spec.layout)
-        return costs.inference_working_set(spec, T, cls.vocab_parallel_loss)
-
-    @classmethod
-    def backward_transients(cls, spec: costs.Spec) -> tuple[int, int, int]:
-        """Transient bytes at the loss's backward, a layer's backward and the end of backward."""
-        staging = cls.grad_staging_copies * cls.param_numel(spec.cfg, spec.layout) * spec.e
-        return (*costs.backward_transients(spec, cls.tensor_degree(spec.layout)), staging)
-
-    @classmethod
-    def metric_reductions(cls, layout: Layout, train: bool) -> tuple[int, int]:
-        """Group sizes of the all-reduces of the reported loss (over the ranks that split tokens)
-        and of the gradient norm (training: over the ranks that split weights); 1: none."""
-        return 1, 1

@@ -134,9 +134,9 @@ def check_decode_sweep(i: int, sweep: dict) -> None:
         )
     if not modes or not modes <= set(DECODE_MODES):  # mixed with train/infer: filtered per cell
         return
-    cannot = [s for s in sweep["strategies"] if not strategies()[s].decodes]
+    cannot = [s for s in sweep["strategies"] if strategies()[s].decoder is None]
     if cannot:
-        can = ", ".join(n for n, s in strategies().items() if s.decodes)
+        can = ", ".join(n for n, s in strategies().items() if s.decoder is not None)
         raise ConfigError(
             f"sweeps[{i}].strategies: {', '.join(cannot)} has no decode path (modes "
             f"{sweep['modes']}); strategies that decode: {can}"

@@ -33,14 +33,14 @@ KINDS_COLLECTIVE = tuple(k for k in KINDS if k != "send_recv")  # group-wide, no
 # -- parameters -------------------------------------------------------------------------------
 def param_numel(c: RunSpec) -> int:
     """Parameter elements held by one rank (what the optimizer steps)."""
-    return c.impl.param_numel(c.cfg, c.layout)
+    return c.impl.costs.param_numel(c.cfg, c.layout)
 
 
 # -- communication ----------------------------------------------------------------------------
 def schedule(c: RunSpec) -> list[Event]:
     """Every collective one rank issues in a step, with its phase, mesh axis and group size:
     the strategy's model group's, then the gradient all-reduce over data-parallel replicas."""
-    ev = Schedule(c.impl.schedule(c))
+    ev = Schedule(c.impl.costs.schedule(c))
     if c.train and c.dp > 1:
         # DDP-style buckets, each issued while the backward goes on (tspbench/core/grad_sync.py)
         ev.add(Axis.DP, Axis.DP, "all_reduce", c.dp, param_numel(c) * c.e, overlapped=True)
@@ -106,7 +106,7 @@ def flop_parts(c: RunSpec, model: bool = False) -> dict[str, int]:
     cfg, B, impl = c.cfg, c.batch, c.impl
     h, kv, f, V, L, d = cfg.hidden, cfg.kv_dim, cfg.ffn, cfg.vocab, cfg.layers, cfg.head_dim
     t = c.tokens
-    T = impl.tensor_degree(c.layout)  # weight split of the GEMMs on a rank
+    T = impl.costs.tensor_degree(c.layout)  # weight split of the GEMMs on a rank
     seqs = B // impl.replica_batch(c.layout)  # sequences of the micro-batch on this rank
     gemm = 2 * t * (2 * h * h + 2 * h * kv + 3 * h * f) // T  # one layer, forward
     attn = 4 * seqs * (cfg.heads // T) * d * attention_pairs(c)  # one layer, forward
@@ -115,12 +115,12 @@ def flop_parts(c: RunSpec, model: bool = False) -> dict[str, int]:
         return {"gemm": L * gemm + head, "attention": L * attn}
     # backward: GEMMs twice, attention 2.5x; a loss may recompute its logits (TSP's, shard by
     # shard: loss_head_passes)
-    g = L * 3 * gemm + (3 if model else impl.loss_head_passes) * head
+    g = L * 3 * gemm + (3 if model else impl.costs.loss_head_passes) * head
     a = L * (attn + 5 * attn // 2)
     if c.rc and not model:  # autograd's recompute stops after the last op that saves a tensor:
         # custom layers that save at their very end recompute everything; a plain autograd
         # layer skips its final W2 GEMM (recompute_skips_w2)
-        g += L * (gemm - (2 * t * f * h // T if impl.recompute_skips_w2 else 0))
+        g += L * (gemm - (2 * t * f * h // T if impl.costs.recompute_skips_w2 else 0))
         a += L * attn
     return {"gemm": g, "attention": a}
 
@@ -134,7 +134,7 @@ def flops(c: RunSpec, model: bool = True) -> int:
 def gemm_size(c: RunSpec) -> float:
     """Equivalent square size of the step's typical GEMM (tokens x hidden x per-rank width),
     the cube root of its m*n*k: what a GEMM rate table is looked up with."""
-    T = c.impl.weight_split(c.layout)
+    T = c.impl.costs.weight_split(c.layout)
     width = (c.cfg.hidden + c.cfg.ffn) / 2 / T  # projection and MLP widths, on one rank
     return (c.tokens * c.cfg.hidden * width) ** (1 / 3)
 
@@ -152,12 +152,12 @@ def elementwise_bytes(c: RunSpec) -> float:
 # -- memory -----------------------------------------------------------------------------------
 def saved_per_layer(c: RunSpec) -> int:
     """Bytes one layer keeps for backward (no recomputation), from what each op saves."""
-    return c.impl.saved_per_layer(c)
+    return c.impl.costs.saved_per_layer(c)
 
 
 def saved_loss(c: RunSpec) -> int:
     """Bytes the final norm and the loss keep for backward."""
-    return c.impl.saved_loss(c)
+    return c.impl.costs.saved_loss(c)
 
 
 def memory(c: RunSpec) -> dict[str, float | str]:
@@ -196,14 +196,14 @@ def memory(c: RunSpec) -> dict[str, float | str]:
         "optimizer": 8 * n if c.train else 0,
     }
     if not c.train:
-        work = max(impl.inference_working_set(c))
+        work = max(impl.costs.inference_working_set(c))
         parts.update(saved_activations=0, transient=work, peak_at="inference")
         parts["peak_first"] = parts["peak"] = rest + work
         return parts
     per_layer, loss_saved = saved_per_layer(c), saved_loss(c)
     layers = L * act if c.rc else L * per_layer  # checkpointing keeps each layer's input
-    head_grad = V // impl.weight_split(c.layout) * h * e
-    loss_t, layer_t, end_t = impl.backward_transients(c)
+    head_grad = V // impl.costs.weight_split(c.layout) * h * e
+    loss_t, layer_t, end_t = impl.costs.backward_transients(c)
     # the recomputed top layer's saved tensors, less its first norm's input: the layer input,
     # which the checkpoint keeps already
     top = per_layer - act if c.rc else 0

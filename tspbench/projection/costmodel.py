@@ -136,7 +136,7 @@ def fabric(preset: dict, size: int) -> dict[str, dict[str, float]]:
 def metric_reductions(c: RunSpec) -> list[tuple[str, int]]:
     """The reported loss's and gradient norm's small all-reduces: (axis, group size) each; the
     model group's are the strategy's (``metric_reductions``)."""
-    out = [(Axis.MODEL, n) for n in c.impl.metric_reductions(c.layout, c.train) if n > 1]
+    out = [(Axis.MODEL, n) for n in c.impl.costs.metric_reductions(c.layout, c.train) if n > 1]
     return out + ([(Axis.DP, c.dp)] if c.dp > 1 else [])
 
 

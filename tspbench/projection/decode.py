@@ -1,7 +1,7 @@
 """Decode at paper scale without the hardware (``docs/decode.md``): bytes per generated token,
 KV-cache and peak memory per rank, and a roofline time per token on a hardware preset.
 
-Bytes are the strategy's own decode schedule (``decode_schedule``, the closed form the tests
+Bytes are the strategy's own decode schedule (its decoder's ``schedule``, the closed form the tests
 check against the counter); the cache is ``kv_cache_bytes``. Time per decode step: the larger of
 reading this rank's weights and its cache once from memory and its FLOPs, plus every
 collective of the step on the critical path (latency + bus bytes over the link: decode's
@@ -28,22 +28,22 @@ FP32 = 4
 def bytes_per_token(c: RunSpec) -> dict[str, float]:
     """Per-rank bytes of one decode step by collective kind."""
     out: dict[str, float] = {}
-    for _, _, kind, size, nbytes in c.impl.decode_schedule(c):
+    for _, _, kind, size, nbytes in c.impl.decoder.schedule(c):
         out[kind] = out.get(kind, 0.0) + bus_bytes(kind, nbytes, size)
     return {k: b for k, b in out.items() if b}
 
 
 def _split(c: RunSpec) -> tuple[int, int, int]:
     """(ranks splitting the sequence, KV heads per rank, query heads per rank)."""
-    seq, heads = c.impl.decode_cache_split(c.layout)
-    q_heads = c.cfg.heads // c.impl.tensor_degree(c.layout)  # TSP, SP: every head (split-K)
+    seq, heads = c.impl.decoder.cache_split(c.layout)
+    q_heads = c.cfg.heads // c.impl.costs.tensor_degree(c.layout)  # TSP, SP: every head (split-K)
     return seq, kv_heads_local(c.cfg.kv_heads, heads), q_heads
 
 
 def prefill_spec(c: RunSpec) -> RunSpec:
     """The prefill as one forward pass (``--mode infer``). Where KV heads are replicated
     (n_kv < T) each rank holds one, as in a model of T KV heads: the same shapes per rank."""
-    T = c.impl.tensor_degree(c.layout)
+    T = c.impl.costs.tensor_degree(c.layout)
     cfg = c.cfg if c.cfg.kv_heads >= T else dataclasses.replace(c.cfg, kv_heads=T)
     return c.replace(mode="infer", new_tokens=0, cfg=cfg)
 
@@ -52,11 +52,11 @@ def memory(c: RunSpec) -> dict[str, Any]:
     """Bytes per rank: weights, the cache, the prefill's peak (a forward pass with the cache
     alive) and the decode step's (scores and probabilities of every local key, fp32; logits),
     and the larger of the two."""
-    kv = c.impl.kv_cache_bytes(c)
+    kv = c.impl.decoder.kv_cache_bytes(c)
     prefill = analytic.memory(prefill_spec(c))["peak"] + kv
     seq, _, q_heads = _split(c)
     slots = c.seq_len // seq + -(-(c.new_tokens - 1) // seq)
-    vocab = c.cfg.vocab // c.impl.weight_split(c.layout)
+    vocab = c.cfg.vocab // c.impl.costs.weight_split(c.layout)
     weights = analytic.param_numel(c) * c.e
     step = weights + kv + 2 * FP32 * c.batch * q_heads * slots + 2 * FP32 * c.batch * vocab
     return {
@@ -83,7 +83,7 @@ def project_decode(c: RunSpec, preset: dict, prefill_ops: int | None = None) -> 
     attn = 4 * B * q_heads * slots * cfg.head_dim * cfg.layers
     compute_s = 2 * B * analytic.param_numel(c) / r["gemm_flops"] + attn / r["attention_flops"]
     comm = 0.0
-    for _, axis, kind, size, nbytes in c.impl.decode_schedule(c):
+    for _, axis, kind, size, nbytes in c.impl.decoder.schedule(c):
         if size <= 1:
             continue
         inter = axis != Axis.DP and c.degree > per_node

@@ -111,7 +111,7 @@ def check_hides(spec: RunSpec) -> None:
 
     # no switch: nothing to turn off (DP's gradient buckets overlap with the switch on or off)
     on = spec.replace(overlap=True) if "overlap" in spec.options else None
-    if on is None or not any(ev.overlapped for ev in on.impl.schedule(on)):
+    if on is None or not any(ev.overlapped for ev in on.impl.costs.schedule(on)):
         raise ConfigError(
             f"--strategy={spec.strategy}: overlaps none of its collectives in this layout "
             "(overlap on and off are the same step): nothing for the overlap benchmark to measure"

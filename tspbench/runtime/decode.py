@@ -51,10 +51,10 @@ def generation(
     """Prefill and ``n - 1`` decode steps, each timed; with ``mesh``, the bytes of each part;
     with ``flops`` (an active FLOP counter), the prefill's FLOPs. ``tokens`` of the result is
     the generated ids as a [B, n] tensor (fake on fake tensors)."""
-    P = tokens.shape[1]
+    P, dec = tokens.shape[1], strat.decoding()
     if mesh is not None:
         mesh.counter.reset()
-    (cache, step), t_prefill = _timed(lambda: strat.prefill(tokens, P + n - 1), device)
+    (cache, step), t_prefill = _timed(lambda: dec.prefill(tokens, P + n - 1), device)
     out: dict[str, Any] = {"prefill_s": t_prefill, "steps_s": [], "cache": cache}
     if flops is not None:
         out["prefill_flops"] = int(flops.get_total_flops())
@@ -63,7 +63,7 @@ def generation(
         mesh.counter.reset()
     steps = [step]
     for _ in range(n - 1):
-        step, dt = _timed(lambda: strat.decode_step(cache, steps[-1].tokens), device)
+        step, dt = _timed(lambda: dec.decode_step(cache, steps[-1].tokens), device)
         steps.append(step)
         out["steps_s"].append(dt)
     if mesh is not None:

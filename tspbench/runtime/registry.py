@@ -1,7 +1,15 @@
-"""Strategy registry: the harness's one place that knows every strategy by name."""
+"""Strategy registry: the harness's one place that knows every strategy by name.
+
+A strategy is one folder (docs/adding-a-strategy.md) and one line of :data:`STRATEGIES`:
+``"module:Class"``. ``TSPBENCH_STRATEGIES`` (comma-separated, the same form) registers more
+without an edit here (a plug-in's, or the tests' toy strategy); spawned ranks inherit it.
+"""
 
 from __future__ import annotations
 
+import functools
+import importlib
+import os
 from typing import Any
 
 from tspbench.core import datafiles
@@ -9,17 +17,47 @@ from tspbench.core.config import ConfigError
 from tspbench.core.options import Option
 from tspbench.core.strategy import Strategy
 
+# In the order tables and figures show them (TSP first).
+STRATEGIES = (
+    "tsp_impl:TSP",
+    "baselines.tp:TP",
+    "baselines.tpsp:TPSP",
+    "baselines.sp:SP",
+    "baselines.fsdp_cp:FSDPCP",
+    "baselines.dp:DP",
+    "baselines.dp:Single",
+)
+PLUGINS = "TSPBENCH_STRATEGIES"  # environment: more "module:Class" entries, comma-separated
+
+
+def load(entry: str) -> type[Strategy]:
+    """The strategy class of a ``"module:Class"`` entry; ConfigError naming it otherwise."""
+    module, _, attr = entry.partition(":")
+    try:
+        impl = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ConfigError(
+            f"{PLUGINS}={entry!r}: cannot load {attr or '?'} from {module}: {e}"
+        ) from e
+    if not (isinstance(impl, type) and issubclass(impl, Strategy)):
+        raise ConfigError(f"{PLUGINS}={entry!r}: not a tspbench.core.strategy.Strategy")
+    return impl
+
+
+@functools.cache
+def _registered(plugins: str) -> dict[str, type[Strategy]]:
+    entries = [*STRATEGIES, *(e.strip() for e in plugins.split(",") if e.strip())]
+    out: dict[str, type[Strategy]] = {}
+    for entry in entries:
+        impl = load(entry)
+        if out.setdefault(impl.name, impl) is not impl:
+            raise ConfigError(f"{entry}: strategy name {impl.name!r} is registered twice")
+    return out
+
 
 def strategies() -> dict[str, type[Strategy]]:
     """Every strategy by name, in the order tables and figures show them (TSP first)."""
-    from baselines.dp import DP, Single
-    from baselines.fsdp_cp import FSDPCP
-    from baselines.sp import SP
-    from baselines.tp import TP
-    from baselines.tpsp import TPSP
-    from tsp_impl import TSP
-
-    return {s.name: s for s in (TSP, TP, TPSP, SP, FSDPCP, DP, Single)}
+    return _registered(os.environ.get(PLUGINS, ""))
 
 
 def get_strategy(name: str) -> type[Strategy]:

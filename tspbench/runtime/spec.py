@@ -84,8 +84,8 @@ class RunSpec:
                     f"recompute={self.recompute!r}: --mode {self.mode} runs no backward, so "
                     "nothing is recomputed (leave it none)"
                 )
-            if not self.impl.decodes:
-                can = ", ".join(n for n, s in strategies().items() if s.decodes)
+            if self.impl.decoder is None:
+                can = ", ".join(n for n, s in strategies().items() if s.decoder is not None)
                 raise ConfigError(
                     f"mode={self.mode!r}: strategy {self.strategy} has no decode path "
                     f"(strategies that decode: {can})"

@@ -10,19 +10,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tspbench.core import costs, zigzag
+from baselines.sp.costs import SPCosts
+from baselines.sp.decode import SPDecoder
+from tspbench.core import zigzag
 from tspbench.core.config import ModelConfig
 from tspbench.core.context_parallel import cp_tables
-from tspbench.core.decode import (
-    DecodeHooks,
-    head_step,
-    merge_events,
-    named_layers,
-    prefill_layers,
-    run_layers,
-    split_attend,
-)
-from tspbench.core.kvcache import KVCache, Step, merge_all
 from tspbench.core.layers import rms_norm, transformer_layer
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.optim import grad_sq_sum
@@ -33,24 +25,12 @@ from tspbench.core.strategy import Batch, Layout, Strategy
 class SP(Strategy):
     name = "sp"
     display = "SP"  # legends, titles and tables' captions
+    costs = SPCosts()
+    decoder = SPDecoder
 
     @classmethod
     def context_parallel(cls, layout: Layout) -> int:
         return layout.degree
-
-    grad_staging_copies = 1  # finish_grads packs every gradient into one all-reduce
-
-    @classmethod
-    def schedule(cls, spec: costs.Spec) -> costs.Schedule:
-        """Context parallelism's K/V gathers; one all-reduce of every gradient after backward."""
-        ev = costs.context_parallel(spec, Axis.MODEL, spec.degree)
-        n = cls.param_numel(spec.cfg, spec.layout)
-        costs.grads_all_reduce(ev, spec, Axis.MODEL, spec.degree, n)
-        return ev
-
-    @classmethod
-    def metric_reductions(cls, layout: Layout, train: bool) -> tuple[int, int]:
-        return layout.degree, 1  # the loss is summed over the sequence's chunks
 
     @classmethod
     def validate(cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, **_) -> None:
@@ -100,49 +80,3 @@ class SP(Strategy):
 
     def full_params(self, grads: bool = False) -> dict[str, torch.Tensor]:
         return {n: (p.grad if grads else p).detach() for n, p in self.params.items()}
-
-    # -- decode (docs/decode.md): weights replicated, the cache split by sequence --------------
-    decodes = True
-
-    @classmethod
-    def validate_decode(
-        cls, cfg: ModelConfig, layout: Layout, prompt_len: int, new_tokens: int, batch: int, **_
-    ) -> None:
-        super().validate_decode(cfg, layout, prompt_len, new_tokens, batch)
-        cls.validate(cfg, layout, prompt_len, batch)
-
-    @classmethod
-    def decode_cache_split(cls, layout: Layout) -> tuple[int, int]:
-        return layout.degree, 1
-
-    @classmethod
-    def decode_schedule(cls, spec: costs.Spec) -> costs.Schedule:
-        ev = costs.Schedule()
-        merge_events(ev, spec, spec.degree, spec.cfg.heads, Axis.MODEL)
-        return ev
-
-    def _layers(self) -> list[dict]:
-        return named_layers(self.params, self.cfg.layers)
-
-    def _step(self, x: torch.Tensor) -> Step:
-        p = self.params
-        return head_step(x, p["norm"], p["head"], self.cfg.norm_eps)
-
-    @torch.no_grad()
-    def prefill(self, tokens: torch.Tensor, max_len: int) -> tuple[KVCache, Step]:
-        cfg, comm, (B, P) = self.cfg, self.comm, tokens.shape
-        D, r = comm.size, comm.rank
-        x = F.embedding(zigzag.shard(tokens, D, r).to(self.device), self.params["embed"])
-        slots = KVCache.capacity(P, max_len, D)
-        cache = KVCache.empty(cfg.layers, B, cfg.kv_heads, slots, cfg.head_dim, x, D, r)
-        cos, sin, hooks = cp_tables(self, P, comm, cfg, x)
-        x = prefill_layers(cfg, self._layers(), x, cos, sin, hooks, cache)
-        cache.start(P // D, P)
-        last = x[:, -1].contiguous()  # position P-1 ends chunk 2D-1: rank 0's last local token
-        return cache, self._step(comm.broadcast(last, src=0))
-
-    @torch.no_grad()
-    def decode_step(self, cache: KVCache, tokens: torch.Tensor) -> Step:
-        x = F.embedding(tokens.to(self.device), self.params["embed"])
-        hooks = DecodeHooks(split_attend(cache, lambda o, lse: merge_all(o, lse, self.comm)))
-        return self._step(run_layers(self.cfg, self._layers(), x, cache, hooks))

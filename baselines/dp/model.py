@@ -8,38 +8,26 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tspbench.core import costs
+from baselines.dp.costs import DPCosts, SingleCosts
+from baselines.dp.decode import SingleDecoder
 from tspbench.core.attention import attention
 from tspbench.core.config import ConfigError, ModelConfig
-from tspbench.core.decode import DecodeHooks, head_step, local_attend, prefill_layers, run_layers
-from tspbench.core.kvcache import KVCache, Step
-from tspbench.core.layers import LayerHooks, cached, rope_on
+from tspbench.core.layers import LayerHooks
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.optim import grad_sq_sum
-from tspbench.core.reference import LAYER_PARAMS, ReferenceModel
+from tspbench.core.reference import ReferenceModel
 from tspbench.core.strategy import Batch, Layout, Strategy
 
 
 class DP(Strategy):
     name = "dp"
     display = "DP"  # legends, titles and tables' captions
+    costs = DPCosts()
+    decoder = None  # no decode path: the reference's is single's
 
     @classmethod
     def replica_batch(cls, layout: Layout, per_rank: int = 1) -> int:
         return per_rank * layout.degree  # each rank takes whole sequences
-
-    grad_staging_copies = 1  # finish_grads packs every gradient into one all-reduce
-
-    @classmethod
-    def schedule(cls, spec: costs.Spec) -> costs.Schedule:
-        """One all-reduce of every gradient after backward."""
-        ev, n = costs.Schedule(), cls.param_numel(spec.cfg, spec.layout)
-        costs.grads_all_reduce(ev, spec, Axis.MODEL, spec.degree, n)
-        return ev
-
-    @classmethod
-    def metric_reductions(cls, layout: Layout, train: bool) -> tuple[int, int]:
-        return layout.degree, 1  # the loss is summed over the ranks' sequences
 
     @classmethod
     def validate(cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, **_) -> None:
@@ -99,11 +87,8 @@ class Single(DP):
     name = "single"
     display = "single device"  # legends, titles and tables' captions
     reference = True
-    grad_staging_copies = 0  # one rank: nothing to reduce
-
-    @classmethod
-    def schedule(cls, spec: costs.Spec) -> costs.Schedule:
-        return costs.Schedule()
+    costs = SingleCosts()
+    decoder = SingleDecoder
 
     @classmethod
     def sweep_layouts(cls, degrees: list[int], factors: list[list[int]]) -> list[Layout]:
@@ -116,35 +101,3 @@ class Single(DP):
             raise ConfigError(
                 f"degree={layout.degree}: strategy 'single' runs one rank per replica (degree=1)"
             )
-
-    # -- decode (docs/decode.md): the reference model with a KV cache ---------------------------
-    decodes = True
-
-    @classmethod
-    def decode_schedule(cls, spec: costs.Spec) -> costs.Schedule:
-        return costs.Schedule()
-
-    def _layers(self) -> list[dict]:
-        return [
-            {k: self.model.p(f"layers.{i}.{k}") for k in LAYER_PARAMS}
-            for i in range(self.cfg.layers)
-        ]
-
-    def _step(self, x: torch.Tensor) -> Step:
-        return head_step(x, self.model.p("norm"), self.model.p("head"), self.cfg.norm_eps)
-
-    @torch.no_grad()
-    def prefill(self, tokens: torch.Tensor, max_len: int) -> tuple[KVCache, Step]:
-        cfg, (B, P) = self.cfg, tokens.shape
-        x = F.embedding(tokens.to(self.device), self.model.p("embed"))
-        cache = KVCache.empty(cfg.layers, B, cfg.kv_heads, max_len, cfg.head_dim, x)
-        cos, sin = cached(self, ("rope", P, x.dtype), lambda: rope_on(torch.arange(P), cfg, x))
-        x = prefill_layers(cfg, self._layers(), x, cos, sin, self.hooks, cache)
-        cache.start(P, P)
-        return cache, self._step(x[:, -1])
-
-    @torch.no_grad()
-    def decode_step(self, cache: KVCache, tokens: torch.Tensor) -> Step:
-        x = F.embedding(tokens.to(self.device), self.model.p("embed"))
-        hooks = DecodeHooks(local_attend(cache))
-        return self._step(run_layers(self.cfg, self._layers(), x, cache, hooks))

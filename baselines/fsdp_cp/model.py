@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.graph import saved_tensors_hooks
 
-from tspbench.core import costs, zigzag
+from baselines.fsdp_cp.costs import FSDPCPCosts
+from tspbench.core import zigzag
 from tspbench.core.comm import Pending
 from tspbench.core.config import ModelConfig
 from tspbench.core.context_parallel import cp_tables
@@ -87,84 +88,12 @@ class FSDPCP(Strategy):
     name = "fsdp_cp"
     display = "FSDP+CP"  # legends, titles and tables' captions
     options = (OVERLAP,)
+    costs = FSDPCPCosts()
+    decoder = None  # no decode path (docs/decode.md)
 
     @classmethod
     def context_parallel(cls, layout: Layout) -> int:
         return layout.degree
-
-    # -- closed-form costs ------------------------------------------------------------------------
-    @staticmethod
-    def unit_numels(cfg: ModelConfig) -> tuple[int, int, int]:
-        """Elements of the all-gather units: the embedding; one layer; final norm + LM head."""
-        V, h = cfg.vocab, cfg.hidden
-        return V * h, costs.layer_numel(cfg), h + V * h
-
-    @classmethod
-    def param_numel(cls, cfg: ModelConfig, layout: Layout) -> int:
-        u0, ul, un = (-(-u // layout.degree) for u in cls.unit_numels(cfg))  # padded shards
-        return u0 + cfg.layers * ul + un
-
-    @classmethod
-    def unit_bytes(cls, spec: costs.Spec) -> tuple[int, int, int]:
-        """Bytes of the gathered (padded) units: the embedding; one layer; final norm + head."""
-        D, e = spec.degree, spec.e
-        u0, ul, un = (-(-u // D) * D * e for u in cls.unit_numels(spec.cfg))
-        return u0, ul, un
-
-    @classmethod
-    def schedule(cls, spec: costs.Spec) -> costs.Schedule:
-        """Context parallelism's K/V gathers (blocking); every unit gathered before it runs
-        (forward, and again in backward), its gradient reduce-scattered. Overlapped, with
-        ``overlap``: every gather but the first of a pass was issued before the unit ahead of it
-        ran; every reduce-scatter but the last drains while the next unit's backward runs."""
-        D, L, ov = spec.degree, spec.cfg.layers, spec.options["overlap"]
-        ev = costs.context_parallel(spec, Axis.MODEL, D)
-        u0, ul, un = cls.unit_bytes(spec)
-        ev.add("forward", Axis.MODEL, "all_gather", D, u0)  # waited for at once
-        ev.add("forward", Axis.MODEL, "all_gather", D, ul, L, overlapped=ov)
-        ev.add("forward", Axis.MODEL, "all_gather", D, un, overlapped=ov)
-        if spec.train:  # layers: regathered (or recomputed) in backward; embedding never
-            # under recompute the head unit keeps its gathered weights, so the top layer's
-            # recompute starts the backward's gathers, waited for at once
-            ev.add(
-                "backward", Axis.MODEL, "all_gather", D, ul, L, overlapped=ov, exposed=int(spec.rc)
-            )
-            if not spec.rc:  # the head unit's regather starts them
-                ev.add("backward", Axis.MODEL, "all_gather", D, un)
-            ev.add("backward", Axis.MODEL, "reduce_scatter", D, u0)  # the last: finish_grads
-            ev.add("backward", Axis.MODEL, "reduce_scatter", D, ul, L, overlapped=ov)
-            ev.add("backward", Axis.MODEL, "reduce_scatter", D, un, overlapped=ov)
-        return ev
-
-    @classmethod
-    def inference_working_set(cls, spec: costs.Spec) -> tuple[int, int]:
-        """The plain model's, and the gathered unit in use; with ``overlap`` a layer also has the
-        next unit's gather in flight (the top layer's: the head unit)."""
-        layer, loss = super().inference_working_set(spec)
-        cfg, e = spec.cfg, spec.e
-        _, ul, un = cls.unit_bytes(spec)
-        layer += costs.layer_numel(cfg) * e + (max(ul, un) if spec.options["overlap"] else 0)
-        return layer, loss + (cfg.vocab * cfg.hidden + cfg.hidden) * e
-
-    @classmethod
-    def backward_transients(cls, spec: costs.Spec) -> tuple[int, int, int]:
-        """The plain model's; with ``overlap``, a layer's backward also has the layer below's
-        gather in flight and the gradient of the unit above still reduce-scattering (its shard,
-        then in flight, is the gradient it would hold already). At the top layer that unit is the
-        head; below, a layer, once the layer above's saved tensors (under recomputation its
-        input) are freed."""
-        loss_t, layer_t, end_t = super().backward_transients(spec)
-        if spec.options["overlap"] and spec.cfg.layers > 1:
-            _, ul, un = cls.unit_bytes(spec)
-            freed = spec.tokens * spec.cfg.hidden * spec.e if spec.rc else cls.saved_per_layer(spec)
-            layer_t += ul + max(un, ul - freed)
-        elif spec.options["overlap"]:
-            layer_t += cls.unit_bytes(spec)[2]
-        return loss_t, layer_t, end_t
-
-    @classmethod
-    def metric_reductions(cls, layout: Layout, train: bool) -> tuple[int, int]:
-        return layout.degree, layout.degree if train else 1
 
     @classmethod
     def validate(cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, **_) -> None:

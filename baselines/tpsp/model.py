@@ -11,24 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from tspbench.core import costs, zigzag
+from baselines.tpsp.costs import TPSPCosts
+from baselines.tpsp.decode import TPSPDecoder
+from tspbench.core import zigzag
 from tspbench.core.collectives import copy_to, reduce_from
 from tspbench.core.config import ConfigError, ModelConfig
 from tspbench.core.context_parallel import cp_tables
-from tspbench.core.decode import (
-    DecodeHooks,
-    check_kv_split,
-    head_step,
-    kv_heads_local,
-    megatron_block,
-    megatron_events,
-    merge_events,
-    named_layers,
-    prefill_layers,
-    run_layers,
-    split_attend,
-)
-from tspbench.core.kvcache import KVCache, Step, merge_all
+from tspbench.core.decode import megatron_block
 from tspbench.core.layers import rms_norm, transformer_layer
 from tspbench.core.megatron import gather_named, shard_dim
 from tspbench.core.mesh import Axis, Mesh
@@ -41,6 +30,8 @@ from tspbench.core.vocab_parallel import cross_entropy_sum, embedding
 class TPSP(Strategy):
     name = "tpsp"
     display = "TP+SP"  # legends, titles and tables' captions
+    costs = TPSPCosts()
+    decoder = TPSPDecoder
     factored = True
 
     @classmethod
@@ -66,25 +57,6 @@ class TPSP(Strategy):
     @classmethod
     def context_parallel(cls, layout: Layout) -> int:
         return layout.sp
-
-    # -- closed-form costs ------------------------------------------------------------------------
-    vocab_parallel_loss = True
-    grad_staging_copies = 1  # finish_grads packs every gradient into one all-reduce over Sigma
-
-    @classmethod
-    def tensor_degree(cls, layout: Layout) -> int:
-        return layout.tp
-
-    @classmethod
-    def schedule(cls, spec: costs.Spec) -> costs.Schedule:
-        """Megatron over T, K/V gathers over Sigma; the gradients all-reduced over Sigma."""
-        ev = costs.megatron(spec, spec.tp, Axis.TP, Axis.SP, spec.sp)
-        costs.grads_all_reduce(ev, spec, Axis.SP, spec.sp, cls.param_numel(spec.cfg, spec.layout))
-        return ev
-
-    @classmethod
-    def metric_reductions(cls, layout: Layout, train: bool) -> tuple[int, int]:
-        return layout.sp, layout.tp if train else 1
 
     @classmethod
     def mesh_dims(cls, layout: Layout) -> dict[str, int]:
@@ -153,62 +125,3 @@ class TPSP(Strategy):
 
     def full_params(self, grads: bool = False) -> dict[str, torch.Tensor]:
         return gather_named(self.params, self.tp, grads)
-
-    # -- decode (docs/decode.md): Megatron over T, the cache split by sequence over Sigma ------
-    decodes = True
-
-    @classmethod
-    def validate_decode(
-        cls, cfg: ModelConfig, layout: Layout, prompt_len: int, new_tokens: int, batch: int, **_
-    ) -> None:
-        super().validate_decode(cfg, layout, prompt_len, new_tokens, batch)
-        if layout.tp * layout.sp != layout.degree:
-            raise ConfigError(
-                f"tp={layout.tp} x sp={layout.sp} = {layout.tp * layout.sp}: must equal "
-                f"degree={layout.degree} (T x Sigma = D)"
-            )
-        for field in ("heads", "ffn", "vocab"):
-            cls.require_divisible(f"model.{field}", getattr(cfg, field), layout.tp, "T (tp)")
-        check_kv_split(cfg, layout.tp, "T (tp)")
-        zigzag.check_divisible(prompt_len, layout.sp)
-
-    @classmethod
-    def decode_cache_split(cls, layout: Layout) -> tuple[int, int]:
-        return layout.sp, layout.tp
-
-    @classmethod
-    def decode_schedule(cls, spec: costs.Spec) -> costs.Schedule:
-        ev = costs.Schedule()
-        megatron_events(ev, spec, spec.tp, Axis.TP)
-        merge_events(ev, spec, spec.sp, spec.cfg.heads // spec.tp, Axis.SP)
-        return ev
-
-    def _layers(self) -> list[dict]:
-        return named_layers(self.params, self.cfg.layers)
-
-    def _step(self, x: torch.Tensor) -> Step:
-        p = self.params
-        return head_step(x, p["norm"], p["head"], self.cfg.norm_eps, self.tp)
-
-    @torch.no_grad()
-    def prefill(self, tokens: torch.Tensor, max_len: int) -> tuple[KVCache, Step]:
-        cfg, sp, (B, P) = self.cfg, self.sp, tokens.shape
-        local = zigzag.shard(tokens, sp.size, sp.rank).to(self.device)
-        x = embedding(local, self.params["embed"], self.tp)
-        slots = KVCache.capacity(P, max_len, sp.size)
-        heads = kv_heads_local(cfg.kv_heads, self.tp.size)
-        cache = KVCache.empty(cfg.layers, B, heads, slots, cfg.head_dim, x, sp.size, sp.rank)
-        cos, sin, hooks = cp_tables(self, P, sp, cfg, x, exit=lambda t: reduce_from(t, self.tp))
-        x = prefill_layers(cfg, self._layers(), x, cos, sin, hooks, cache)
-        cache.start(P // sp.size, P)
-        last = x[:, -1].contiguous()  # position P-1 ends chunk 2 Sigma - 1: sp rank 0's last
-        return cache, self._step(sp.broadcast(last, src=0))
-
-    @torch.no_grad()
-    def decode_step(self, cache: KVCache, tokens: torch.Tensor) -> Step:
-        x = embedding(tokens.to(self.device), self.params["embed"], self.tp)
-        hooks = DecodeHooks(
-            split_attend(cache, lambda o, lse: merge_all(o, lse, self.sp)),
-            exit=lambda t: reduce_from(t, self.tp),
-        )
-        return self._step(run_layers(self.cfg, self._layers(), x, cache, hooks))

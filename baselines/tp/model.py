@@ -10,23 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from tspbench.core import costs
+from baselines.tp.costs import TPCosts
+from baselines.tp.decode import TPDecoder
 from tspbench.core.attention import attention
 from tspbench.core.collectives import copy_to, reduce_from
 from tspbench.core.config import ModelConfig
-from tspbench.core.decode import (
-    DecodeHooks,
-    check_kv_split,
-    head_step,
-    kv_heads_local,
-    local_attend,
-    megatron_block,
-    megatron_events,
-    named_layers,
-    prefill_layers,
-    run_layers,
-)
-from tspbench.core.kvcache import KVCache, Step
+from tspbench.core.decode import megatron_block
 from tspbench.core.layers import LayerHooks, cached, rms_norm, rope_on, transformer_layer
 from tspbench.core.megatron import gather_named, shard_dim
 from tspbench.core.mesh import Axis, Mesh
@@ -39,19 +28,8 @@ from tspbench.core.vocab_parallel import cross_entropy_sum, embedding
 class TP(Strategy):
     name = "tp"
     display = "TP"  # legends, titles and tables' captions
-    vocab_parallel_loss = True
-
-    @classmethod
-    def tensor_degree(cls, layout: Layout) -> int:
-        return layout.degree
-
-    @classmethod
-    def schedule(cls, spec: costs.Spec) -> costs.Schedule:
-        return costs.megatron(spec, spec.degree, Axis.MODEL)
-
-    @classmethod
-    def metric_reductions(cls, layout: Layout, train: bool) -> tuple[int, int]:
-        return 1, layout.degree if train else 1  # every rank holds the whole loss
+    costs = TPCosts()
+    decoder = TPDecoder
 
     @classmethod
     def validate(cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, **_) -> None:
@@ -111,49 +89,3 @@ class TP(Strategy):
 
     def full_params(self, grads: bool = False) -> dict[str, torch.Tensor]:
         return gather_named(self.params, self.comm, grads)
-
-    # -- decode (docs/decode.md): heads split (KV heads replicated when fewer than T) ----------
-    decodes = True
-
-    @classmethod
-    def validate_decode(
-        cls, cfg: ModelConfig, layout: Layout, prompt_len: int, new_tokens: int, batch: int, **_
-    ) -> None:
-        super().validate_decode(cfg, layout, prompt_len, new_tokens, batch)
-        for field in ("heads", "ffn", "vocab"):
-            cls.require_divisible(f"model.{field}", getattr(cfg, field), layout.degree, "T")
-        check_kv_split(cfg, layout.degree)
-
-    @classmethod
-    def decode_cache_split(cls, layout: Layout) -> tuple[int, int]:
-        return 1, layout.degree
-
-    @classmethod
-    def decode_schedule(cls, spec: costs.Spec) -> costs.Schedule:
-        ev = costs.Schedule()
-        megatron_events(ev, spec, spec.degree, Axis.MODEL)
-        return ev
-
-    def _layers(self) -> list[dict]:
-        return named_layers(self.params, self.cfg.layers)
-
-    def _step(self, x: torch.Tensor) -> Step:
-        p = self.params
-        return head_step(x, p["norm"], p["head"], self.cfg.norm_eps, self.comm)
-
-    @torch.no_grad()
-    def prefill(self, tokens: torch.Tensor, max_len: int) -> tuple[KVCache, Step]:
-        cfg, (B, P) = self.cfg, tokens.shape
-        x = embedding(tokens.to(self.device), self.params["embed"], self.comm)
-        heads = kv_heads_local(cfg.kv_heads, self.comm.size)
-        cache = KVCache.empty(cfg.layers, B, heads, max_len, cfg.head_dim, x)
-        cos, sin = cached(self, ("rope", P, x.dtype), lambda: rope_on(torch.arange(P), cfg, x))
-        x = prefill_layers(cfg, self._layers(), x, cos, sin, self.hooks, cache)
-        cache.start(P, P)
-        return cache, self._step(x[:, -1])
-
-    @torch.no_grad()
-    def decode_step(self, cache: KVCache, tokens: torch.Tensor) -> Step:
-        x = embedding(tokens.to(self.device), self.params["embed"], self.comm)
-        hooks = DecodeHooks(local_attend(cache), exit=lambda t: reduce_from(t, self.comm))
-        return self._step(run_layers(self.cfg, self._layers(), x, cache, hooks))
