@@ -75,6 +75,12 @@ class TSP(Strategy):
         return {**super().searched_values(spec), KV_BUCKET.name: buckets}
 
     @classmethod
+    def checked_options(cls) -> list[dict[str, Value]]:
+        """Each option's other values, a KV bucket of one head, and all of them at once."""
+        mix = {"overlap": False, "kv_bucket": 1, "mlp_schedule": "broadcast", "kv_backward": "save"}
+        return [*super().checked_options(), {KV_BUCKET.name: 1}, mix]
+
+    @classmethod
     def preset_options(cls, preset: dict) -> dict[str, Value]:
         """Broadcast on a fully connected mesh, where the owner's broadcast drives every link and
         a ring hop only one; ring on a switch (or unknown), where both run at the port's bandwidth

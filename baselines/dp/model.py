@@ -95,6 +95,10 @@ class Single(DP):
         return [Layout()]
 
     @classmethod
+    def checked_layouts(cls) -> list[Layout]:
+        return [Layout()]
+
+    @classmethod
     def validate(cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, **_) -> None:
         super().validate(cfg, layout, seq_len, batch)
         if layout.degree != 1:

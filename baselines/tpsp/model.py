@@ -47,6 +47,10 @@ class TPSP(Strategy):
         return {"tp": layout.tp, "sp": layout.sp}
 
     @classmethod
+    def checked_layouts(cls) -> list[Layout]:
+        return [Layout(degree=2, tp=2, sp=1), Layout(degree=2, tp=1, sp=2), Layout(4, tp=2, sp=2)]
+
+    @classmethod
     def tag(cls, layout: Layout) -> str:
         return f"{cls.name}-{layout.tp}x{layout.sp}"
 

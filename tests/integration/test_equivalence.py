@@ -1,8 +1,9 @@
-"""Every strategy equals the single-device reference: loss, hidden states, all gradients, and the
-weights after three AdamW steps (fp32: rtol 1e-4; bf16: see checks.BF16_TOL), at D in {1, 2, 4}
-(tpsp at (T, Sigma) in {(2,1), (1,2), (2,2)}), MHA and GQA, batch 1 and 2; TSP with either MLP
-schedule (ring, broadcast) and either attention backward (K/V gathered again, or saved);
-FSDP+CP with its overlap (prefetch, asynchronous reduce-scatters) on and off.
+"""Every registered strategy equals the single-device reference: loss, hidden states, all
+gradients, and the weights after three AdamW steps (fp32: rtol 1e-4; bf16: see
+checks.BF16_TOL), at the layouts it gives (``checked_layouts``: D in {1, 2, 4}; tpsp's
+(T, Sigma) in {(2,1), (1,2), (2,2)}), MHA and GQA, batch 1 and 2, with recomputation, in bf16,
+and at each option setting it gives (``checked_options``: e.g. TSP's MLP schedules, its
+attention backward, KV buckets, overlap off; FSDP+CP's overlap off).
 
 One 4-rank gloo world runs every case (side-by-side model groups when D < 4).
 """
@@ -12,141 +13,61 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.distributed import run_world
+from tspbench.runtime.registry import strategies
 
 MODELS = {"mha": {}, "gqa": {"kv_heads": 4}}
-LAYOUTS = {
-    "single": [{"D": 1}],
-    "dp": [{"D": 1}, {"D": 2}, {"D": 4}],
-    "tp": [{"D": 1}, {"D": 2}, {"D": 4}],
-    "sp": [{"D": 1}, {"D": 2}, {"D": 4}],
-    "tpsp": [{"D": 2, "tp": 2, "sp": 1}, {"D": 2, "tp": 1, "sp": 2}, {"D": 4, "tp": 2, "sp": 2}],
-    "fsdp_cp": [{"D": 1}, {"D": 2}, {"D": 4}],
-    "tsp": [{"D": 1}, {"D": 2}, {"D": 4}],
-}
+
+
+def _layout(impl, lay) -> dict:
+    """A case's layout keys (``tp``/``sp`` where the strategy factors its group)."""
+    return {"D": lay.degree, **{k: v for k, v in impl.factors(lay).items() if v is not None}}
+
+
+def _name(case: dict) -> str:
+    return "x".join(str(case[k]) for k in ("tp", "sp") if k in case) or str(case["D"])
+
+
+def _options_id(opts: dict) -> str:
+    return "-".join(f"{k}={v}" for k, v in opts.items())
+
+
+def _strategy_cases(strat: str, impl) -> list[dict]:
+    """One strategy's cases, at the layouts and option settings it gives."""
+    layouts = impl.checked_layouts()
+    lays, largest = [_layout(impl, lay) for lay in layouts], layouts[-1]
+    top, gqa = lays[-1], MODELS["gqa"]
+
+    def case(cid: str, lay: dict, layout=largest, b: int = 2, **kw) -> dict:
+        B = impl.replica_batch(layout, b)  # e.g. dp gives each rank whole sequences
+        return {"id": f"{strat}-{cid}", "strategy": strat, "S": 32, "B": B, **lay, **kw}
+
+    cases = [
+        case(f"D{_name(lay)}-{model}-B{impl.replica_batch(layout, b)}", lay, layout, b, model=over)
+        for lay, layout in zip(lays, layouts)
+        for model, over in MODELS.items()
+        for b in (1, 2)
+    ]
+    if impl.context_parallel(largest) > 1:  # a length that is not a power of two (2D | 24)
+        cases.append(case(f"D{top['D']}-S24", top, S=24))
+    if not impl.reference:  # bf16: loose tolerances, small shapes (CPU bf16 is slow)
+        cases.append(case(f"D{_name(top)}-gqa-bf16", top, S=16, model=gqa, dtype="bf16"))
+    cases.append(case("recompute", top, recompute="full", model=gqa))
+    for opts in impl.checked_options():  # beside the defaults, at every group of D > 1
+        oid = _options_id(opts)
+        for lay, layout in zip(lays, layouts):
+            for model, over in MODELS.items():
+                if lay["D"] > 1:
+                    cases.append(case(f"D{_name(lay)}-{model}-{oid}", lay, layout, model=over,
+                                      **opts))  # fmt: skip
+        cases.append(case(f"D{_name(top)}-recompute-{oid}", top, recompute="full", model=gqa,
+                          **opts))  # fmt: skip
+    return cases
 
 
 def _cases() -> list[dict]:
-    cases = []
-    for strat, layouts in LAYOUTS.items():
-        for lay in layouts:
-            for model, over in MODELS.items():
-                for b in (1, 2):
-                    B = b * lay["D"] if strat == "dp" else b  # dp gives each rank whole sequences
-                    name = "x".join(str(lay[k]) for k in ("tp", "sp") if k in lay) or str(lay["D"])
-                    cases.append(
-                        {
-                            "id": f"{strat}-D{name}-{model}-B{B}",
-                            "strategy": strat,
-                            "S": 32,
-                            "B": B,
-                            "model": over,
-                            **lay,
-                        }
-                    )
-    # a sequence length that is not a power of two (divisible by 2D = 8)
-    for strat in ("tsp", "sp", "fsdp_cp", "tpsp"):
-        extra = {"tp": 2, "sp": 2} if strat == "tpsp" else {}
-        cases.append({"id": f"{strat}-D4-S24", "strategy": strat, "S": 24, "B": 2, "D": 4, **extra})
-    # bf16: loose tolerances, small shapes (bf16 matmul is ~90x slower than fp32 on this CPU)
-    for strat, lay in [
-        ("tsp", {"D": 2}),
-        ("tsp", {"D": 4}),
-        ("tp", {"D": 4}),
-        ("sp", {"D": 4}),
-        ("fsdp_cp", {"D": 4}),
-        ("tpsp", {"D": 4, "tp": 2, "sp": 2}),
-        ("dp", {"D": 2}),
-    ]:
-        cases.append(
-            {
-                "id": f"{strat}-D{lay['D']}-gqa-bf16",
-                "strategy": strat,
-                "S": 16,
-                "B": 2,
-                "model": MODELS["gqa"],
-                "dtype": "bf16",
-                **lay,
-            }
-        )
-    # TSP at full strength (overlap on is the default above): overlap off, head buckets, and
-    # activation recomputation for every strategy
-    for ov in (True, False):
-        for kb in (1, 2):
-            cases.append(
-                {
-                    "id": f"tsp-D2-overlap{int(ov)}-bucket{kb}",
-                    "strategy": "tsp",
-                    "D": 2,
-                    "S": 32,
-                    "B": 2,
-                    "overlap": ov,
-                    "kv_bucket": kb,
-                }
-            )
-    cases.append(
-        {
-            "id": "tsp-D4-overlap0-gqa",
-            "strategy": "tsp",
-            "D": 4,
-            "S": 32,
-            "B": 2,
-            "overlap": False,
-            "model": MODELS["gqa"],
-        }
-    )
-    # TSP's MLP schedules: every tsp case above runs the ring (the default); the broadcast one
-    # at D 2 and 4, MHA and GQA, with overlap off and with recomputation (same world)
-    bcast = {"strategy": "tsp", "S": 32, "B": 2, "mlp_schedule": "broadcast"}
-    for D in (2, 4):
-        for model, over in MODELS.items():
-            cases.append({"id": f"tsp-mlp-broadcast-D{D}-{model}", "D": D, "model": over, **bcast})
-    cases.append({"id": "tsp-mlp-broadcast-D4-overlap0-gqa", "D": 4, "overlap": False,
-                  "model": MODELS["gqa"], **bcast})  # fmt: skip
-    cases.append({"id": "tsp-mlp-broadcast-D4-recompute", "D": 4, "recompute": "full",
-                  "model": MODELS["gqa"], **bcast})  # fmt: skip
-    # TSP's attention backward keeping the forward's K/V (--kv-backward save): D 2 and 4, MHA
-    # and GQA, with recomputation, KV buckets, overlap off and the broadcast MLP
-    save = {"strategy": "tsp", "S": 32, "B": 2, "kv_backward": "save"}
-    for D in (2, 4):
-        for model, over in MODELS.items():
-            cases.append({"id": f"tsp-kvsave-D{D}-{model}", "D": D, "model": over, **save})
-    cases.append({"id": "tsp-kvsave-D4-recompute-gqa", "D": 4, "recompute": "full",
-                  "model": MODELS["gqa"], **save})  # fmt: skip
-    cases.append({"id": "tsp-kvsave-D2-bucket1-overlap0-mlp-broadcast", "D": 2, "kv_bucket": 1,
-                  "overlap": False, "mlp_schedule": "broadcast", **save})  # fmt: skip
-    for strat, lays in LAYOUTS.items():
-        lay = lays[-1]
-        B = 4 if strat == "dp" else 2
-        cases.append(
-            {
-                "id": f"{strat}-recompute",
-                "strategy": strat,
-                "S": 32,
-                "B": B,
-                "recompute": "full",
-                "model": MODELS["gqa"],
-                **lay,
-            }
-        )
-    cases.append(
-        {
-            "id": "tsp-D4-recompute-bucket1-overlap0",
-            "strategy": "tsp",
-            "D": 4,
-            "S": 32,
-            "B": 1,
-            "recompute": "full",
-            "kv_bucket": 1,
-            "overlap": False,
-        }
-    )
-    # FSDP+CP: its prefetch and asynchronous reduce-scatters are on above (the default, as in
-    # fsdp_cp-D4-gqa-B2 and fsdp_cp-recompute); here off, with and without recomputation
-    for rc in ("none", "full"):
-        cases.append({"id": f"fsdp_cp-D4-overlap0-{rc}", "strategy": "fsdp_cp", "D": 4,
-                      "S": 32, "B": 2, "recompute": rc, "overlap": False,
-                      "model": MODELS["gqa"]})  # fmt: skip
-    return cases
+    """Every registered strategy's cases (``checked_layouts``, ``checked_options``): nothing
+    here names a strategy."""
+    return [c for strat, impl in strategies().items() for c in _strategy_cases(strat, impl)]
 
 
 CASES = _cases()
@@ -169,22 +90,19 @@ def test_equals_reference(results, case):
     ids=lambda c: c["id"],
 )
 def test_parameter_elements_follow_the_layout(results, case):
-    """dp/sp/single: whole model; tp/tpsp: 1/T (+ norms); tsp/fsdp_cp: 1/D (+ norms / padding)."""
+    """The parameter elements one rank holds are the strategy's closed form, and about 1/W of
+    the model for its weight split W (plus replicated norms or padding)."""
+    from tspbench.core.config import get_config
+    from tspbench.core.layout import Layout
+
     res = results[case["id"]]
     full, numel = res["ref_numel"], res["numel"]
-    from tspbench.core.config import get_config
-
     cfg = get_config("tiny", **case.get("model", {}))
-    norms = (2 * cfg.layers + 1) * cfg.hidden
-    s, D = case["strategy"], case["D"]
-    if s in ("single", "dp", "sp"):
-        assert numel == full
-    elif s in ("tp", "tpsp"):
-        T = case.get("tp", D)
-        assert numel == (full - norms) // T + norms
-    elif s == "tsp":
-        assert numel == (full - norms) // D + norms
-    else:  # fsdp_cp: everything sharded, each unit padded to a multiple of D
-        assert full // D <= numel <= full // D + (cfg.layers + 2)
+    impl = strategies()[case["strategy"]]
+    lay = impl.make_layout(case["D"], case.get("tp", 1), case.get("sp", 1), 1)
+    assert isinstance(lay, Layout)
+    assert numel == impl.costs.param_numel(cfg, lay)
+    W, norms = impl.costs.weight_split(lay), (2 * cfg.layers + 1) * cfg.hidden
+    assert full // W <= numel <= full // W + norms + cfg.layers + 2  # padding: a unit each
     # AdamW state: two moments per local element (fp32 params: no master copy)
     assert res["opt_numel"] == 2 * numel

@@ -301,6 +301,22 @@ class Strategy(ABC):
         """The smallest micro-batch giving every rank ``per_rank`` sequences' worth of work."""
         return per_rank
 
+    # -- what the shared tests check it at (tests/integration/test_equivalence.py) -------------
+    @classmethod
+    def checked_layouts(cls) -> list[Layout]:
+        """The model groups the shared tests must check it at (at most 4 ranks, their world)."""
+        return [Layout(degree=d) for d in (1, 2, 4)]
+
+    @classmethod
+    def checked_options(cls) -> list[dict[str, Value]]:
+        """Option settings the shared tests check beside the defaults: each bool flipped and
+        each other choice of a str option, one at a time (a strategy adds its own mixes)."""
+        out: list[dict[str, Value]] = []
+        for o in cls.options:
+            values = (not o.default,) if isinstance(o.default, bool) else o.choices
+            out += [{o.name: v} for v in values if v != o.default]
+        return out
+
     @classmethod
     def searched_values(cls, spec: costs.Spec | None) -> dict[str, tuple[Value, ...]]:
         """The values the planner tries of each ``searched`` option for a run like ``spec``
