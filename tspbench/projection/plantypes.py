@@ -169,11 +169,13 @@ class Candidate:
     # what a valid candidate has, once modelled (a refused one: none of it, and a ``reason``)
     @property
     def run(self) -> RunSpec:
+        """:attr:`spec`, of a valid candidate."""
         assert self.spec is not None, self.reason
         return self.spec
 
     @property
     def peak_bytes(self) -> float:
+        """:attr:`peak`, of a modelled candidate."""
         assert self.peak is not None, self.reason
         return self.peak
 
