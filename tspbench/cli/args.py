@@ -8,6 +8,7 @@ import difflib
 import re
 import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 from tspbench.core.config import ConfigError
 from tspbench.core.options import Option, Value
@@ -36,7 +37,7 @@ class Parser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", DefaultsFormatter)
         super().__init__(*args, **kwargs)
 
-    def error(self, message: str) -> None:  # one line, exit 2
+    def error(self, message: str) -> NoReturn:  # one line, exit 2
         print(f"tspbench: error: {message}{did_you_mean(message)}", file=sys.stderr)
         raise SystemExit(EXIT_USAGE)
 

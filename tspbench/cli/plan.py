@@ -62,7 +62,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     models = schema_models()
     obj = planrender.to_json(plan)
-    if obj["best"] is not None:
+    if plan.best is not None:  # (obj["best"] too)
+        assert plan.best.cand.spec is not None  # a fitting candidate is a valid one
         obj["pipeline_config"] = pipeline_config(req, plan.best.cand.spec, models)
     if args.out:  # probed when the arguments were read (args.out_file)
         from tspbench.runtime.record import write_json

@@ -298,14 +298,14 @@ class ZigzagAttention(torch.autograd.Function):
     """Differentiable :func:`zigzag_fwd`, for strategies that keep plain autograd around it."""
 
     @staticmethod
-    def forward(ctx, q, k, v, rank: int, degree: int):  # type: ignore[override]
+    def forward(ctx, q, k, v, rank: int, degree: int):
         out, lses = zigzag_fwd(q, k, v, rank, degree)
         ctx.save_for_backward(q, k, v, out, *[x for x in lses if x is not None])
         ctx.meta = (rank, degree, [x is not None for x in lses])
         return out
 
     @staticmethod
-    def backward(ctx, dout):  # type: ignore[override]
+    def backward(ctx, dout):
         q, k, v, out, *saved = ctx.saved_tensors
         rank, degree, has = ctx.meta
         it = iter(saved)

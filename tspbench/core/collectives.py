@@ -15,12 +15,12 @@ class CopyToGroup(torch.autograd.Function):
     """Megatron's f: identity forward, all-reduce of the gradient backward."""
 
     @staticmethod
-    def forward(ctx, x, comm: Comm):  # type: ignore[override]
+    def forward(ctx, x, comm: Comm):
         ctx.comm = comm
         return x
 
     @staticmethod
-    def backward(ctx, g):  # type: ignore[override]
+    def backward(ctx, g):
         return ctx.comm.all_reduce(g.contiguous()), None
 
 
@@ -28,11 +28,11 @@ class ReduceFromGroup(torch.autograd.Function):
     """Megatron's g: all-reduce forward, identity backward."""
 
     @staticmethod
-    def forward(ctx, x, comm: Comm):  # type: ignore[override]
+    def forward(ctx, x, comm: Comm):
         return comm.all_reduce(x.contiguous())
 
     @staticmethod
-    def backward(ctx, g):  # type: ignore[override]
+    def backward(ctx, g):
         return g, None
 
 
@@ -40,12 +40,12 @@ class GatherSequence(torch.autograd.Function):
     """All-gather zigzag shards along ``dim`` into global order; backward reduce-scatters."""
 
     @staticmethod
-    def forward(ctx, x, comm: Comm, dim: int, to_global, to_gathered):  # type: ignore[override]
+    def forward(ctx, x, comm: Comm, dim: int, to_global, to_gathered):
         ctx.meta = (comm, dim, to_gathered)
         return comm.all_gather(x, dim=dim).index_select(dim, to_global)
 
     @staticmethod
-    def backward(ctx, g):  # type: ignore[override]
+    def backward(ctx, g):
         comm, dim, to_gathered = ctx.meta
         return (
             comm.reduce_scatter(g.index_select(dim, to_gathered), dim=dim),

@@ -68,7 +68,8 @@ class CommCounter:
 def _refs(t: torch.Tensor) -> tuple[int, int]:
     """References to ``t`` itself (a work holding the very tensor) and to its storage (a work
     holding views of it)."""
-    return t._use_count(), torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+    uses = t._use_count()  # type: ignore[attr-defined]  # a C method torch's stubs do not declare
+    return uses, torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
 def _wait_all(works: Sequence[dist.Work]) -> None:
@@ -77,7 +78,7 @@ def _wait_all(works: Sequence[dist.Work]) -> None:
 
 
 def _settle(
-    held: Sequence[tuple[torch.Tensor, tuple[bool, bool]]], works: list, timeout: float = 5.0
+    held: Sequence[tuple[torch.Tensor, tuple[bool, ...]]], works: list, timeout: float = 5.0
 ) -> None:
     """Drop finished works and wait until gloo's worker thread has let go of them too.
 
@@ -136,7 +137,7 @@ class Pending:
         self,
         work: dist.Work | list[dist.Work] | None,
         finish: Callable[[], object],
-        held: Sequence[tuple[torch.Tensor, tuple[bool, bool]]] = (),
+        held: Sequence[tuple[torch.Tensor, tuple[bool, ...]]] = (),
     ):
         self._work = work if isinstance(work, list) else ([work] if work is not None else [])
         self._finish = finish

@@ -7,7 +7,7 @@ import math
 import os
 import stat
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict, Unpack, cast
 
 
 class ConfigError(ValueError):
@@ -156,10 +156,24 @@ PRESETS: dict[str, ModelConfig] = {
 }  # fmt: skip
 
 
-def parse_overrides(items: list[str] | None) -> dict[str, object]:
+class ModelOverrides(TypedDict, total=False):
+    """The fields of a :class:`ModelConfig` that ``--set`` or a config may override."""
+
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    rope_theta: float
+    norm_eps: float
+    init_std: float
+
+
+def parse_overrides(items: list[str] | None) -> ModelOverrides:
     """Parse ``field=value`` strings (from ``--set``) into typed overrides."""
     fields = {f.name: f.type for f in dataclasses.fields(ModelConfig)}
-    out: dict[str, object] = {}
+    out: dict[str, int | float] = {}
     for item in items or []:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected field=value, e.g. --set kv_heads=4")
@@ -174,10 +188,10 @@ def parse_overrides(items: list[str] | None) -> dict[str, object]:
             out[key] = float(raw) if kind == "float" else int(raw)
         except ValueError:
             raise ConfigError(f"--set {key}={raw!r}: must be a {kind}") from None
-    return out
+    return cast(ModelOverrides, out)  # keys checked against the fields, values typed by kind
 
 
-def get_config(preset: str, **overrides: object) -> ModelConfig:
+def get_config(preset: str, **overrides: Unpack[ModelOverrides]) -> ModelConfig:
     """A preset with fields overridden; unknown preset or field is a ConfigError."""
     if preset not in PRESETS:
         raise ConfigError(f"model={preset!r}: unknown preset; known: {', '.join(PRESETS)}")
@@ -248,7 +262,7 @@ def hf_config(data: object, where: str = "config.json") -> tuple[ModelConfig, li
     if act not in ("silu", "swish"):
         key = "hidden_act" if "hidden_act" in data else "hidden_activation"
         raise refuse(key, "the MLP here is SwiGLU (silu)")
-    values: dict[str, object] = {}
+    values: dict[str, int | float] = {}
     for field, (key, default) in HF_FIELDS.items():
         if key in data and (data[key] is not None or default is None):
             v = data[key]  # null reads as missing where the key has a default, as HF reads it
@@ -274,7 +288,7 @@ def hf_config(data: object, where: str = "config.json") -> tuple[ModelConfig, li
                 f"the model here has head dim hidden_size/num_attention_heads = {hidden // heads}",
             )
     try:
-        cfg = ModelConfig(name="custom", **values)
+        cfg = ModelConfig(name="custom", **cast(ModelOverrides, values))  # int where integral
     except ConfigError as e:  # a rule across fields: say it with the file's keys
         msg = str(e)
         for field, (key, _) in HF_FIELDS.items():

@@ -50,20 +50,34 @@ class Spec(Protocol):
     """What the closed forms read of one run (read only): :class:`tspbench.runtime.spec.RunSpec`,
     duck-typed here, so that the core and the strategies need not import the runtime."""
 
-    cfg: ModelConfig
-    layout: Layout
-    seq_len: int
-    batch: int
-    degree: int  # D
-    tp: int  # T of tpsp
-    sp: int  # Sigma of tpsp
-    dp: int  # data-parallel replicas
-    e: int  # bytes per element of the compute dtype
-    train: bool
-    rc: bool  # activation recomputation in effect
-    cp: int  # P: ranks that split a sequence
-    tokens: int  # t
-    options: Mapping[str, Any]  # the strategy's own options (tspbench/core/options.py)
+    @property
+    def cfg(self) -> ModelConfig: ...
+    @property
+    def layout(self) -> Layout: ...
+    @property
+    def seq_len(self) -> int: ...
+    @property
+    def batch(self) -> int: ...
+    @property
+    def degree(self) -> int: ...  # D
+    @property
+    def tp(self) -> int: ...  # T of tpsp
+    @property
+    def sp(self) -> int: ...  # Sigma of tpsp
+    @property
+    def dp(self) -> int: ...  # data-parallel replicas
+    @property
+    def e(self) -> int: ...  # bytes per element of the compute dtype
+    @property
+    def train(self) -> bool: ...
+    @property
+    def rc(self) -> bool: ...  # activation recomputation in effect
+    @property
+    def cp(self) -> int: ...  # P: ranks that split a sequence
+    @property
+    def tokens(self) -> int: ...  # t
+    @property  # the strategy's own options (tspbench/core/options.py)
+    def options(self) -> Mapping[str, Any]: ...
 
 
 class Schedule(list[Event]):

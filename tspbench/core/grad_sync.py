@@ -15,6 +15,12 @@ import torch
 from tspbench.core.comm import Comm, Pending
 
 
+def _grad(p: torch.nn.Parameter) -> torch.Tensor:
+    """``p``'s gradient: set once its bucket is launched (the hook counts only set ones)."""
+    assert p.grad is not None
+    return p.grad
+
+
 class BucketedAllReduce:
     def __init__(self, params: list[torch.nn.Parameter], comm: Comm, bucket_bytes: int) -> None:
         self.comm = comm
@@ -47,7 +53,7 @@ class BucketedAllReduce:
         self._on_grad(p)
 
     def _launch(self, i: int) -> None:
-        flat = torch.cat([p.grad.flatten() for p in self.buckets[i]])
+        flat = torch.cat([_grad(p).flatten() for p in self.buckets[i]])
         self.pending[i] = (flat, self.comm.all_reduce(flat, async_op=True))
 
     def finish(self) -> None:
@@ -59,9 +65,11 @@ class BucketedAllReduce:
                         p.grad = torch.zeros_like(p)
                 self._launch(i)
         for i, bucket in enumerate(self.buckets):
-            flat, work = self.pending[i]
+            launched = self.pending[i]
+            assert launched is not None  # every bucket was launched just above
+            flat, work = launched
             work.wait()
-            grads = [p.grad for p in bucket]
+            grads = [_grad(p) for p in bucket]
             parts = flat.split([g.numel() for g in grads])
             torch._foreach_copy_(grads, [f.view_as(g) for g, f in zip(grads, parts)])
         self.ready = [0] * len(self.buckets)

@@ -47,13 +47,13 @@ class _RMSNorm(torch.autograd.Function):
     not the fp32 copies and intermediates of the plain formula (most of a TP layer's bytes)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         y, rstd = rms_norm_fwd(x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
         return y
 
     @staticmethod
-    def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, dy: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
         dx, dw = rms_norm_bwd(dy, x, weight, rstd, *ctx.needs_input_grad[:2])
         return dx, dw, None

@@ -23,7 +23,9 @@ def gather_named(
     """Whole tensors from Megatron-sharded ``params`` (or their grads) over ``comm``."""
     out = {}
     for name, p in params.items():
-        t = (p.grad if grads else p).detach()
+        t = p.grad if grads else p
+        assert t is not None, f"{name}: no gradient (gather grads after the backward)"
+        t = t.detach()
         dim = shard_dim(name)
         out[name] = t if dim is None else comm.all_gather(t, dim=dim)
     return out

@@ -245,11 +245,11 @@ def sweep_cells(config: dict, what: str = "config") -> tuple[list[Cell], list[di
         check_sweep(i, sweep)
         _check_local(i, sweep, config["launcher"])
         options = sweep.get("options", {})
-        combos = itertools.product(
+        grid = itertools.product(
             sweep["strategies"], sweep["gpus"], sweep["seq_lens"], sweep["batches"], sweep["modes"]
         )
         combos = (
-            (*c, n) for c in combos for n in new_tokens(sweep, c[-1])
+            (*c, n) for c in grid for n in new_tokens(sweep, c[-1])
         )  # one cell per new_tokens of a decode mode
         for strategy, gpus, S, B, mode, n in combos:
             impl = get_strategy(strategy)

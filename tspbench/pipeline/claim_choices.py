@@ -15,7 +15,7 @@ def _has_choice(c: dict) -> bool:
     """The subject's row, when the subject declares the claims' design-choice option."""
     choice, subject = c.get("design_choice"), c["subject"]
     declared = {o.name for o in get_strategy(subject).options}
-    return c["strategy"] == subject and bool(choice) and choice["option"] in declared
+    return c["strategy"] == subject and bool(choice and choice["option"] in declared)
 
 
 def design_note(cfg: ModelConfig, c: dict, D: int = 8) -> str:

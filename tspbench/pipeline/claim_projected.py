@@ -54,7 +54,7 @@ def microbatch_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
         except ConfigError:  # a layout the model cannot split is no competitor here
             continue
     ours = largest.pop(c["subject"])
-    best = max(largest, key=largest.get)
+    best = max(largest, key=lambda k: largest[k])
     shown = ", ".join(f"{k} {v}" for k, v in sorted(largest.items(), key=lambda kv: -kv[1]))
     judged = "projected: holds" if ours > largest[best] else "projected: partly"
     return [

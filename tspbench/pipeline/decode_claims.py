@@ -17,6 +17,7 @@ from pathlib import Path
 import pandas as pd
 
 from tspbench.core.config import ConfigError, ModelConfig
+from tspbench.core.strategy import Layout
 from tspbench.pipeline.aggregate import per_sweep
 from tspbench.pipeline.claim_checks import HOLDS, Row, Sources, _rel
 from tspbench.pipeline.labels import REFERENCE, is_reference
@@ -34,7 +35,7 @@ def _spec(cfg: ModelConfig, strategy: str, layout, P: int, c: dict, batch: int =
                    mode="decode", new_tokens=c.get("new_tokens", 128), dtype="bf16")  # fmt: skip
 
 
-def _layouts(strategies: list[str], D: int) -> list[tuple[str, object]]:
+def _layouts(strategies: list[str], D: int) -> list[tuple[str, Layout]]:
     """(strategy, model group) at degree D (the single-device reference: one GPU whatever D;
     a factored strategy: each T x Sigma of D)."""
     out = []
@@ -60,7 +61,8 @@ def _measured_ratios(d: pd.DataFrame, subject: str) -> tuple[list[tuple], str]:
     """(single / subject's cache, D) per (prompt, batch, new tokens, mode) measured with both,
     and whether every strategy generated single's tokens in those cells."""
     keys = ["seq_len", "batch", "new_tokens", "mode"]
-    ratios, same, total = [], 0, 0
+    ratios: list[tuple] = []
+    same = total = 0
     if d.empty:
         return ratios, ""
     for key, g in d.groupby(keys):
@@ -125,7 +127,7 @@ def longest_context_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
 
     D, hw = int(c["degree"]), c["hardware"]
     budget = usable_memory(load_preset(hw))
-    longest = {}
+    longest: dict[str, int | str] = {}
     for s, lay in _layouts(c["strategies"], D):
         label = _spec(cfg, s, lay, 1024, c).label
         try:
@@ -135,7 +137,7 @@ def longest_context_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
         except ConfigError as e:  # a layout the model cannot split: say so, never drop it
             longest[label] = f"refused ({e})"
     numbers = {k: v for k, v in longest.items() if isinstance(v, int)}
-    best = max(numbers, key=numbers.get)
+    best = max(numbers, key=lambda k: numbers[k])
     others = [v for k, v in numbers.items() if k != c["subject"]]
     margin = numbers[c["subject"]] / max(others) if others else float("nan")
     return [

@@ -24,6 +24,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -43,7 +44,13 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TOL = {"fp32": 1e-4, "bf16": 3e-2}  # max error relative to each tensor's max
 
 
-def _err(a: torch.Tensor, b: torch.Tensor) -> float:
+def _grad(t: torch.Tensor) -> torch.Tensor:
+    assert t.grad is not None  # a leaf that requires grad, after the backward
+    return t.grad
+
+
+def _err(a: torch.Tensor, b: torch.Tensor | None) -> float:
+    assert b is not None, "the reference has no such gradient"  # (b: a reference's .grad)
     a, b = a.detach().double().cpu(), b.detach().double().cpu()
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
@@ -82,7 +89,7 @@ def attention_check(device: torch.device, kernel: str, dtype: str) -> str:
         ref_q, ref_k, ref_v, is_causal=True, enable_gqa=True
     )
     ref.backward(dout)
-    cast = {"dtype": DTYPES[dtype], "device": device}
+    dt = DTYPES[dtype]
     worst = 0.0
     from tspbench.core import zigzag
 
@@ -90,16 +97,16 @@ def attention_check(device: torch.device, kernel: str, dtype: str) -> str:
         outs, grads = [], []
         for rank in range(degree):
             ql = zigzag.shard(q, degree, rank, dim=2) if degree > 1 else q
-            qq, kk, vv = (t.detach().to(**cast).clone().requires_grad_() for t in (ql, k, v))
+            qq, kk, vv = (t.detach().to(device, dt).clone().requires_grad_() for t in (ql, k, v))
             with attention.forced(kernel):
                 o = attention.attention(qq, kk, vv, rank, degree)
                 dl = zigzag.shard(dout, degree, rank, dim=2) if degree > 1 else dout
-                o.backward(dl.to(**cast))
+                o.backward(dl.to(device, dt))
             outs.append(o.float().cpu())
-            grads.append((qq.grad.float().cpu(), kk.grad.float().cpu(), vv.grad.float().cpu()))
+            grads.append(tuple(_grad(t).float().cpu() for t in (qq, kk, vv)))
         out = zigzag.unshard(outs, dim=2) if degree > 1 else outs[0]
         dq = zigzag.unshard([x[0] for x in grads], dim=2) if degree > 1 else grads[0][0]
-        dk, dv = sum(x[1] for x in grads), sum(x[2] for x in grads)
+        dk, dv = (sum((x[i] for x in grads[1:]), grads[0][i]) for i in (1, 2))
         pairs = ((out, ref, "out"), (dq, ref_q.grad, "dq"), (dk, ref_k.grad, "dk"))
         for got, want, what in (*pairs, (dv, ref_v.grad, "dv")):
             e = _err(got, want)
@@ -123,7 +130,7 @@ def strategy_check(device: torch.device, name: str, dtype: str = "fp32") -> str:
     ref_grads = {n: p.grad for n, p in ref.named_full_params().items()}
     for n, grad in strat.full_params(grads=True).items():
         errors[n] = _err(grad, ref_grads[n])
-    worst = max(errors, key=errors.get)
+    worst = max(errors, key=lambda n: errors[n])
     assert errors[worst] <= TOL[dtype], f"{worst}: error {errors[worst]:.2e} > {TOL[dtype]:g}"
     return f"loss and {len(errors) - 1} gradients within {errors[worst]:.1e}"
 
@@ -220,22 +227,22 @@ def doctor(out_dir: Path | None = None) -> list[Check]:
         ("devices and versions", devices, None)
     ]
     for kernel, dtype in kernels(device):
-        plan.append((f"attention {kernel} {dtype}", lambda k=kernel, t=dtype: attention_check(
-            device, k, t), None))  # fmt: skip
+        plan.append((f"attention {kernel} {dtype}", partial(attention_check, device, kernel, dtype),
+                     None))  # fmt: skip
     flash = None if gpus and attention.HAS_FLASH_ATTN else "no GPU visible"
     if gpus and not attention.HAS_FLASH_ATTN:
         flash = "flash-attn is not installed: bf16 attention runs on PyTorch's SDPA"
     plan.append(("flash-attn", flash_attn_line, flash))
     for name in strategies():
-        plan.append((f"strategy {name} D=1 on {device.type}", lambda n=name: strategy_check(
-            device, n), None))  # fmt: skip
+        plan.append((f"strategy {name} D=1 on {device.type}", partial(strategy_check, device,
+                     name), None))  # fmt: skip
         if gpus:  # bf16: the kernels real runs take (flash-attn and TSP's own backward)
-            plan.append((f"strategy {name} D=1 bf16", lambda n=name: strategy_check(
-                device, n, "bf16"), None))  # fmt: skip
+            plan.append((f"strategy {name} D=1 bf16", partial(strategy_check, device, name,
+                         "bf16"), None))  # fmt: skip
     two = None if gpus >= 2 else f"needs 2 GPUs ({gpus} visible)"
     for spec in two_gpu_specs():
         label = spec.impl.label(spec.layout)
-        plan.append((f"{label} D=2 with NCCL/RCCL", lambda s=spec: two_gpu_check(s), two))
+        plan.append((f"{label} D=2 with NCCL/RCCL", partial(two_gpu_check, spec), two))
     found: dict[str, dict] = {}  # one rank of D = 8 for real, on the fake process group
     probes = probe_plan(device, found)
     plan += probes

@@ -91,11 +91,10 @@ def gpu_check(out: Path, device: str | None = None) -> int:
                 p = subprocess.run(step.argv, capture_output=True, text=True, env=env,
                                    timeout=step.timeout_s)  # fmt: skip
                 rc, text = p.returncode, p.stdout + p.stderr
-            except subprocess.TimeoutExpired as e:
-                rc, text = (
-                    124,
-                    f"{e.stdout or ''}{e.stderr or ''}\ntimed out after {step.timeout_s:g} s",
-                )
+            except subprocess.TimeoutExpired as e:  # its output is bytes, even with text=True
+                got = [x.decode(errors="replace") if isinstance(x, bytes) else x
+                       for x in (e.stdout, e.stderr) if x]  # fmt: skip
+                rc, text = 124, "".join(got) + f"\ntimed out after {step.timeout_s:g} s"
             seconds = time.monotonic() - t0
             log.write(f"{text}\n-- rc {rc}, {seconds:.1f} s\n")
             log.flush()

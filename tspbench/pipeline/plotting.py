@@ -93,7 +93,7 @@ def styles(labels) -> dict[str, tuple[str, object]]:
     """(marker, dash style) per label, fixed like the colour: the strategy's own marker, and for
     a variant (factorisation, schedule) a marker, dash and shade by its number, so two lines
     that coincide still look different and a label looks the same in every figure."""
-    out = {}
+    out: dict[str, tuple[str, object]] = {}
     for k in label_order(labels):
         i, variant = _strategy(k)
         v = _variant_no(variant)

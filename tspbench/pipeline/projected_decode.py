@@ -17,6 +17,7 @@ import pandas as pd
 from matplotlib import ticker
 
 from tspbench.core.config import ConfigError, get_config
+from tspbench.core.strategy import Layout
 from tspbench.pipeline.labels import is_reference, label_order
 from tspbench.pipeline.plotting import draw_lines, legend, log_ticks, palette, save, styles
 from tspbench.projection.costmodel import load_preset, usable_memory
@@ -44,7 +45,7 @@ def _spec(cfg: dict, strategy: str, layout, P: int, batch: int) -> RunSpec:
     )
 
 
-def _layouts(cfg: dict) -> list[tuple[str, object]]:
+def _layouts(cfg: dict) -> list[tuple[str, Layout]]:
     """(strategy, model group) at the config's degree (the single-device reference's sweep
     layout is one GPU whatever the degree)."""
     out = []

@@ -19,6 +19,7 @@ a CPU a small fp32 cell that runs in seconds.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
@@ -175,7 +176,8 @@ def probe_plan(
     """The probe as doctor plan items (name, check function, skip); each function leaves its
     measurements in ``found`` under its check name."""
 
-    def check(name: str, spec: RunSpec) -> str:
+    def check(name: str, spec: RunSpec | None) -> str:
+        assert spec is not None  # a probe without a spec is skipped, never run
         r = found[name] = probe_spec(spec, device)
         line = f"measured {_size(r['measured_bytes'])}, estimate {_size(r['estimate_bytes'])} "
         line += f"({r['ratio']:.2f}x); analytic {_size(r['analytic_bytes'])} "
@@ -184,7 +186,7 @@ def probe_plan(
         return line
 
     return [
-        (name, (lambda n=name, s=spec: check(n, s)), skip)
+        (name, functools.partial(check, name, spec), skip)
         for name, spec, skip in probe_specs(device, degree, cell, names)
     ]
 

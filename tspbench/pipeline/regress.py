@@ -27,6 +27,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
@@ -130,7 +131,8 @@ def metrics(tol: dict) -> tuple[str, ...]:
     return (*tol["exact"], *tol["relative"])
 
 
-def _num(v: object) -> float | None:
+def _num(v: Any) -> float | None:
+    """A table cell as a number (None: missing, NaN or not a number)."""
     try:
         f = float(v)
     except (TypeError, ValueError):
@@ -201,6 +203,7 @@ def cell_findings(
             if (bv or 0.0) != (cv or 0.0):
                 out.append(Finding(cell, metric, bv or 0.0, cv or 0.0, "regression"))
         elif bv is not None:
+            assert cv is not None  # (a missing current value is corrupt, above)
             rule = tol["relative"][metric]
             level = levels.get(metric, 1.0) or 1.0
             change = (cv / level - bv) / abs(bv) if bv else 0.0

@@ -20,6 +20,7 @@ V vocabulary, L layers, e bytes per element; t = tokens on this rank.
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import TypedDict
 
 from tspbench.core.comm import KINDS, bus_bytes
 from tspbench.core.config import ModelConfig
@@ -160,7 +161,21 @@ def saved_loss(c: RunSpec) -> int:
     return c.impl.costs.saved_loss(c)
 
 
-def memory(c: RunSpec) -> dict[str, float | str]:
+class Memory(TypedDict, total=False):
+    """What :func:`memory` returns: bytes per rank by part, the peaks, and where it crests."""
+
+    weights: float
+    master_weights: float
+    grads: float
+    optimizer: float
+    saved_activations: float
+    transient: float
+    peak_first: float
+    peak: float
+    peak_at: str
+
+
+def memory(c: RunSpec) -> Memory:
     """Bytes per rank by part, and the peak of the first step and of the steady state.
 
     The peak is the largest of the moments where a step's memory crests, each a sum of parts:
@@ -189,7 +204,7 @@ def memory(c: RunSpec) -> dict[str, float | str]:
     act = t * h * e  # one [t, h] activation
     weights, masters = n * e, (4 * n if c.train and e != 4 else 0)
     rest = weights + masters + 16 * t  # + int64 tokens and labels
-    parts: dict[str, float | str] = {
+    parts: Memory = {
         "weights": weights,
         "master_weights": masters,
         "grads": n * e if c.train else 0,
@@ -197,7 +212,7 @@ def memory(c: RunSpec) -> dict[str, float | str]:
     }
     if not c.train:
         work = max(impl.costs.inference_working_set(c))
-        parts.update(saved_activations=0, transient=work, peak_at="inference")
+        parts.update({"saved_activations": 0, "transient": work, "peak_at": "inference"})
         parts["peak_first"] = parts["peak"] = rest + work
         return parts
     per_layer, loss_saved = saved_per_layer(c), saved_loss(c)
@@ -214,9 +229,12 @@ def memory(c: RunSpec) -> dict[str, float | str]:
     }
     # fused AdamW: moments and fp32 gradient copies for bf16 weights, no temporaries
     opt = rest + n * e + 8 * n + (4 * n if e != 4 else 0)
-    at = max(crests, key=crests.get)
-    parts.update(saved_activations=layers + loss_saved, transient=crests[at] - rest - layers)
+    at = max(crests, key=lambda k: crests[k])
+    parts.update(
+        {"saved_activations": layers + loss_saved, "transient": crests[at] - rest - layers}
+    )
     first = max(crests[at], opt)
     steady = max(crests[at] + 8 * n, opt)
-    parts.update(peak_first=first, peak=steady, peak_at=at if steady > opt else "optimizer step")
+    parts.update({"peak_first": first, "peak": steady})
+    parts["peak_at"] = at if steady > opt else "optimizer step"
     return parts

@@ -47,7 +47,7 @@ def _timed(fn, device: torch.device, reps: int, inner: int = 1) -> float:
     return statistics.median(times)
 
 
-def _compute(device: torch.device, dtype: torch.dtype) -> dict[str, float]:
+def _compute(device: torch.device, dtype: torch.dtype) -> dict[str, float | dict[str, float]]:
     from tspbench.core.attention import causal_fwd
     from tspbench.projection.estimate import OpCounter
 
@@ -150,9 +150,9 @@ def _straggler(device: torch.device, dtype: torch.dtype) -> float:
             torch.mm(a, a).relu_()
         _sync(device)
         t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
-        ts = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
-        dist.all_gather(ts, t)
-        ts = torch.cat(ts)
+        each = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+        dist.all_gather(each, t)
+        ts = torch.cat(each)
         ratios.append(float(ts.max() / ts.mean()))
     return statistics.median(ratios)
 

@@ -82,8 +82,9 @@ def usable_memory(preset: dict) -> float:
     return float(math.floor((left - u["blas_workspace_bytes"]) * (1 - u["fragmentation"])))
 
 
-def rates(preset: dict, ranks_per_node: int) -> dict[str, float]:
-    """Achievable rates per rank: measured at this many ranks per node, or from the datasheet."""
+def rates(preset: dict, ranks_per_node: int) -> dict[str, Any]:
+    """Achievable rates per rank: measured at this many ranks per node, or from the datasheet
+    (numbers, and tables of them: by collective kind, group size, GEMM size)."""
     if "ranks" in preset:  # calibrated: rates measured with P ranks sharing the machine
         table = preset["ranks"]
         p = min((int(k) for k in table if int(k) >= ranks_per_node), default=None)
@@ -136,7 +137,9 @@ def fabric(preset: dict, size: int) -> dict[str, dict[str, float]]:
 def metric_reductions(c: RunSpec) -> list[tuple[str, int]]:
     """The reported loss's and gradient norm's small all-reduces: (axis, group size) each; the
     model group's are the strategy's (``metric_reductions``)."""
-    out = [(Axis.MODEL, n) for n in c.impl.costs.metric_reductions(c.layout, c.train) if n > 1]
+    out: list[tuple[str, int]] = [
+        (Axis.MODEL, n) for n in c.impl.costs.metric_reductions(c.layout, c.train) if n > 1
+    ]
     return out + ([(Axis.DP, c.dp)] if c.dp > 1 else [])
 
 

@@ -88,6 +88,7 @@ class OpsCache:
     def _read(self) -> dict[str, list[int]]:
         """The counts on disk: a file whose checksum does not match (edited, cut, foreign) counts
         as empty, and so does an entry out of range (a plan would use it silently)."""
+        assert self.path is not None  # read only where there is a cache directory
         try:
             data = json.loads(self.path.read_text()) if self.path.exists() else {}
             counts = data["counts"]

@@ -68,10 +68,10 @@ def cell_rows(p: Plan, focus: str) -> list[dict]:
         first.setdefault(r.config.strategy, r)
     rules: dict[str, str] = {}
     for conf in p.configs:
-        for c in conf.candidates:
-            if c.reason:
-                rules.setdefault(conf.strategy, c.reason)
-    fit = {s: r.cand.tokens_per_s for s, r in first.items() if r.fits}
+        for cand in conf.candidates:
+            if cand.reason:
+                rules.setdefault(conf.strategy, cand.reason)
+    fit = {s: r.cand.speed for s, r in first.items() if r.fits}
     other = max((v for s, v in fit.items() if s != focus), default=None)
     margin = None
     if focus in fit and other:
@@ -79,19 +79,19 @@ def cell_rows(p: Plan, focus: str) -> list[dict]:
     best = p.best
     out = []
     for name in strategies():
-        r = first.get(name)
-        c = r.cand if r else None
+        row = first.get(name)
+        c = row.cand if row else None
         res = (c.result or {}) if c else {}
         out.append({
             "model": req.model, "hardware": req.hardware["name"], "seq_len": req.seq_len,
             "gpus": req.gpus, "strategy": name,
-            "label": r.config.label if r else name,
+            "label": row.config.label if row else name,
             "degree": c.layout.degree if c else None, "tp": c.layout.tp if c else None,
             "sp": c.layout.sp if c else None, "dp": c.layout.dp if c else None,
             "batch": c.batch if c else None, "recompute": c.recompute if c else None,
             **{k: c.options.get(k) if c else None for k in searched()},
             "fits": bool(c and c.fits),
-            "peak_gib": c.peak / GiB if c else None,
+            "peak_gib": c.peak_bytes / GiB if c else None,
             "cap_gib": req.memory_cap / GiB,
             "tokens_per_s": res.get("tokens_per_s") if c and c.fits else None,
             "tokens_per_s_per_gpu": res["tokens_per_s"] / req.gpus if c and c.fits else None,

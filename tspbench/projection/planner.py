@@ -183,13 +183,13 @@ def enumerate_configs(req: Request) -> tuple[list[Config], list[dict]]:
 def charged(c: Candidate, preset: dict, ops: int) -> dict:
     """``c``'s projection with ``ops`` operations: its bound recharged (projected again for a
     decode run, which charges them otherwise, or a candidate without a bound)."""
-    if c.spec.decoding or c.bound is None:
-        return project_of(c.spec, preset, c.layout.dp, ops)
+    if c.run.decoding or c.bound is None:
+        return project_of(c.run, preset, c.layout.dp, ops)
     return costmodel.recharge(c.bound, ops)
 
 
 def count_config(conf: Config, ops: OpsCache, preset: dict) -> None:
-    conf.ops = ops.get(ops_spec(conf.valid[0].spec))
+    conf.ops = ops.get(ops_spec(conf.valid[0].run))
     for c in conf.valid:
         c.proj = charged(c, preset, conf.ops)
 
@@ -210,11 +210,9 @@ def tighten(configs: list[Config], preset: dict) -> None:
 def rank(configs: list[Config]) -> list[Row]:
     """Fitting rows by tokens/s (an exact row before a bound of the same value), then the rest
     by peak memory."""
-    rows = [Row(conf, conf.best()) for conf in configs if conf.valid]
-    fit = sorted(
-        (r for r in rows if r.fits), key=lambda r: (-r.cand.tokens_per_s, not r.cand.exact)
-    )
-    over = sorted((r for r in rows if not r.fits), key=lambda r: r.cand.peak)
+    rows = [Row(conf, best) for conf in configs if (best := conf.best()) is not None]
+    fit = sorted((r for r in rows if r.fits), key=lambda r: (-r.cand.speed, not r.cand.exact))
+    over = sorted((r for r in rows if not r.fits), key=lambda r: r.cand.peak_bytes)
     return fit + over
 
 
@@ -232,7 +230,7 @@ def select(rows: list[Row], top: int) -> tuple[list[Row], int]:
     hidden = 0
     for r in rows:
         if r.fits and any(
-            s.fits and _same_group(s, r) and s.cand.peak <= r.cand.peak for s in shown
+            s.fits and _same_group(s, r) and s.cand.peak_bytes <= r.cand.peak_bytes for s in shown
         ):
             hidden += 1
             continue
@@ -265,9 +263,9 @@ def plan(
     t1 = time.perf_counter()
     for conf in configs:
         for c in conf.valid:
-            c.peak = peak_of(c.spec)
+            c.peak = peak_of(c.run)
             c.fits = c.peak <= req.memory_cap
-            c.bound = project_of(c.spec, req.hardware, c.layout.dp, 0)
+            c.bound = project_of(c.run, req.hardware, c.layout.dp, 0)
             if req.mode == "decode":  # no dispatch charged: the bound is the projection
                 c.proj = c.bound
     t2 = time.perf_counter()
@@ -312,7 +310,7 @@ def _estimate(req, configs, n, kernel, root) -> list[Candidate]:
         if nxt is None:
             break
         c = nxt.cand
-        c.estimate = estimate_peak(c.spec, root, kernel)
+        c.estimate = estimate_peak(c.run, root, kernel)
         c.peak, c.peak_source = float(c.estimate["peak_mem_bytes"]), f"estimate ({kernel})"
         c.fits = c.peak <= req.memory_cap
         checked.append(c)
@@ -323,7 +321,7 @@ def limit(row: Row, req: Request) -> str:
     """What stops the row from going faster: memory, a rule, or the batch range."""
     c = row.cand
     if not c.fits:
-        return f"memory: {c.peak / GiB:.1f} > {req.memory_cap / GiB:.1f} GiB"
+        return f"memory: {c.peak_bytes / GiB:.1f} > {req.memory_cap / GiB:.1f} GiB"
     if req.global_batch is not None:
         return "global batch"
     bigger = [x for x in row.config.valid if x.batch > c.batch]
@@ -331,7 +329,7 @@ def limit(row: Row, req: Request) -> str:
         return f"max batch {req.max_batch}"
     nxt = min(bigger, key=lambda x: x.batch)
     if not nxt.fits:
-        return f"memory at B={nxt.batch} ({nxt.peak / GiB:.1f} GiB)"
+        return f"memory at B={nxt.batch} ({nxt.peak_bytes / GiB:.1f} GiB)"
     return "throughput (a larger batch fits but projects less)"
 
 

@@ -97,7 +97,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
     if best is not None:
         out["best"] = candidate_dict(best.cand, req) | {
             "limit": limit(best, req),
-            **run_lines(req, best.cand.spec),
+            **run_lines(req, best.cand.run),
         }
     return out
 
@@ -192,8 +192,8 @@ def render(plan: Plan, models: list[str] | None = None) -> str:
         src = "*" if c.peak_source != "analytic" else ""
         table.append([
             str(i), r.config.label, str(c.layout.degree), str(c.layout.dp), str(c.batch),
-            c.recompute, *(c.shown(k) for k in opts), f"{c.peak / GiB:.1f}{src}",
-            f"{(req.memory_cap - c.peak) / GiB:.1f}", "yes" if c.fits else "NO", _fmt_rate(c),
+            c.recompute, *(c.shown(k) for k in opts), f"{c.peak_bytes / GiB:.1f}{src}",
+            f"{(req.memory_cap - c.peak_bytes) / GiB:.1f}", "yes" if c.fits else "NO", _fmt_rate(c),
             ("" if c.exact else "<=") + f"{res['tokens_per_s'] / req.gpus:,.0f}" if res else "-",
             f"{res['mfu']:.1%}" if res.get("mfu") is not None else "-",
             f"{res['step_time_s']:.3f}" if res else "-", limit(r, req),
@@ -223,11 +223,12 @@ def render(plan: Plan, models: list[str] | None = None) -> str:
         ):
             out.append(o.note)
     for c in plan.estimated:
+        assert c.estimate is not None  # what it was estimated to need
         shown = " ".join(f"{o.short}={c.shown(k)}" for k, o in opts.items())
         out.append(
             f"estimator: {strategies()[c.strategy].label(c.layout)} D={c.layout.degree} "
             f"B={c.batch} {c.recompute} {shown}: "
-            f"{c.peak / GiB:.1f} GiB, "
+            f"{c.peak_bytes / GiB:.1f} GiB, "
             f"{'fits' if c.fits else 'OVER the cap'} ({c.estimate['estimate_s']:.1f} s"
             f"{', cached' if c.estimate.get('cached') else ''})"
         )
@@ -241,19 +242,19 @@ def render(plan: Plan, models: list[str] | None = None) -> str:
                    "recomputation, a shorter sequence or a larger memory cap")  # fmt: skip
         return "\n".join(out)
     c = best.cand
-    lines = run_lines(req, c.spec)
+    lines = run_lines(req, c.run)
     out += [
         f"best plan: {best.config.label} D={c.layout.degree} dp={c.layout.dp} B={c.batch} "
         f"recompute={c.recompute}"
         + "".join(f" {k}={searched()[k].text(v)}" for k, v in c.options.items())
         + ": "
-        f"{c.peak / GiB:.1f} GiB per GPU ({c.peak_source}, headroom "
-        f"{(req.memory_cap - c.peak) / GiB:.1f} GiB of the {cap:.1f} GiB cap), "
+        f"{c.peak_bytes / GiB:.1f} GiB per GPU ({c.peak_source}, headroom "
+        f"{(req.memory_cap - c.peak_bytes) / GiB:.1f} GiB of the {cap:.1f} GiB cap), "
         f"{c.tokens_per_s:,.0f} tokens/s projected",
         f"  {lines['run']}",
         f"  {lines['srun']}",
         "",
         "pipeline config (workflows/config/<name>.yaml):",
-        pipeline_config(req, c.spec, models).rstrip(),
+        pipeline_config(req, c.run, models).rstrip(),
     ]
     return "\n".join(out)

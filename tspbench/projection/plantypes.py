@@ -166,6 +166,25 @@ class Candidate:
     def tokens_per_s(self) -> float | None:
         return self.result["tokens_per_s"] if self.result else None
 
+    # what a valid candidate has, once modelled (a refused one: none of it, and a ``reason``)
+    @property
+    def run(self) -> RunSpec:
+        """:attr:`spec`, of a valid candidate."""
+        assert self.spec is not None, self.reason
+        return self.spec
+
+    @property
+    def peak_bytes(self) -> float:
+        """:attr:`peak`, of a modelled candidate."""
+        assert self.peak is not None, self.reason
+        return self.peak
+
+    @property
+    def speed(self) -> float:
+        """:attr:`tokens_per_s` of a modelled candidate."""
+        assert self.result is not None, self.reason
+        return self.result["tokens_per_s"]
+
 
 @dataclass
 class Config:
@@ -214,11 +233,13 @@ class Config:
     def best(self) -> Candidate | None:
         """The fitting micro-batch with the most tokens/s, else the one nearest to fitting."""
         if self.fitting:
-            return max(self.fitting, key=lambda c: c.tokens_per_s)
-        return min(self.valid, key=lambda c: c.peak, default=None)
+            return max(self.fitting, key=lambda c: c.speed)
+        return min(self.valid, key=lambda c: c.peak_bytes, default=None)
 
     def bound(self) -> float:
-        return max((c.bound["tokens_per_s"] for c in self.fitting), default=0.0)
+        return max(
+            (c.bound["tokens_per_s"] for c in self.fitting if c.bound is not None), default=0.0
+        )
 
 
 # -- what is answered -----------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from tspbench.core.config import ConfigError, get_config, read_json_input
 from tspbench.runtime.spec import RunSpec
 
 DEFAULT = "projection/published.json"
-POINT_FIELDS = {  # field: the type it must have
+POINT_FIELDS: dict[str, type | tuple[type, ...]] = {  # field: the type it must have
     "id": str, "model": str, "set": dict, "seq_len": int, "gpus": int, "strategy": str,
     "degree": int, "tp": int, "sp": int, "dp": int, "batch": int, "precision": str,
     "recompute": str, "preset": str, "published_tokens_per_s_per_gpu": (int, float),

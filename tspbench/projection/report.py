@@ -4,6 +4,7 @@ reads, so the command line only parses arguments and prints what it gets back.""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from tspbench.runtime.spec import RunSpec
@@ -14,7 +15,7 @@ if TYPE_CHECKING:  # pandas only for project-check: model and estimate run witho
 GiB = 2**30
 
 
-def closed_forms(c: RunSpec) -> tuple[dict, dict, dict]:
+def closed_forms(c: RunSpec) -> tuple[Mapping[str, Any], dict, dict]:
     """Memory, bytes by (phase, kind) and FLOPs of ``c`` in closed form; a decode run's
     memory is the decode model's, its bytes the prefill's plus one decode step's, its FLOPs
     the prefill's (docs/decode.md)."""

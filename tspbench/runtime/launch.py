@@ -217,10 +217,10 @@ def init(env: RankEnv, timeout_s: float, device: str = "auto") -> tuple[torch.de
     takes a GPU when one is visible)."""
     check_device(device)
     if device != "cpu" and torch.cuda.is_available():
-        device, backend = torch.device("cuda", gpu_index(env.local_rank)), "nccl"
-        torch.cuda.set_device(device)
+        dev, backend = torch.device("cuda", gpu_index(env.local_rank)), "nccl"
+        torch.cuda.set_device(dev)
     else:
-        device, backend = torch.device("cpu"), "gloo"
+        dev, backend = torch.device("cpu"), "gloo"
         local = env.local_world_size or 1
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     dist.init_process_group(
@@ -229,9 +229,9 @@ def init(env: RankEnv, timeout_s: float, device: str = "auto") -> tuple[torch.de
         rank=env.rank,
         world_size=env.world_size,
         timeout=timedelta(seconds=timeout_s),
-        device_id=device if backend == "nccl" else None,  # NCCL: its communicator up front
+        device_id=dev if backend == "nccl" else None,  # NCCL: its communicator up front
     )
-    return device, backend
+    return dev, backend
 
 
 def available_memory() -> int | None:

@@ -57,7 +57,8 @@ def world_layout(
             f"--world={world}: must be a multiple of the model group ({layout.degree})"
         )
     factors = impl.factors(layout)
-    if None not in factors.values() and factors["tp"] * factors["sp"] != layout.degree:
+    tp_f, sp_f = factors["tp"], factors["sp"]
+    if tp_f is not None and sp_f is not None and tp_f * sp_f != layout.degree:
         raise ConfigError(f"tp={tp} x sp={sp}: must equal degree={layout.degree}")
     return rank_layout(strategy, replace(layout, dp=world // layout.degree))
 
@@ -76,7 +77,9 @@ def describe(lay: RankLayout, ranks_per_node: int, limit: int = 4) -> str:
 
     def rows(groups: list[list[int]], kind: str) -> list[str]:
         out = []
-        shown = groups if len(groups) <= 2 * limit else groups[:limit] + [None] + groups[-limit:]
+        shown: list[list[int] | None] = [*groups]
+        if len(groups) > 2 * limit:
+            shown = [*groups[:limit], None, *groups[-limit:]]
         for i, g in enumerate(shown):
             if g is None:
                 out.append(f"  ... {len(groups) - 2 * limit} more {kind} groups")

@@ -106,8 +106,8 @@ def spawn_local(
         kill_all(signum)
 
     old = {s: signal.signal(s, forward) for s in SIGNALS}
-    if held_signal() is not None:
-        got.append(held_signal())
+    if (held := held_signal()) is not None:
+        got.append(held)
     port, start, arm = free_port(), time.monotonic(), die_with_parent()
     try:
         for r in range(nproc):

@@ -102,7 +102,8 @@ def build_strategy(spec: RunSpec, mesh, device: torch.device, overlap: bool | No
         dtype=DTYPES[spec.dtype],
         device=device,
         recompute=spec.recompute,
-        **{**spec.options, **({} if overlap is None else {"overlap": overlap})},
+        # the keys are the strategy's declared options, never dp_bucket_mb (a float parameter)
+        **{**spec.options, **({} if overlap is None else {"overlap": overlap})},  # type: ignore[arg-type]
     )
 
 
@@ -241,6 +242,7 @@ def probe(
     if device.type == "cuda":
         out.update(device_peak_first=device_peaks[0], device_peak=device_peaks[1])
         out["device_reserved"] = max(reserved)
+    assert first is not None  # the first of the two steps set it
     return out, first
 
 

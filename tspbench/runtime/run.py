@@ -14,6 +14,7 @@ import socket
 import sys
 import threading
 import traceback
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -47,14 +48,15 @@ def _measure(spec: RunSpec, device: torch.device, header: dict, beat) -> dict | 
         dist.gather_object(mine, gathered, dst=0)
     if dist.get_rank() != 0:
         return None
+    ranks = cast(list[dict[str, Any]], gathered)  # gather_object filled every rank's slot
     bf16_gpu = device.type == "cuda" and spec.dtype == "bf16"  # the peaks are bf16's
     peak = device_peak(header["hardware"]["device_name"]) if bf16_gpu else None
-    return (summarize_decode if spec.decoding else summarize)(spec, gathered, peak)
+    return (summarize_decode if spec.decoding else summarize)(spec, ranks, peak)
 
 
 def placement(spec: RunSpec, env: RankEnv) -> dict:
     """Model groups, the node of every rank, and whether a model group spans nodes (collective)."""
-    hosts = [None] * env.world_size
+    hosts = [""] * env.world_size  # every rank's host name, once gathered
     with blocked_in_collective():
         dist.all_gather_object(hosts, socket.gethostname())
     lay = rank_layout(spec.strategy, spec.layout)
@@ -64,7 +66,7 @@ def placement(spec: RunSpec, env: RankEnv) -> dict:
     spans = [g for g in lay.model_groups if len({hosts[r] for r in g}) > 1]
     lws = env.local_world_size
     size = len(lay.model_groups[0])
-    predicted = bool(lws) and lws < env.world_size and lws % size != 0
+    predicted = bool(lws and lws < env.world_size and lws % size != 0)
     if env.rank == 0 and (spans or predicted):
         print(
             f"[tspbench] WARNING: model group of {size} ranks spans nodes "
@@ -137,7 +139,8 @@ def run_env(
             f"world size {env.world_size} (from {env.source}): must equal degree x dp = {world}"
         )
     header = spec.header(env.source, world)
-    lock, written = threading.Lock(), []
+    lock = threading.Lock()
+    written: list[bool] = []
 
     def write(record: dict) -> str:
         """Write rank 0's record once; return the status it was written with."""

@@ -191,13 +191,19 @@ class RunSpec:
     @property
     def label(self) -> str:
         """Strategy and factorisation as tables spell it, e.g. ``tpsp (2x2)``."""
-        return self.impl.label(self.layout) + self.options.suffix("label")
+        return self.impl.label(self.layout) + self._options.suffix("label")
 
     @property
     def tag(self) -> str:
         """The strategy and its factorisation as cell ids spell it, and a schedule other than
         the default: ``tsp-mlp-broadcast``, ``tsp-kvsave``."""
-        return self.impl.tag(self.layout) + self.options.suffix("tag")
+        return self.impl.tag(self.layout) + self._options.suffix("tag")
+
+    @property
+    def _options(self) -> Options:
+        """``options`` as construction leaves it: an :class:`Options`, every default filled in."""
+        assert isinstance(self.options, Options)
+        return self.options
 
     @property
     def id(self) -> str:
