@@ -5,6 +5,8 @@ reference model behind the strategy interface.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 
@@ -12,18 +14,19 @@ from baselines.dp.costs import DPCosts, SingleCosts
 from baselines.dp.decode import SingleDecoder
 from tspbench.core.attention import attention
 from tspbench.core.config import ConfigError, ModelConfig
+from tspbench.core.decode import Decoder
 from tspbench.core.layers import LayerHooks
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.optim import grad_sq_sum
 from tspbench.core.reference import ReferenceModel
-from tspbench.core.strategy import Batch, Layout, Strategy
+from tspbench.core.strategy import Batch, Layout, Strategy, tensor_of
 
 
 class DP(Strategy):
     name = "dp"
     display = "DP"  # legends, titles and tables' captions
     costs = DPCosts()
-    decoder = None  # no decode path: the reference's is single's
+    decoder: ClassVar[type[Decoder] | None] = None  # no decode path: the reference's is single's
 
     @classmethod
     def replica_batch(cls, layout: Layout, per_rank: int = 1) -> int:
@@ -76,9 +79,7 @@ class DP(Strategy):
             return self.comm.all_gather(self.model(batch.tokens, hooks=self.hooks), dim=0)
 
     def full_params(self, grads: bool = False) -> dict[str, torch.Tensor]:
-        return {
-            n: (p.grad if grads else p).detach() for n, p in self.model.named_full_params().items()
-        }
+        return {n: tensor_of(p, grads) for n, p in self.model.named_full_params().items()}
 
 
 class Single(DP):

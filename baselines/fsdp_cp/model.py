@@ -42,7 +42,7 @@ from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.optim import grad_sq_sum
 from tspbench.core.options import OVERLAP
 from tspbench.core.reference import LAYER_PARAMS, param_shapes
-from tspbench.core.strategy import Batch, Layout, Strategy
+from tspbench.core.strategy import Batch, Layout, Strategy, tensor_of
 
 
 @dataclass
@@ -73,12 +73,12 @@ class GatherUnit(torch.autograd.Function):
     """All-gather a unit forward; reduce-scatter its gradient backward (and drop the regather)."""
 
     @staticmethod
-    def forward(ctx, shard, owner: FSDPCP, unit: int):  # type: ignore[override]
+    def forward(ctx, shard, owner: FSDPCP, unit: int):
         ctx.meta = (owner, unit)
         return owner.gather(unit)
 
     @staticmethod
-    def backward(ctx, g):  # type: ignore[override]
+    def backward(ctx, g):
         owner, unit = ctx.meta
         owner.regathered.pop(unit, None)
         return owner.reduce_grad(unit, g), None, None
@@ -88,6 +88,7 @@ class FSDPCP(Strategy):
     name = "fsdp_cp"
     display = "FSDP+CP"  # legends, titles and tables' captions
     options = (OVERLAP,)
+    overlap: bool  # set from the option (Strategy.__init__)
     costs = FSDPCPCosts()
     decoder = None  # no decode path (docs/decode.md)
 
@@ -194,7 +195,7 @@ class FSDPCP(Strategy):
 
         def pack(t: torch.Tensor):
             if t.untyped_storage() is storage():
-                return Regather(unit, t.shape, t.stride(), t.storage_offset())
+                return Regather(unit, t.shape, t.stride(), int(t.storage_offset()))
             return t
 
         def unpack(obj):
@@ -248,7 +249,7 @@ class FSDPCP(Strategy):
     def full_params(self, grads: bool = False) -> dict[str, torch.Tensor]:
         out = {}
         for u in self.units:
-            t = (u.shard.grad if grads else u.shard).detach()
+            t = tensor_of(u.shard, grads)
             flat = self.comm.all_gather(t, dim=0)
             out.update({n: v for n, v in zip(u.names, u.views(flat).values())})
         return out

@@ -19,7 +19,7 @@ from tspbench.core.layers import rms_norm, transformer_layer
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.optim import grad_sq_sum
 from tspbench.core.reference import LAYER_PARAMS, param_shapes
-from tspbench.core.strategy import Batch, Layout, Strategy
+from tspbench.core.strategy import Batch, Layout, Strategy, tensor_of
 
 
 class SP(Strategy):
@@ -79,4 +79,4 @@ class SP(Strategy):
         return zigzag.unshard(list(self.comm.all_gather(h, dim=1).chunk(self.comm.size, dim=1)))
 
     def full_params(self, grads: bool = False) -> dict[str, torch.Tensor]:
-        return {n: (p.grad if grads else p).detach() for n, p in self.params.items()}
+        return {n: tensor_of(p, grads) for n, p in self.params.items()}

@@ -6,21 +6,26 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers.distributed import run_world
+from tspbench.runtime.registry import strategies
 
-SIX = ["dp", "tp", "sp", "tpsp", "fsdp_cp", "tsp"]
+SIX = [n for n, s in strategies().items() if not s.reference]  # every strategy on 4 ranks
 LENGTHS = (256, 2048)
+
+
+def _four(s: str) -> dict:
+    """The strategy's checked group of 4 ranks, one sequence's worth of work a rank (dp: whole
+    sequences, 4 of them: the same global tokens per rank-group as the others)."""
+    impl = strategies()[s]
+    lay = next(lay for lay in impl.checked_layouts() if lay.degree == 4)
+    factors = {k: v for k, v in impl.factors(lay).items() if v is not None}
+    return {"D": 4, "B": impl.replica_batch(lay, 1), **factors}
 
 
 def _cases() -> list[dict]:
     cases = []
     for S in LENGTHS:
         for s in SIX:
-            c = {"id": f"{s}-{S}", "strategy": s, "D": 4, "S": S, "B": 1, "check": "peak"}
-            if s == "dp":
-                c["B"] = 4  # same global tokens per rank-group as the others: 1 sequence a rank
-            if s == "tpsp":
-                c.update(tp=2, sp=2)
-            cases.append(c)
+            cases.append({"id": f"{s}-{S}", "strategy": s, "S": S, "check": "peak", **_four(s)})
         for D in (1, 2):
             cases.append(
                 {"id": f"tsp-D{D}-{S}", "strategy": "tsp", "D": D, "S": S, "B": 1, "check": "peak"}

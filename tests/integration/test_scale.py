@@ -18,6 +18,7 @@ from tests.helpers.runner import ROOT, tspbench
 from tspbench.core.config import get_config
 from tspbench.projection import analytic
 from tspbench.projection.estimate import estimate_rank
+from tspbench.runtime.registry import strategies
 from tspbench.runtime.spec import RunSpec
 
 GQA = {"kv_heads": 2}
@@ -25,49 +26,49 @@ REF = ROOT / "results" / "reference" / "calibration"
 
 
 def _cases() -> list[dict]:
+    """Every registered strategy at the first of its checked groups of each degree (D = 1 only
+    where that is not the reference's layout), and each of its checked option settings: nothing
+    here names a strategy."""
     cases = []
 
-    def add(s, D, S, mode="train", rc="none", model=None, name="tiny", mlp="ring", kv="regather"):
-        c = {"strategy": s, "D": D, "S": S, "B": D if s == "dp" else 1, "mode": mode}
-        c.update(recompute=rc, check="measure", name=name)
-        if s == "tsp":  # TSP's options, flat as every case gives its run fields (checks.py)
-            c.update(mlp_schedule=mlp, kv_backward=kv)
-        if s == "tpsp":
-            c.update(tp=2 if D > 1 else 1, sp=D // 2 if D > 1 else 1)
+    def add(s, lay, S, mode="train", rc="none", model=None, name="tiny", **opts):
+        impl = strategies()[s]
+        factors = {k: v for k, v in impl.factors(lay).items() if v is not None}
+        c = {"strategy": s, "D": lay.degree, "S": S, "B": impl.replica_batch(lay, 1), **factors}
+        c.update(mode=mode, recompute=rc, check="measure", name=name, **opts)  # options: flat
         if model:
             c["model"] = model
-        c["id"] = f"{name}-{s}-D{D}-S{S}-{mode}-{rc}" + ("" if mlp == "ring" else f"-mlp-{mlp}")
-        c["id"] += "" if kv == "regather" else "-kvsave"
+        c["id"] = f"{name}-{s}-D{lay.degree}-S{S}-{mode}-{rc}"
+        c["id"] += "".join(f"-{k}={v}" for k, v in opts.items())
         cases.append(c)
 
-    # every mode and recompute at D = 4, the D-dependence at D = 2 (and TSP's D = 1: every
-    # baseline is then `single`). S stays 2048: at 1024 one full-suite run saw a first-step peak
-    # 0.1% off the estimate for TP (D = 2) and TP+SP (D = 4) that no isolated run repeats
-    for s in ("tsp", "tp", "sp", "fsdp_cp", "dp", "tpsp"):
-        for D in (1, 2) if s == "tsp" else (2,):
-            add(s, D, 2048)
-        add(s, 4, 2048)
-        add(s, 4, 2048, rc="full")
-        add(s, 4, 2048, mode="infer")
-        add(s, 4, 512)
-        add(s, 2, 1024, model=GQA, name="gqa")
-        add(s, 2, 1024, rc="full", model=GQA, name="gqa")
-    add("single", 1, 2048)
-    # TSP's broadcast MLP schedule (the ring is the default above)
-    for D, S, mode, rc, model, name in [
-        (4, 2048, "train", "none", None, "tiny"),
-        (4, 2048, "train", "full", None, "tiny"),
-        (4, 2048, "infer", "none", None, "tiny"),
-        (2, 1024, "train", "full", GQA, "gqa"),
-    ]:
-        add("tsp", D, S, mode, rc, model, name, mlp="broadcast")
-    # TSP's attention backward keeping the forward's K/V
-    add("tsp", 4, 2048, kv="save")
-    add("tsp", 4, 2048, rc="full", kv="save")
-    add("tsp", 2, 1024, rc="full", model=GQA, name="gqa", kv="save")
+    # every mode and recompute at D = 4, the D-dependence at D = 2 (and D = 1, where a strategy
+    # checks it: every baseline is then `single`). S stays 2048: at 1024 one full-suite run saw
+    # a first-step peak 0.1% off the estimate for TP (D = 2) and TP+SP (D = 4) that no isolated
+    # run repeats
     small = {"vocab": 4096, "hidden": 256, "layers": 4, "ffn": 1024}
-    for s in ("tsp", "tp", "fsdp_cp"):
-        add(s, 4, 1024, model=small, name="small")
+    for s, impl in strategies().items():
+        by_degree = {}
+        for lay in impl.checked_layouts():
+            by_degree.setdefault(lay.degree, lay)
+        if impl.reference:
+            add(s, by_degree[1], 2048)
+            continue
+        d2, d4 = by_degree[2], by_degree[4]
+        if 1 in by_degree and impl.options:  # D = 1, where its own options could matter
+            add(s, by_degree[1], 2048)
+        add(s, d2, 2048)
+        add(s, d4, 2048)
+        add(s, d4, 2048, rc="full")
+        add(s, d4, 2048, mode="infer")
+        add(s, d4, 512)
+        add(s, d2, 1024, model=GQA, name="gqa")
+        add(s, d2, 1024, rc="full", model=GQA, name="gqa")
+        add(s, d4, 1024, model=small, name="small")
+        for opts in impl.checked_options():  # each setting beside the defaults, one at a time
+            if len(opts) == 1:
+                add(s, d4, 2048, **opts)
+                add(s, d4, 2048, rc="full", **opts)
     return cases
 
 
@@ -79,8 +80,13 @@ def _spec(case: dict) -> RunSpec:
     return RunSpec.make(
         case["strategy"], cfg, degree=case["D"], tp=case.get("tp", 1), sp=case.get("sp", 1),
         seq_len=case["S"], batch=case["B"], mode=case["mode"], recompute=case["recompute"],
-        **{k: case[k] for k in ("mlp_schedule", "kv_backward") if k in case}, warmup=0, steps=1,
+        **_options(case), warmup=0, steps=1,
     )  # fmt: skip
+
+
+def _options(case: dict) -> dict:
+    """The case's values of its strategy's own options (the cases carry them flat)."""
+    return {o.name: case[o.name] for o in strategies()[case["strategy"]].options if o.name in case}
 
 
 @pytest.fixture(scope="module")

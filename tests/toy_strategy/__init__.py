@@ -16,7 +16,7 @@ from tspbench.core.layout import Layout
 from tspbench.core.mesh import Axis
 from tspbench.core.optim import grad_sq_sum
 from tspbench.core.reference import ReferenceModel
-from tspbench.core.strategy import Batch, Strategy
+from tspbench.core.strategy import Batch, Strategy, tensor_of
 
 
 class ToyCosts(costs.Costs):
@@ -65,4 +65,4 @@ class Toy(Strategy):
 
     def full_params(self, grads: bool = False) -> dict[str, torch.Tensor]:
         named = self.model.named_full_params()
-        return {n: (p.grad if grads else p).detach() for n, p in named.items()}
+        return {n: tensor_of(p, grads) for n, p in named.items()}

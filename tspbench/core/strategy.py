@@ -23,9 +23,10 @@ from typing import Any, ClassVar
 import torch
 import torch.utils.checkpoint
 
-from tspbench.core import costs, recompute, zigzag
+from tspbench.core import recompute, zigzag
 from tspbench.core.comm import Comm
 from tspbench.core.config import ConfigError, ModelConfig
+from tspbench.core.costs import Costs, Spec
 from tspbench.core.decode import Decoder
 from tspbench.core.grad_sync import BucketedAllReduce
 from tspbench.core.init import Index
@@ -35,6 +36,13 @@ from tspbench.core.options import Option, Options, Value
 from tspbench.core.reference import init_param, init_param_flat
 
 RECOMPUTE = ("none", "full")
+
+
+def tensor_of(p: torch.Tensor, grads: bool) -> torch.Tensor:
+    """``p``, or its gradient (after a backward), detached: what ``full_params`` gathers."""
+    t = p.grad if grads else p
+    assert t is not None, "no gradient: gather grads after the backward"
+    return t.detach()
 
 
 @dataclass
@@ -52,7 +60,7 @@ REQUIRED = ("name", "display", "costs", "decoder")  # every concrete strategy se
 class Strategy(ABC):
     name: ClassVar[str]  # the registry's, records' and command line's name
     display: ClassVar[str]  # legends, titles and tables' captions
-    costs: ClassVar[costs.Costs]  # its closed forms (tspbench/core/costs.py)
+    costs: ClassVar[Costs]  # its closed forms (tspbench/core/costs.py)
     decoder: ClassVar[type[Decoder] | None]  # its decode path (tspbench/core/decode.py), or None
     reference: ClassVar[bool] = False  # the single-device reference the others are checked on
     factored: ClassVar[bool] = False  # takes a sweep's T x Sigma factor list (its `tpsp` key)
@@ -67,7 +75,7 @@ class Strategy(ABC):
         missing = [k for k in REQUIRED if not hasattr(cls, k)]
         if missing:
             raise TypeError(f"strategy {cls.__name__}: lacks {', '.join(missing)}")
-        if not isinstance(cls.costs, costs.Costs):
+        if not isinstance(cls.costs, Costs):
             raise TypeError(f"strategy {cls.name}: costs must be a tspbench.core.costs.Costs")
         dec = cls.decoder
         if dec is not None and not (isinstance(dec, type) and issubclass(dec, Decoder)):
@@ -318,7 +326,7 @@ class Strategy(ABC):
         return out
 
     @classmethod
-    def searched_values(cls, spec: costs.Spec | None) -> dict[str, tuple[Value, ...]]:
+    def searched_values(cls, spec: Spec | None) -> dict[str, tuple[Value, ...]]:
         """The values the planner tries of each ``searched`` option for a run like ``spec``
         (None: no valid run of the group)."""
         return {o.name: o.values() for o in cls.options if o.searched}

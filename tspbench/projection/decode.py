@@ -16,7 +16,7 @@ import dataclasses
 from typing import Any
 
 from tspbench.core.comm import bus_bytes
-from tspbench.core.decode import kv_heads_local
+from tspbench.core.decode import Decoder, kv_heads_local
 from tspbench.core.mesh import Axis
 from tspbench.projection import analytic
 from tspbench.projection.costmodel import project, rates, usable_memory
@@ -25,17 +25,23 @@ from tspbench.runtime.spec import RunSpec
 FP32 = 4
 
 
+def _decoder(c: RunSpec) -> type[Decoder]:
+    """The run's decode path (RunSpec refused a strategy without one before this is asked)."""
+    assert c.impl.decoder is not None, f"{c.strategy}: no decode path"
+    return c.impl.decoder
+
+
 def bytes_per_token(c: RunSpec) -> dict[str, float]:
     """Per-rank bytes of one decode step by collective kind."""
     out: dict[str, float] = {}
-    for _, _, kind, size, nbytes in c.impl.decoder.schedule(c):
+    for _, _, kind, size, nbytes in _decoder(c).schedule(c):
         out[kind] = out.get(kind, 0.0) + bus_bytes(kind, nbytes, size)
     return {k: b for k, b in out.items() if b}
 
 
 def _split(c: RunSpec) -> tuple[int, int, int]:
     """(ranks splitting the sequence, KV heads per rank, query heads per rank)."""
-    seq, heads = c.impl.decoder.cache_split(c.layout)
+    seq, heads = _decoder(c).cache_split(c.layout)
     q_heads = c.cfg.heads // c.impl.costs.tensor_degree(c.layout)  # TSP, SP: every head (split-K)
     return seq, kv_heads_local(c.cfg.kv_heads, heads), q_heads
 
@@ -52,7 +58,7 @@ def memory(c: RunSpec) -> dict[str, Any]:
     """Bytes per rank: weights, the cache, the prefill's peak (a forward pass with the cache
     alive) and the decode step's (scores and probabilities of every local key, fp32; logits),
     and the larger of the two."""
-    kv = c.impl.decoder.kv_cache_bytes(c)
+    kv = _decoder(c).kv_cache_bytes(c)
     prefill = analytic.memory(prefill_spec(c))["peak"] + kv
     seq, _, q_heads = _split(c)
     slots = c.seq_len // seq + -(-(c.new_tokens - 1) // seq)
@@ -83,7 +89,7 @@ def project_decode(c: RunSpec, preset: dict, prefill_ops: int | None = None) -> 
     attn = 4 * B * q_heads * slots * cfg.head_dim * cfg.layers
     compute_s = 2 * B * analytic.param_numel(c) / r["gemm_flops"] + attn / r["attention_flops"]
     comm = 0.0
-    for _, axis, kind, size, nbytes in c.impl.decoder.schedule(c):
+    for _, axis, kind, size, nbytes in _decoder(c).schedule(c):
         if size <= 1:
             continue
         inter = axis != Axis.DP and c.degree > per_node
