@@ -30,7 +30,7 @@ from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.optim import grad_sq_sum
 from tspbench.core.options import OVERLAP, Option, Value
 from tspbench.core.reference import param_shapes
-from tspbench.core.strategy import Batch, Layout, Strategy
+from tspbench.core.strategy import Batch, Layout, Strategy, tensor_of
 
 MLP = {"ring": RingMLP, "broadcast": BroadcastMLP}
 
@@ -60,6 +60,10 @@ class TSP(Strategy):
     display = "TSP"  # legends, titles and tables' captions
     costs = TSPCosts()  # tsp_impl/costs.py
     decoder = TSPDecoder  # tsp_impl/decode.py
+    overlap: bool  # the options' values, set by Strategy.__init__
+    kv_bucket: int
+    mlp_schedule: str
+    kv_backward: str
     options = (OVERLAP, KV_BUCKET, MLP_SCHEDULE, KV_BACKWARD)  # the record's order
 
     @classmethod
@@ -77,7 +81,12 @@ class TSP(Strategy):
     @classmethod
     def checked_options(cls) -> list[dict[str, Value]]:
         """Each option's other values, a KV bucket of one head, and all of them at once."""
-        mix = {"overlap": False, "kv_bucket": 1, "mlp_schedule": "broadcast", "kv_backward": "save"}
+        mix: dict[str, Value] = {
+            "overlap": False,
+            "kv_bucket": 1,
+            "mlp_schedule": "broadcast",
+            "kv_backward": "save",
+        }
         return [*super().checked_options(), {KV_BUCKET.name: 1}, mix]
 
     @classmethod
@@ -90,9 +99,10 @@ class TSP(Strategy):
 
     @classmethod
     def validate(
-        cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, kv_bucket: int = 0, **_
+        cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, **options: Value
     ) -> None:
         super().validate(cfg, layout, seq_len, batch)
+        kv_bucket = int(options.get(KV_BUCKET.name, KV_BUCKET.default))
         D = layout.degree
         zigzag.check_divisible(seq_len, D)
         for field in ("heads", "kv_heads", "ffn", "vocab"):
@@ -231,12 +241,11 @@ class TSP(Strategy):
         D = self.comm.size
         d, hq, hkv = self.cfg.head_dim, self.cfg.heads // D, self.cfg.kv_heads // D
 
-        def g(p: torch.Tensor) -> torch.Tensor:
-            t = p.grad if grads else p.detach()
-            return self.comm.all_gather(t, dim=0).chunk(D)
+        def g(p: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return self.comm.all_gather(tensor_of(p, grads), dim=0).chunk(D)
 
         out = {"embed": torch.cat(g(self.embed)), "head": torch.cat(g(self.head))}
-        out["norm"] = (self.norm.grad if grads else self.norm).detach()
+        out["norm"] = tensor_of(self.norm, grads)
         for i, lp in enumerate(self.layers):
             pre = f"layers.{i}."
             parts = [s.split([hq * d, hkv * d, hkv * d, hq * d]) for s in g(lp["attn"])]
@@ -248,5 +257,5 @@ class TSP(Strategy):
             out[pre + "w3"] = torch.cat([p[1] for p in parts])
             out[pre + "w2"] = torch.cat([p[2].T for p in parts], dim=1)
             for k in ("attn_norm", "mlp_norm"):
-                out[pre + k] = (lp[k].grad if grads else lp[k]).detach()
+                out[pre + k] = tensor_of(lp[k], grads)
         return out
