@@ -131,10 +131,10 @@ def attention_forward(
     keep: Keep | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor], int]:
     """The forward loop over head groups: (res + attention(x) [B, S/D, h] (attention(x) with
-    ``res`` None), what backward needs per head group (empty unless ``save``), the log-sum-exps
-    per head group). ``keep(r, K_p, V_p)``, if given, sees head group r's local K/V
-    ([B, hkv, S/D, d] views, RoPE applied) before they are gathered: decode's prefill fills its
-    cache with them."""
+    ``res`` None), what backward needs per head group (empty unless ``save``), how many
+    log-sum-exps each head group saves). ``keep(r, K_p, V_p)``, if given, sees head group r's
+    local K/V ([B, hkv, S/D, d] views, RoPE applied) before they are gathered: decode's prefill
+    fills its cache with them."""
     B, n, h = x.shape
     y, lses = None, []
     saved: list[torch.Tensor] = []
