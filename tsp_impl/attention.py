@@ -31,16 +31,25 @@ buffer needs no reshuffle beyond the one index_select into global order), the ch
 are scatter-added into the gathered-order buffer the reduce-scatter takes (two index_add_ calls),
 [dQ dK_p dV_p] is one tensor for the dX and dW GEMMs, and the layer's residual input starts the
 accumulation of Y (the Function returns residual + attention).
+
+The two loops are plain functions, ``attention_forward`` and ``attention_backward`` (tensors and
+the plan in, outputs and what backward needs out), under a thin ``BroadcastAttention``
+autograd.Function that keeps the saved tensors on its ctx. Decode's prefill runs the same
+forward, its ``keep`` hook filling the KV cache with each head group's local K/V.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from tsp_impl.ops import accumulate
-from tsp_impl.overlap import owner_shards
+from tsp_impl.overlap import OneInFlight, owner_shards
 from tsp_impl.plan import TSPPlan
 from tspbench.core.attention import causal_bwd, causal_fwd
+
+Keep = Callable[[int, torch.Tensor, torch.Tensor], None]  # (head group r, its local K, V)
 
 
 def qkv_rows(plan: TSPPlan) -> int:
@@ -113,82 +122,118 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: TSPPlan):
     return torch.cat(outs, dim=1), lses
 
 
+def attention_forward(
+    res: torch.Tensor | None,
+    x: torch.Tensor,
+    w_own: torch.Tensor,
+    plan: TSPPlan,
+    save: bool,
+    keep: Keep | None = None,
+) -> tuple[torch.Tensor, list[torch.Tensor], int]:
+    """The forward loop over head groups: (res + attention(x) [B, S/D, h] (attention(x) with
+    ``res`` None), what backward needs per head group (empty unless ``save``), how many
+    log-sum-exps each head group saves). ``keep(r, K_p, V_p)``, if given, sees head group r's
+    local K/V ([B, hkv, S/D, d] views, RoPE applied) before they are gathered: decode's prefill
+    fills its cache with them."""
+    B, n, h = x.shape
+    y, lses = None, []
+    saved: list[torch.Tensor] = []
+    for r, w in owner_shards(w_own, plan.comm, plan.overlap):
+        qkv = project(x, w, plan)
+        if keep is not None:
+            keep(r, *heads(qkv, plan, slice(0, plan.hkv))[1:])
+        parts, lses, kvs = [], [], []
+        for _, ks in plan.buckets():
+            q, k, v = heads(qkv, plan, ks)
+            K, V = gather_kv(k, v, plan)
+            a, lse = attend(q, K, V, plan)
+            parts.append(a)
+            lses += lse
+            if save and plan.save_kv:
+                kvs += [K, V]  # (views of one gathered buffer)
+            del K, V
+        a = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+        # (``res`` None: decode's prefill, no residual)
+        y = accumulate(
+            y, a.view(B * n, -1), w[qkv_rows(plan) :], None if res is None else res.view(B * n, h)
+        )
+        if save:
+            saved += [qkv, a, *lses, *kvs]
+        del qkv, a, parts, kvs  # (not alive while the next head group's are computed)
+    return y.view(B, n, h), saved, len(lses)
+
+
+def attention_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    w_own: torch.Tensor,
+    saved: list[torch.Tensor],
+    n_lse: int,
+    plan: TSPPlan,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward loop over head groups, from :func:`attention_forward`'s ``saved`` (and
+    ``n_lse``): (dX [B, S/D, h], this rank's packed dW). Each head group's dW is reduced to its
+    owner while the next group computes."""
+    B, n, h = x.shape
+    kept = 2 * len(plan.buckets()) if plan.save_kv else 0  # saved K, V of each bucket
+    per, n_chunks, rows = 2 + n_lse + kept, len(plan.chunks), qkv_rows(plan)
+    dx, dw_own, reduces = None, None, OneInFlight(plan.comm)
+    x2, dy2 = x.view(B * n, h), dy.reshape(B * n, h)
+    for r, w in owner_shards(w_own, plan.comm, plan.overlap):
+        qkv, a, *rest = saved[r * per : (r + 1) * per]
+        lses, kvs = rest[:n_lse], rest[n_lse:]
+        da = (dy2 @ w[rows:].T).view(a.shape)
+        dqs, dks, dvs = [], [], []
+        for i, (qs, ks) in enumerate(plan.buckets()):
+            q, k, v = heads(qkv, plan, ks)
+            K, V = kvs[2 * i : 2 * i + 2] if kvs else gather_kv(k, v, plan)
+            lse = lses[i * n_chunks : (i + 1) * n_chunks]
+            dq, dk, dv = [], [], []
+            for (lo, hi, m), l_c in zip(plan.chunks, lse):
+                g = causal_bwd(
+                    da[:, lo:hi, qs].transpose(1, 2), q[:, :, lo:hi], K[:, :, :m],
+                    V[:, :, :m], a[:, lo:hi, qs].transpose(1, 2), l_c,
+                )  # fmt: skip
+                dq.append(g[0].transpose(1, 2))
+                dk.append(g[1])
+                dv.append(g[2])
+            del K, V, g
+            dqs.append(torch.cat(dq, dim=1))
+            dkv = scatter_kv_grad(dk, dv, plan).permute(2, 0, 1, 3, 4)  # [B, S/D, 2, b, d]
+            dks.append(dkv[:, :, 0])
+            dvs.append(dkv[:, :, 1])
+            del dq, dk, dv, dkv
+        dqkv = torch.cat(dqs + dks + dvs, dim=2)  # [B, S/D, hq + 2 hkv, d]
+        del dqs, dks, dvs
+        rotate(dqkv[:, :, : plan.hq + plan.hkv], plan.rot_inv)
+        dqkv = dqkv.view(B * n, rows)
+        dx = accumulate(dx, dqkv, w[:rows])
+        dw = torch.empty_like(w_own)  # packed like W_r: written by its two GEMMs
+        torch.mm(dqkv.T, x2, out=dw[:rows])
+        torch.mm(a.view(B * n, -1).T, dy2, out=dw[rows:])  # dWo_r^T
+        reduces.reduce(dw, dst=r)
+        if r == plan.rank:
+            dw_own = dw
+    reduces.drain()
+    return dx.view(B, n, h), dw_own
+
+
 class BroadcastAttention(torch.autograd.Function):
+    """res + attention(x) by the broadcast schedule: :func:`attention_forward` and
+    :func:`attention_backward`, the tensors they pass between them saved on ``ctx``."""
+
     @staticmethod
     def forward(ctx, res, x: torch.Tensor, w_own: torch.Tensor, plan: TSPPlan, grad: bool):  # type: ignore[override]
         """res + attention(x): the residual ``res`` starts the accumulation of Y."""
         save = grad and any(ctx.needs_input_grad)  # (needs_input_grad ignores no_grad)
-        B, n, h = x.shape
-        y, lses = None, []
-        saved: list[torch.Tensor] = []
-        for _, w in owner_shards(w_own, plan.comm, plan.overlap):
-            qkv = project(x, w, plan)
-            parts, lses, kvs = [], [], []
-            for _, ks in plan.buckets():
-                q, k, v = heads(qkv, plan, ks)
-                K, V = gather_kv(k, v, plan)
-                a, lse = attend(q, K, V, plan)
-                parts.append(a)
-                lses += lse
-                if save and plan.save_kv:
-                    kvs += [K, V]  # (views of one gathered buffer)
-                del K, V
-            a = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
-            y = accumulate(y, a.view(B * n, -1), w[qkv_rows(plan) :], res.view(B * n, h))
-            if save:
-                saved += [qkv, a, *lses, *kvs]
-            del qkv, a, parts, kvs  # (not alive while the next head group's are computed)
+        y, saved, ctx.n_lse = attention_forward(res, x, w_own, plan, save)
         ctx.plan = plan
-        ctx.n_lse = len(lses)
         if save:
             ctx.save_for_backward(x, w_own, *saved)
-        return y.view(B, n, h)
+        return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
-        plan: TSPPlan = ctx.plan
         x, w_own, *saved = ctx.saved_tensors
-        B, n, h = x.shape
-        kept = 2 * len(plan.buckets()) if plan.save_kv else 0  # saved K, V of each bucket
-        per, n_chunks, rows = 2 + ctx.n_lse + kept, len(plan.chunks), qkv_rows(plan)
-        dx, dw_own, reducing = None, None, None
-        x2, dy2 = x.view(B * n, h), dy.reshape(B * n, h)
-        for r, w in owner_shards(w_own, plan.comm, plan.overlap):
-            qkv, a, *rest = saved[r * per : (r + 1) * per]
-            lses, kvs = rest[: ctx.n_lse], rest[ctx.n_lse :]
-            da = (dy2 @ w[rows:].T).view(a.shape)
-            dqs, dks, dvs = [], [], []
-            for i, (qs, ks) in enumerate(plan.buckets()):
-                q, k, v = heads(qkv, plan, ks)
-                K, V = kvs[2 * i : 2 * i + 2] if kvs else gather_kv(k, v, plan)
-                lse = lses[i * n_chunks : (i + 1) * n_chunks]
-                dq, dk, dv = [], [], []
-                for (lo, hi, m), l_c in zip(plan.chunks, lse):
-                    g = causal_bwd(
-                        da[:, lo:hi, qs].transpose(1, 2), q[:, :, lo:hi], K[:, :, :m],
-                        V[:, :, :m], a[:, lo:hi, qs].transpose(1, 2), l_c,
-                    )  # fmt: skip
-                    dq.append(g[0].transpose(1, 2))
-                    dk.append(g[1])
-                    dv.append(g[2])
-                del K, V, g
-                dqs.append(torch.cat(dq, dim=1))
-                dkv = scatter_kv_grad(dk, dv, plan).permute(2, 0, 1, 3, 4)  # [B, S/D, 2, b, d]
-                dks.append(dkv[:, :, 0])
-                dvs.append(dkv[:, :, 1])
-                del dq, dk, dv, dkv
-            dqkv = torch.cat(dqs + dks + dvs, dim=2)  # [B, S/D, hq + 2 hkv, d]
-            del dqs, dks, dvs
-            rotate(dqkv[:, :, : plan.hq + plan.hkv], plan.rot_inv)
-            dqkv = dqkv.view(B * n, rows)
-            dx = accumulate(dx, dqkv, w[:rows])
-            dw = torch.empty_like(w_own)  # packed like W_r: written by its two GEMMs
-            torch.mm(dqkv.T, x2, out=dw[:rows])
-            torch.mm(a.view(B * n, -1).T, dy2, out=dw[rows:])  # dWo_r^T
-            if reducing is not None:  # at most one gradient reduce in flight
-                reducing.wait()
-            reducing = plan.comm.reduce(dw, dst=r, async_op=True)
-            if r == plan.rank:
-                dw_own = dw
-        reducing.wait()
-        return dy, dx.view(B, n, h), dw_own, None, None
+        dx, dw_own = attention_backward(dy, x, w_own, saved, ctx.n_lse, ctx.plan)
+        return dy, dx, dw_own, None, None

@@ -20,11 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from tsp_impl import attention as tsp_attention
-from tsp_impl.attention import gather_kv, heads, project, qkv_rows
+from tsp_impl.attention import attention_forward
 from tsp_impl.mlp import BroadcastMLP, RingMLP
-from tsp_impl.ops import accumulate
-from tsp_impl.overlap import owner_shards
 from tsp_impl.plan import TSPPlan
 from tsp_impl.vocab import VocabEmbedding
 from tspbench.core import zigzag
@@ -44,22 +41,17 @@ MLP = {"ring": RingMLP, "broadcast": BroadcastMLP}
 def attention_into_cache(
     x: torch.Tensor, w_own: torch.Tensor, plan: TSPPlan, cache: KVCache, layer: int
 ) -> torch.Tensor:
-    """The broadcast-schedule attention forward (``tsp_impl/attention.py``), keeping each head
-    group's local K/V in the cache (heads of group r at [r hkv, (r+1) hkv))."""
-    B, n, h = x.shape
-    y = None
-    for r, w in owner_shards(w_own, plan.comm, plan.overlap):
-        qkv = project(x, w, plan)
-        _, k, v = heads(qkv, plan, slice(0, plan.hkv))
+    """The broadcast-schedule attention forward (:func:`tsp_impl.attention.attention_forward`,
+    nothing saved, no residual), keeping each head group's local K/V in the cache (heads of
+    group r at [r hkv, (r+1) hkv))."""
+    n = x.shape[1]
+
+    def keep(r: int, k: torch.Tensor, v: torch.Tensor) -> None:
         group = slice(r * plan.hkv, (r + 1) * plan.hkv)
         cache.k[layer][:, group, :n] = k
         cache.v[layer][:, group, :n] = v
-        parts = []
-        for _, ks in plan.buckets():
-            q, k, v = heads(qkv, plan, ks)
-            parts.append(tsp_attention.attend(q, *gather_kv(k, v, plan), plan)[0])
-        y = accumulate(y, torch.cat(parts, dim=2).view(B * n, -1), w[qkv_rows(plan) :])
-    return y.view(B, n, h)
+
+    return attention_forward(None, x, w_own, plan, False, keep)[0]
 
 
 def attend(cache: KVCache, comm: Comm):

@@ -41,6 +41,10 @@ overlap, received slices alternate between two buffers and the ring's accumulato
 three, so the steps allocate no buffers. In a recomputed forward (``recompute``) only h1, h3 are
 needed: the SiLU gate and the W2 GEMM are skipped, as autograd's recompute of a plain layer skips
 them.
+
+Each schedule is plain functions (``ring_mlp_forward`` and ``broadcast_mlp_forward``, both the
+loop ``mlp_forward`` over their slice iterator; ``ring_mlp_backward``, ``broadcast_mlp_backward``)
+under a thin autograd.Function (``RingMLP``, ``BroadcastMLP``) that keeps h13 on its ctx.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from tsp_impl.ops import accumulate
-from tsp_impl.overlap import owner_shards, receive_buffers
+from tsp_impl.overlap import OneInFlight, owner_shards, receive_buffers
 from tspbench.core.comm import Comm, Pending
 
 
@@ -98,8 +102,11 @@ def slice_grad(out, dh, g, x2, dy2) -> torch.Tensor:
     return out
 
 
-def mlp_fwd(ctx, res, x, w_own, shards, save: bool, recompute: bool) -> torch.Tensor:
-    """res + MLP(x) for either schedule over ``shards`` (its (step, slice) iterator)."""
+def mlp_forward(
+    res: torch.Tensor, x: torch.Tensor, shards, save: bool, recompute: bool
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(res + MLP(x), the h13 of every slice if ``save``) for either schedule over ``shards``
+    (its (step, slice) iterator: :func:`ring` or :func:`~tsp_impl.overlap.owner_shards`)."""
     B, n, h = x.shape
     x2, y, saved = x.view(B * n, h), None, []
     for _, w in shards:
@@ -107,71 +114,128 @@ def mlp_fwd(ctx, res, x, w_own, shards, save: bool, recompute: bool) -> torch.Te
         if save:
             saved.append(h13)
         del h13  # (not alive while the next slice's is computed)
-    if save:
-        ctx.save_for_backward(x, w_own, *saved)
     # recomputing, the output is never used (autograd stops once the saved tensors are back)
-    return torch.empty_like(x) if recompute else y.view(B, n, h)
+    return (torch.empty_like(x) if recompute else y.view(B, n, h)), saved
+
+
+def ring_mlp_forward(
+    res: torch.Tensor,
+    x: torch.Tensor,
+    w_own: torch.Tensor,
+    comm: Comm,
+    overlap: bool,
+    save: bool,
+    recompute: bool,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """:func:`mlp_forward` with the slices passed around the ring."""
+    return mlp_forward(res, x, ring(w_own, comm, overlap), save, recompute)
+
+
+def broadcast_mlp_forward(
+    res: torch.Tensor,
+    x: torch.Tensor,
+    w_own: torch.Tensor,
+    comm: Comm,
+    overlap: bool,
+    save: bool,
+    recompute: bool,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """:func:`mlp_forward` with each slice broadcast by its owner."""
+    return mlp_forward(res, x, owner_shards(w_own, comm, overlap), save, recompute)
+
+
+def ring_mlp_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    w_own: torch.Tensor,
+    saved: list[torch.Tensor],
+    comm: Comm,
+    overlap: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dX, this rank's packed dW): the slices circulate again, each one's gradient accumulator
+    one hop behind it, home with its owner after the last hop."""
+    B, n, h = x.shape
+    x2, dy2 = x.view(B * n, h), dy.reshape(B * n, h)
+    # the accumulator for the slice held now (in flight from rank p-1), the one sent last,
+    # and, with overlap, accumulator buffers free for reuse: three take turns (the one being
+    # computed, the one arriving, the one leaving), so the steps allocate none
+    arriving, sent, spare = None, None, []
+    dx = None
+    for t, w in ring(w_own, comm, overlap):
+        dx, dh, g = slice_bwd(dx, dy2, w, saved[t])
+        acc = slice_grad(spare.pop() if spare else torch.empty_like(w_own), dh, g, x2, dy2)
+        del dh, g
+        if arriving is not None:  # add the accumulator that came for this slice
+            arrived = arriving.wait()  # (the exchange that sent `sent` is done too)
+            acc += arrived
+            spare += [arrived, sent] if overlap else []
+            del arrived
+        recv = spare.pop() if spare else torch.empty_like(acc)
+        arriving, sent = comm.ring_exchange(acc, recv, async_op=True), acc
+        del acc, recv
+        if not overlap:
+            arriving, sent = Pending.ready(arriving.wait()), None
+    return dx.view(B, n, h), arriving.wait()
+
+
+def broadcast_mlp_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    w_own: torch.Tensor,
+    saved: list[torch.Tensor],
+    comm: Comm,
+    overlap: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dX, this rank's packed dW): the slices are broadcast again; each rank's part of dW_s is
+    reduced to owner s while the next slice computes."""
+    B, n, h = x.shape
+    x2, dy2 = x.view(B * n, h), dy.reshape(B * n, h)
+    dx, dw_own, reduces = None, None, OneInFlight(comm, wait_each=not overlap)
+    for s, w in owner_shards(w_own, comm, overlap):
+        dx, dh, g = slice_bwd(dx, dy2, w, saved[s])
+        dw = slice_grad(torch.empty_like(w_own), dh, g, x2, dy2)  # this rank's tokens' part
+        del dh, g
+        reduces.reduce(dw, dst=s)
+        if s == comm.rank:
+            dw_own = dw
+    reduces.drain()
+    return dx.view(B, n, h), dw_own
 
 
 class RingMLP(torch.autograd.Function):
+    """res + MLP(x) by the ring schedule: :func:`ring_mlp_forward`, :func:`ring_mlp_backward`."""
+
     @staticmethod
     def forward(ctx, res, x, w_own, comm: Comm, overlap: bool, grad: bool, recompute: bool = False):  # type: ignore[override]
         save = grad and any(ctx.needs_input_grad)  # (needs_input_grad ignores no_grad)
         ctx.comm, ctx.overlap = comm, overlap
-        return mlp_fwd(ctx, res, x, w_own, ring(w_own, comm, overlap), save, recompute)
+        y, saved = ring_mlp_forward(res, x, w_own, comm, overlap, save, recompute)
+        if save:
+            ctx.save_for_backward(x, w_own, *saved)
+        return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
-        comm: Comm = ctx.comm
         x, w_own, *saved = ctx.saved_tensors
-        B, n, h = x.shape
-        x2, dy2 = x.view(B * n, h), dy.reshape(B * n, h)
-        # the accumulator for the slice held now (in flight from rank p-1), the one sent last,
-        # and, with overlap, accumulator buffers free for reuse: three take turns (the one being
-        # computed, the one arriving, the one leaving), so the steps allocate none
-        arriving, sent, spare = None, None, []
-        dx = None
-        for t, w in ring(w_own, comm, ctx.overlap):
-            dx, dh, g = slice_bwd(dx, dy2, w, saved[t])
-            acc = slice_grad(spare.pop() if spare else torch.empty_like(w_own), dh, g, x2, dy2)
-            del dh, g
-            if arriving is not None:  # add the accumulator that came for this slice
-                arrived = arriving.wait()  # (the exchange that sent `sent` is done too)
-                acc += arrived
-                spare += [arrived, sent] if ctx.overlap else []
-                del arrived
-            recv = spare.pop() if spare else torch.empty_like(acc)
-            arriving, sent = comm.ring_exchange(acc, recv, async_op=True), acc
-            del acc, recv
-            if not ctx.overlap:
-                arriving, sent = Pending.ready(arriving.wait()), None
-        return dy, dx.view(B, n, h), arriving.wait(), None, None, None, None
+        dx, dw_own = ring_mlp_backward(dy, x, w_own, saved, ctx.comm, ctx.overlap)
+        return dy, dx, dw_own, None, None, None, None
 
 
 class BroadcastMLP(torch.autograd.Function):
+    """res + MLP(x) by the broadcast schedule: :func:`broadcast_mlp_forward`,
+    :func:`broadcast_mlp_backward`."""
+
     @staticmethod
     def forward(ctx, res, x, w_own, comm: Comm, overlap: bool, grad: bool, recompute: bool = False):  # type: ignore[override]
         save = grad and any(ctx.needs_input_grad)  # (needs_input_grad ignores no_grad)
         ctx.comm, ctx.overlap = comm, overlap
-        return mlp_fwd(ctx, res, x, w_own, owner_shards(w_own, comm, overlap), save, recompute)
+        y, saved = broadcast_mlp_forward(res, x, w_own, comm, overlap, save, recompute)
+        if save:
+            ctx.save_for_backward(x, w_own, *saved)
+        return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
-        comm: Comm = ctx.comm
         x, w_own, *saved = ctx.saved_tensors
-        B, n, h = x.shape
-        x2, dy2 = x.view(B * n, h), dy.reshape(B * n, h)
-        dx, dw_own, reducing = None, None, None
-        for s, w in owner_shards(w_own, comm, ctx.overlap):
-            dx, dh, g = slice_bwd(dx, dy2, w, saved[s])
-            dw = slice_grad(torch.empty_like(w_own), dh, g, x2, dy2)  # this rank's tokens' part
-            del dh, g
-            if reducing is not None:  # at most one gradient reduce in flight
-                reducing.wait()
-            reducing = comm.reduce(dw, dst=s, async_op=True)
-            if not ctx.overlap:
-                reducing = Pending.ready(reducing.wait())
-            if s == comm.rank:
-                dw_own = dw
-        reducing.wait()
-        return dy, dx.view(B, n, h), dw_own, None, None, None, None
+        dx, dw_own = broadcast_mlp_backward(dy, x, w_own, saved, ctx.comm, ctx.overlap)
+        return dy, dx, dw_own, None, None, None, None

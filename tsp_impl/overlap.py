@@ -1,4 +1,5 @@
-"""Prefetching: issue step i+1's communication before step i's compute (double buffering).
+"""Prefetching: issue step i+1's communication before step i's compute (double buffering);
+draining: at most one gradient reduce in flight behind the compute (:class:`OneInFlight`).
 
 ``prefetched(n, start, overlap)`` yields ``(i, start(i).wait())`` for i in 0..n-1. With overlap
 on, ``start(i + 1)`` is issued before step i is handed to the caller, so the transfer runs while
@@ -63,3 +64,30 @@ def owner_shards(w_own: torch.Tensor, comm: Comm, overlap: bool = True):
         return comm.broadcast(w_own if r == comm.rank else buffer(r), src=r, async_op=True)
 
     return prefetched(comm.size, start, overlap)
+
+
+class OneInFlight:
+    """Gradient reduces to their owners, at most one in flight: each :meth:`reduce` first waits
+    for the one before it (which drained while this step computed), so only two gradients are
+    alive, the one in flight and the one just computed. Every schedule whose backward reduces a
+    gradient per owner uses it; the ring MLP's accumulator hops are another pattern.
+
+    ``wait_each`` waits for every reduce as soon as it is issued (the broadcast MLP with overlap
+    off); the reduce is still issued ``async_op=True``, as before, so the trace is the same."""
+
+    def __init__(self, comm: Comm, wait_each: bool = False) -> None:
+        self.comm, self.wait_each = comm, wait_each
+        self.pending: Pending | None = None
+
+    def reduce(self, t: torch.Tensor, dst: int) -> None:
+        """Sum ``t`` into owner ``dst``'s, once the previous reduce is done."""
+        if self.pending is not None:
+            self.pending.wait()
+        self.pending = self.comm.reduce(t, dst=dst, async_op=True)
+        if self.wait_each:
+            self.pending = Pending.ready(self.pending.wait())
+
+    def drain(self) -> None:
+        """Wait for the reduce still in flight (the pass's last)."""
+        if self.pending is not None:
+            self.pending.wait()
