@@ -98,7 +98,8 @@ def scatter_kv_grad(dks: list[torch.Tensor], dvs: list[torch.Tensor], plan: TSPP
     Consumes the lists (their tensors are freed once concatenated)."""
     parts = [x for dk, dv in zip(dks[:-1], dvs[:-1]) for x in (dk, dv)] + [dks[-1]]
     src, last = torch.cat(parts, dim=2), dvs[-1]  # [B, b, rows, d]
-    dks.clear(), dvs.clear()
+    dks.clear()
+    dvs.clear()
     del parts
     B, b, _, d = src.shape
     full = src.new_zeros((plan.seq_len, 2, B, b, d))
@@ -136,7 +137,7 @@ def attention_forward(
     local K/V ([B, hkv, S/D, d] views, RoPE applied) before they are gathered: decode's prefill
     fills its cache with them."""
     B, n, h = x.shape
-    y, lses = None, []
+    y, lses = None, list[torch.Tensor]()
     saved: list[torch.Tensor] = []
     for r, w in owner_shards(w_own, plan.comm, plan.overlap):
         qkv = project(x, w, plan)
@@ -160,6 +161,7 @@ def attention_forward(
         if save:
             saved += [qkv, a, *lses, *kvs]
         del qkv, a, parts, kvs  # (not alive while the next head group's are computed)
+    assert y is not None  # (D >= 1 head groups)
     return y.view(B, n, h), saved, len(lses)
 
 
@@ -215,6 +217,7 @@ def attention_backward(
         if r == plan.rank:
             dw_own = dw
     reduces.drain()
+    assert dx is not None and dw_own is not None  # (D >= 1 head groups, one this rank's)
     return dx.view(B, n, h), dw_own
 
 
@@ -223,7 +226,7 @@ class BroadcastAttention(torch.autograd.Function):
     :func:`attention_backward`, the tensors they pass between them saved on ``ctx``."""
 
     @staticmethod
-    def forward(ctx, res, x: torch.Tensor, w_own: torch.Tensor, plan: TSPPlan, grad: bool):  # type: ignore[override]
+    def forward(ctx, res, x: torch.Tensor, w_own: torch.Tensor, plan: TSPPlan, grad: bool):
         """res + attention(x): the residual ``res`` starts the accumulation of Y."""
         save = grad and any(ctx.needs_input_grad)  # (needs_input_grad ignores no_grad)
         y, saved, ctx.n_lse = attention_forward(res, x, w_own, plan, save)
@@ -233,7 +236,7 @@ class BroadcastAttention(torch.autograd.Function):
         return y
 
     @staticmethod
-    def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, dy: torch.Tensor):
         x, w_own, *saved = ctx.saved_tensors
         dx, dw_own = attention_backward(dy, x, w_own, saved, ctx.n_lse, ctx.plan)
         return dy, dx, dw_own, None, None

@@ -114,8 +114,10 @@ def mlp_forward(
         if save:
             saved.append(h13)
         del h13  # (not alive while the next slice's is computed)
-    # recomputing, the output is never used (autograd stops once the saved tensors are back)
-    return (torch.empty_like(x) if recompute else y.view(B, n, h)), saved
+    if recompute:  # the output is never used (autograd stops once the saved tensors are back)
+        return torch.empty_like(x), saved
+    assert y is not None  # (D >= 1 slices)
+    return y.view(B, n, h), saved
 
 
 def ring_mlp_forward(
@@ -159,7 +161,8 @@ def ring_mlp_backward(
     # the accumulator for the slice held now (in flight from rank p-1), the one sent last,
     # and, with overlap, accumulator buffers free for reuse: three take turns (the one being
     # computed, the one arriving, the one leaving), so the steps allocate none
-    arriving, sent, spare = None, None, []
+    arriving, sent = None, None
+    spare: list[torch.Tensor] = []
     dx = None
     for t, w in ring(w_own, comm, overlap):
         dx, dh, g = slice_bwd(dx, dy2, w, saved[t])
@@ -168,13 +171,16 @@ def ring_mlp_backward(
         if arriving is not None:  # add the accumulator that came for this slice
             arrived = arriving.wait()  # (the exchange that sent `sent` is done too)
             acc += arrived
-            spare += [arrived, sent] if overlap else []
+            if overlap:  # (with overlap the accumulator sent last is kept: sent is set)
+                assert sent is not None
+                spare += [arrived, sent]
             del arrived
         recv = spare.pop() if spare else torch.empty_like(acc)
         arriving, sent = comm.ring_exchange(acc, recv, async_op=True), acc
         del acc, recv
         if not overlap:
             arriving, sent = Pending.ready(arriving.wait()), None
+    assert dx is not None and arriving is not None  # (D >= 1 steps)
     return dx.view(B, n, h), arriving.wait()
 
 
@@ -199,6 +205,7 @@ def broadcast_mlp_backward(
         if s == comm.rank:
             dw_own = dw
     reduces.drain()
+    assert dx is not None and dw_own is not None  # (D >= 1 slices, one of them this rank's)
     return dx.view(B, n, h), dw_own
 
 
@@ -206,7 +213,7 @@ class RingMLP(torch.autograd.Function):
     """res + MLP(x) by the ring schedule: :func:`ring_mlp_forward`, :func:`ring_mlp_backward`."""
 
     @staticmethod
-    def forward(ctx, res, x, w_own, comm: Comm, overlap: bool, grad: bool, recompute: bool = False):  # type: ignore[override]
+    def forward(ctx, res, x, w_own, comm: Comm, overlap: bool, grad: bool, recompute: bool = False):
         save = grad and any(ctx.needs_input_grad)  # (needs_input_grad ignores no_grad)
         ctx.comm, ctx.overlap = comm, overlap
         y, saved = ring_mlp_forward(res, x, w_own, comm, overlap, save, recompute)
@@ -215,7 +222,7 @@ class RingMLP(torch.autograd.Function):
         return y
 
     @staticmethod
-    def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, dy: torch.Tensor):
         x, w_own, *saved = ctx.saved_tensors
         dx, dw_own = ring_mlp_backward(dy, x, w_own, saved, ctx.comm, ctx.overlap)
         return dy, dx, dw_own, None, None, None, None
@@ -226,7 +233,7 @@ class BroadcastMLP(torch.autograd.Function):
     :func:`broadcast_mlp_backward`."""
 
     @staticmethod
-    def forward(ctx, res, x, w_own, comm: Comm, overlap: bool, grad: bool, recompute: bool = False):  # type: ignore[override]
+    def forward(ctx, res, x, w_own, comm: Comm, overlap: bool, grad: bool, recompute: bool = False):
         save = grad and any(ctx.needs_input_grad)  # (needs_input_grad ignores no_grad)
         ctx.comm, ctx.overlap = comm, overlap
         y, saved = broadcast_mlp_forward(res, x, w_own, comm, overlap, save, recompute)
@@ -235,7 +242,7 @@ class BroadcastMLP(torch.autograd.Function):
         return y
 
     @staticmethod
-    def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, dy: torch.Tensor):
         x, w_own, *saved = ctx.saved_tensors
         dx, dw_own = broadcast_mlp_backward(dy, x, w_own, saved, ctx.comm, ctx.overlap)
         return dy, dx, dw_own, None, None, None, None

@@ -44,9 +44,10 @@ def receive_buffers(like: torch.Tensor, overlap: bool) -> Callable[[int], torch.
     def buffer(i: int) -> torch.Tensor:
         if not overlap:
             return torch.empty_like(like)
-        if slots[i % 2] is None:
-            slots[i % 2] = torch.empty_like(like)
-        return slots[i % 2]
+        slot = slots[i % 2]
+        if slot is None:
+            slot = slots[i % 2] = torch.empty_like(like)
+        return slot
 
     return buffer
 

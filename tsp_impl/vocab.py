@@ -50,6 +50,7 @@ def embedding_forward(
         found = F.embedding(rows, e)
         hit = hits[r, ..., None]
         x = found.mul_(hit) if x is None else torch.where(hit, found, x)
+    assert x is not None  # (D >= 1 owners)
     return x
 
 
@@ -68,6 +69,7 @@ def embedding_backward(
         if r == comm.rank:
             de_own = de
     reduces.drain()
+    assert de_own is not None  # (this rank is one of the owners)
     return de_own
 
 
@@ -129,6 +131,7 @@ def loss_backward(
         if r == comm.rank:
             dw_own = dw
     reduces.drain()
+    assert dx is not None and dw_own is not None  # (D >= 1 owners, this rank one of them)
     return dx.view_as(x), dw_own
 
 
@@ -137,14 +140,14 @@ class VocabEmbedding(torch.autograd.Function):
     :func:`embedding_backward`."""
 
     @staticmethod
-    def forward(ctx, tokens: torch.Tensor, e_own: torch.Tensor, comm: Comm, overlap: bool):  # type: ignore[override]
+    def forward(ctx, tokens: torch.Tensor, e_own: torch.Tensor, comm: Comm, overlap: bool):
         x = embedding_forward(tokens, e_own, comm, overlap)
         ctx.save_for_backward(tokens)
         ctx.comm, ctx.shape = comm, e_own.shape
         return x
 
     @staticmethod
-    def backward(ctx, dx: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, dx: torch.Tensor):
         (tokens,) = ctx.saved_tensors
         return None, embedding_backward(dx, tokens, ctx.shape, ctx.comm), None, None
 
@@ -154,14 +157,14 @@ class VocabParallelLoss(torch.autograd.Function):
     :func:`loss_forward`, :func:`loss_backward`."""
 
     @staticmethod
-    def forward(ctx, x, w_own, labels, n_tokens: int, comm: Comm, overlap: bool):  # type: ignore[override]
+    def forward(ctx, x, w_own, labels, n_tokens: int, comm: Comm, overlap: bool):
         loss, lse = loss_forward(x, w_own, labels, n_tokens, comm, overlap)
         ctx.save_for_backward(x, w_own, labels, lse)
         ctx.comm, ctx.n_tokens, ctx.overlap = comm, n_tokens, overlap
         return loss
 
     @staticmethod
-    def backward(ctx, g):  # type: ignore[override]
+    def backward(ctx, g):
         x, w_own, labels, lse = ctx.saved_tensors
         dx, dw_own = loss_backward(g, x, w_own, labels, lse, ctx.n_tokens, ctx.comm, ctx.overlap)
         return dx, dw_own, None, None, None, None
