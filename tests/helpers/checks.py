@@ -13,13 +13,13 @@ import torch
 import torch.distributed as dist
 
 from tspbench.core.config import get_config
+from tspbench.core.dtypes import DTYPES
 from tspbench.core.memory import MemoryTracker
 from tspbench.core.mesh import build_mesh
 from tspbench.core.optim import AdamW
 from tspbench.core.reference import ReferenceModel, make_batch
+from tspbench.runtime import registry
 from tspbench.runtime.spec import RunSpec
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @functools.cache
@@ -30,15 +30,20 @@ def mesh_for(dims: tuple[tuple[str, int], ...]):
 # a case's run fields and their RunSpec names (the rest of a case: its id, model overrides,
 # tolerances and test-only knobs)
 RUN_FIELDS = {"D": "degree", "S": "seq_len", "P": "seq_len", "B": "batch", "N": "new_tokens"} | {
-    k: k for k in ("tp", "sp", "dp", "dtype", "seed", "mode", "recompute", "overlap", "kv_bucket",
-                   "mlp_schedule", "kv_backward")
-}  # fmt: skip
+    k: k for k in ("tp", "sp", "dp", "dtype", "seed", "mode", "recompute")
+}
+
+
+def run_fields() -> dict[str, str]:
+    """RUN_FIELDS and every registered strategy's options (flat in a case, as in a record)."""
+    return RUN_FIELDS | {k: k for k in registry.all_options()}
 
 
 def case_spec(case: dict, **fixed) -> RunSpec:
     """The RunSpec of a test case: its run fields go straight into RunSpec.make under RunSpec's
     names, on the tiny model with the case's overrides; ``fixed`` adds fields the test sets."""
-    fields = {RUN_FIELDS[k]: v for k, v in case.items() if k in RUN_FIELDS}
+    names = run_fields()
+    fields = {names[k]: v for k, v in case.items() if k in names}
     cfg = get_config("tiny", **case.get("model", {}))
     return RunSpec.make(case["strategy"], cfg, **fields, **fixed)
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tests.helpers.checks import DTYPES, case_spec, close, err, mesh_for
+from tests.helpers.checks import case_spec, close, err, mesh_for
 from tspbench.core.decode import bytes_per_step
+from tspbench.core.dtypes import DTYPES
 from tspbench.core.reference import ReferenceModel, make_batch
 
 

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import NoReturn
 
 from tspbench.core.config import ConfigError
+from tspbench.core.dtypes import DTYPES
 from tspbench.core.options import Option, Value
 from tspbench.runtime.spec import CHOICES, parse_size
 
@@ -177,7 +178,7 @@ def add_run_args(p: argparse.ArgumentParser, strategy: str | None = None) -> Non
         help="decode, generate: tokens generated per sequence (default 16)",
     )
     p.add_argument("--batch", type=int_in(1, 4096), default=1, help="micro-batch per replica")
-    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
     p.add_argument(
         "--recompute",
         choices=("none", "full"),

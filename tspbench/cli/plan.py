@@ -8,6 +8,7 @@ import argparse
 import json
 
 from tspbench.cli.args import NEW_TOKENS, gib, int_in, out_dir, out_file, progress
+from tspbench.core.dtypes import DTYPES
 
 GiB = 2**30
 
@@ -131,7 +132,7 @@ def add_parsers(sub) -> None:
         default=None,
         help="decode, generate: tokens generated per sequence (default 16)",
     )
-    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
     p.add_argument(
         "--memory-cap", type=gib, default=None, help="GiB per GPU (default: the hardware's memory)"
     )

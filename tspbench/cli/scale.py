@@ -11,6 +11,7 @@ from typing import Any
 
 from tspbench.cli.args import add_run_args, gib, out_dir, out_file, progress
 from tspbench.core.config import ConfigError
+from tspbench.core.dtypes import DTYPES
 from tspbench.runtime.spec import RunSpec
 
 
@@ -226,6 +227,6 @@ def add_parsers(sub) -> None:
     c = sub.add_parser("calibrate", help="microbenchmark this machine into a hardware preset")
     c.add_argument("--ranks", default="1,2,4", help="rank counts to measure with")
     c.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    c.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    c.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
     c.add_argument("--out", type=out_file(".json"), required=True, help="preset JSON to write")
     c.set_defaults(func=cmd_calibrate)

@@ -31,6 +31,7 @@ import torch
 
 from tspbench.core import attention
 from tspbench.core.config import get_config
+from tspbench.core.dtypes import DTYPES
 from tspbench.core.mesh import build_mesh
 from tspbench.core.reference import ReferenceModel, make_batch
 from tspbench.core.strategy import Layout
@@ -40,7 +41,6 @@ from tspbench.runtime.record import versions, write_json
 from tspbench.runtime.registry import reference_name, strategies
 from tspbench.runtime.spec import RunSpec
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TOL = {"fp32": 1e-4, "bf16": 3e-2}  # max error relative to each tensor's max
 
 
@@ -66,7 +66,7 @@ def devices() -> str:
 def kernels(device: torch.device) -> list[tuple[str, str]]:
     """(kernel, dtype) pairs this node runs through the attention entry point."""
     out = []
-    for dtype in ("fp32", "bf16"):
+    for dtype in DTYPES:
         if device.type == "cpu" and dtype == "bf16":
             out.append(("cpu_flash", dtype))  # small shapes: bf16 matmul is slow on CPUs
             continue

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import platform
 import statistics
-import time
 from typing import Any
 
 import torch
@@ -22,13 +21,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tspbench.core.comm import KINDS, Comm, CommCounter, bus_bytes
+from tspbench.core.dtypes import DTYPES
+from tspbench.runtime.timing import timed
 
 SIZES = (2**12, 2**15, 2**18, 2**21)  # bytes per collective
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _timed(fn, device: torch.device, reps: int, inner: int = 1) -> float:
@@ -38,12 +34,12 @@ def _timed(fn, device: torch.device, reps: int, inner: int = 1) -> float:
     for _ in range(reps):
         if dist.is_initialized():
             dist.barrier()
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        _sync(device)
-        times.append((time.perf_counter() - t0) / inner)
+
+        def window() -> None:
+            for _ in range(inner):
+                fn()  # (each result freed at once)
+
+        times.append(timed(window, device)[1] / inner)
     return statistics.median(times)
 
 
@@ -144,12 +140,12 @@ def _straggler(device: torch.device, dtype: torch.dtype) -> float:
     ratios = []
     for _ in range(9):
         dist.barrier()
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(50):
-            torch.mm(a, a).relu_()
-        _sync(device)
-        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+
+        def work() -> None:
+            for _ in range(50):
+                torch.mm(a, a).relu_()
+
+        t = torch.tensor([timed(work, device)[1]], dtype=torch.float64, device=device)
         each = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
         dist.all_gather(each, t)
         ts = torch.cat(each)
@@ -188,7 +184,7 @@ def _worker(rank: int, world: int, port: int, device_type: str, dtype_name: str,
         torch.cuda.set_device(device)
     else:  # the threads a launched rank gets (tspbench.runtime.launch.init): the cores shared out
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    dtype = DTYPES[dtype_name]
     try:
         res: dict[str, Any] = _compute(device, dtype)
         if world > 1:

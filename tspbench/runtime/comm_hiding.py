@@ -15,7 +15,6 @@ collectives' threads and the GEMMs compete for the same cores).
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -24,9 +23,10 @@ from tspbench.core.comm import blocked_in_collective
 from tspbench.core.mesh import build_mesh
 from tspbench.core.optim import AdamW
 from tspbench.core.reference import make_batch
-from tspbench.runtime.measure import _sync, build_strategy
+from tspbench.runtime.measure import build_strategy
 from tspbench.runtime.registry import get_strategy
 from tspbench.runtime.spec import RunSpec
+from tspbench.runtime.timing import slowest, timed
 
 
 def _timed(fn, steps: int, device: torch.device) -> float:
@@ -35,15 +35,9 @@ def _timed(fn, steps: int, device: torch.device) -> float:
     for _ in range(steps):
         with blocked_in_collective():
             dist.barrier()
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    t = torch.tensor(times, dtype=torch.float64, device=device)  # (NCCL: on the GPU)
+        times.append(timed(fn, device)[1])
     with blocked_in_collective():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return statistics.median(t.tolist())
+        return statistics.median(slowest(times, device))
 
 
 def bench_rank(spec: RunSpec, device: torch.device) -> dict:

@@ -15,34 +15,21 @@ token, ``tokens_per_s`` the batch's tokens per second); ``generate`` the whole g
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from tspbench.core.comm import blocked_in_collective
+from tspbench.core.dtypes import DTYPES
 from tspbench.core.memory import MemoryTracker
 from tspbench.core.mesh import build_mesh
 from tspbench.core.reference import make_batch
 from tspbench.runtime.flops import counter
 from tspbench.runtime.guard import process_age_s
-from tspbench.runtime.measure import DTYPES, build_strategy, gc_held, gemm_rate
+from tspbench.runtime.measure import build_strategy, gc_held, gemm_rate
 from tspbench.runtime.spec import RunSpec
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _timed(fn, device: torch.device):
-    """(result, seconds) of ``fn()``, synchronized."""
-    _sync(device)
-    t0 = time.perf_counter()
-    out = fn()
-    _sync(device)
-    return out, time.perf_counter() - t0
+from tspbench.runtime.timing import timed
 
 
 def generation(
@@ -54,7 +41,7 @@ def generation(
     P, dec = tokens.shape[1], strat.decoding()
     if mesh is not None:
         mesh.counter.reset()
-    (cache, step), t_prefill = _timed(lambda: dec.prefill(tokens, P + n - 1), device)
+    (cache, step), t_prefill = timed(lambda: dec.prefill(tokens, P + n - 1), device)
     out: dict[str, Any] = {"prefill_s": t_prefill, "steps_s": [], "cache": cache}
     if flops is not None:
         out["prefill_flops"] = int(flops.get_total_flops())
@@ -63,7 +50,7 @@ def generation(
         mesh.counter.reset()
     steps = [step]
     for _ in range(n - 1):
-        step, dt = _timed(lambda: dec.decode_step(cache, steps[-1].tokens), device)
+        step, dt = timed(lambda: dec.decode_step(cache, steps[-1].tokens), device)
         steps.append(step)
         out["steps_s"].append(dt)
     if mesh is not None:

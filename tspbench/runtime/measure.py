@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import gc
 import statistics
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -24,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from tspbench.core.comm import blocked_in_collective
+from tspbench.core.dtypes import DTYPES
 from tspbench.core.memory import MemoryTracker
 from tspbench.core.mesh import build_mesh
 from tspbench.core.optim import AdamW
@@ -33,13 +33,7 @@ from tspbench.runtime.flops import counter
 from tspbench.runtime.guard import process_age_s
 from tspbench.runtime.registry import get_strategy
 from tspbench.runtime.spec import RunSpec
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from tspbench.runtime.timing import slowest, timed
 
 
 def one_step(strat, batch, opt) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -85,12 +79,13 @@ def gemm_rate(device: torch.device, dtype: torch.dtype, n: int = 0, reps: int = 
     n = n or (4096 if device.type == "cuda" else 384)
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    _sync(device)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        torch.mm(a, b)
-    _sync(device)
-    return 2 * n**3 * reps / (time.perf_counter() - t0) / 1e9
+
+    def gemms() -> None:
+        for _ in range(reps):
+            torch.mm(a, b)  # (each product freed at once, as before)
+
+    _, dt = timed(gemms, device)
+    return 2 * n**3 * reps / dt / 1e9
 
 
 def build_strategy(spec: RunSpec, mesh, device: torch.device, overlap: bool | None = None):
@@ -155,25 +150,12 @@ def measure_rank(spec: RunSpec, device: torch.device, beat=lambda: None) -> dict
         calib.append(gemm_rate(device, DTYPES[spec.dtype]))
         with blocked_in_collective():
             dist.barrier()
-        _sync(device)
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            _sync(device)
-            dt = start.elapsed_time(end) / 1e3
-        else:
-            t0 = time.perf_counter()
-            step()
-            dt = time.perf_counter() - t0
+        _, dt = timed(step, device)
         times.append(dt)
         if not spec.quiet and rank0:
             print(f"[tspbench] step {i + 1}/{spec.steps}: {dt * 1e3:.1f} ms (rank 0)", flush=True)
-    slowest = torch.tensor(times, dtype=torch.float64, device=device)  # (NCCL: on the GPU)
     with blocked_in_collective():  # a step lasts as long as its slowest rank
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    out["step_times"] = slowest.tolist()
+        out["step_times"] = slowest(times, device)
     out["calib_gflops"] = statistics.median(calib)
     k = spec.steps
     out["comm_by_kind"] = {kind: b / k for kind, b in mesh.counter.by_kind().items()}

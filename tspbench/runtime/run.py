@@ -22,13 +22,14 @@ import torch.distributed as dist
 from tspbench.core import attention
 from tspbench.core.comm import blocked_in_collective
 from tspbench.core.config import ConfigError
+from tspbench.core.dtypes import DTYPES
 from tspbench.runtime import failure
 from tspbench.runtime.decode import measure_decode_rank, summarize_decode
 from tspbench.runtime.flops import device_peak
 from tspbench.runtime.guard import RENDEZVOUS, Guard, process_age_s
 from tspbench.runtime.launch import RankEnv, detect, free_port, init
 from tspbench.runtime.layout import rank_layout
-from tspbench.runtime.measure import DTYPES, measure_rank, summarize
+from tspbench.runtime.measure import measure_rank, summarize
 from tspbench.runtime.record import (
     git_commit,
     hardware,

@@ -17,11 +17,11 @@ from functools import cached_property
 from typing import Any
 
 from tspbench.core.config import ConfigError, ModelConfig, get_config, parse_overrides
+from tspbench.core.dtypes import BYTES
 from tspbench.core.options import Options, Value
 from tspbench.core.strategy import Layout, Strategy
 from tspbench.runtime.registry import all_options, get_strategy, strategies, takers
 
-BYTES = {"fp32": 4, "bf16": 2}
 CHOICES = {
     "mode": ("train", "infer", "decode", "generate"),
     "dtype": tuple(BYTES),
