@@ -152,16 +152,18 @@ def test_metrics_and_step_times_are_reduced_on_the_step_device():
 
     from tspbench.core.optim import grad_sq_sum
     from tspbench.projection import calibrate
-    from tspbench.runtime import comm_hiding, decode, measure
+    from tspbench.runtime import comm_hiding, decode, measure, timing
 
+    for module in (measure, comm_hiding):  # their step times: through timing.slowest
+        assert "slowest(" in inspect.getsource(module), module.__name__
     seen = 0
-    for module in (measure, decode, comm_hiding, calibrate):
+    for module in (timing, decode, calibrate):
         src = inspect.getsource(module)
         for line in src.splitlines():
             if "torch.tensor(" in line and "float64" in line:
                 assert "device=device" in line, f"{module.__name__}: {line.strip()}"
                 seen += 1
-    assert seen == 4  # the reductions of run, decode, the overlap benchmark, calibration
+    assert seen == 3  # timing.slowest (run, the overlap benchmark), decode's, calibration's
     meta = torch.nn.Parameter(torch.empty(2, device="meta"))
     assert grad_sq_sum([meta]).device.type == "meta"  # no gradient: on the parameters' device
 
