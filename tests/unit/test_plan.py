@@ -365,23 +365,3 @@ def test_plan_check_compares_each_analytic_peak_with_the_same_step(counted, tmp_
     text = plancheck.check([str(summary)], f"{ref}/calibration/cpu-2c.json",
                            f"{ref}/projected-7b/memory.csv", cache=str(tmp_path))  # fmt: skip
     assert "steady state median 0.0%, max 0.0%; first step median 0.0%, max 0.0%" in text
-
-
-def test_fit_decisions_use_the_usable_memory_not_the_nominal_size():
-    """A device exposes less than its nominal size, and the context, the collectives' buffers,
-    the BLAS workspaces and the allocator's slack come off that: the planner's default cap is
-    the preset's usable memory, so its pick leaves real headroom (7B, 128K, 8 H100: it picked
-    TSP at 79.6 GiB against the nominal 80 GiB before)."""
-    from tspbench.projection import costmodel
-
-    for name in ("h100", "h200", "mi300x"):
-        p = costmodel.load_preset(name)
-        u = p["usable_memory"]
-        assert costmodel.usable_memory(p) < u["visible_bytes"] <= p["memory_bytes"]
-        assert costmodel.usable_memory(p) < 0.96 * u["visible_bytes"]
-    req = Request.make("7b", "h100", 131072, 8)
-    assert req.memory_cap == costmodel.usable_memory(costmodel.load_preset("h100"))
-    best = planner.plan(req, use_cache=False).best
-    assert best is not None and best.fits and best.cand.peak <= req.memory_cap < 75 * 2**30
-    # a calibrated preset (no breakdown: it measured the free memory) keeps its memory_bytes
-    assert costmodel.usable_memory({"memory_bytes": 5.0}) == 5.0

@@ -10,21 +10,9 @@ import pytest
 
 from tests.helpers.runner import ROOT
 from tspbench.core.config import get_config
-from tspbench.projection.estimate import estimate_rank
 from tspbench.runtime.spec import RunSpec
 
 REF = ROOT / "results" / "reference" / "calibration"
-
-
-def test_rank_zero_holds_the_largest_buffers():
-    """The estimator's default (rank 0) is the worst rank: zigzag gives it the longest keys.
-    One layer: the keys a rank holds are the same in every layer (half the fake steps)."""
-    cfg = dataclasses.replace(get_config("tiny"), layers=1)
-    for s in ("tsp", "sp", "fsdp_cp", "tpsp", "tp"):
-        tp, sp = (2, 2) if s == "tpsp" else (1, 1)
-        spec = RunSpec.make(s, cfg, degree=4, tp=tp, sp=sp, seq_len=1024)
-        peaks = [estimate_rank(spec, r, "fused")["peak_bytes"] for r in range(4)]
-        assert peaks[0] == max(peaks), (s, peaks)
 
 
 def test_op_count_extrapolates_exactly():
