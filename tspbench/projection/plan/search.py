@@ -31,8 +31,8 @@ An option declared ``bounded_by_default`` (TSP's KV bucket: it repeats its group
 kernel calls and removes none) is bounded by its counted twin at the default (:func:`tighten`);
 priced as the twin otherwise, it is counted only with ``--exact`` or an estimate.
 
-This module enumerates and ranks; the records it fills are in :mod:`plantypes`, the caches in
-:mod:`plancache`, the printed answer in :mod:`planrender` and the commands in :mod:`planlaunch`.
+This module enumerates and ranks; the records it fills are in :mod:`.types`, the caches in
+:mod:`.cache`, the printed answer in :mod:`.render` and the commands in :mod:`.launch`.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ from tspbench.core.config import ConfigError
 from tspbench.core.options import Value
 from tspbench.core.strategy import Layout, Strategy
 from tspbench.projection import analytic, costmodel, decode
-from tspbench.projection.plancache import OpsCache, cache_dir, estimate_peak
-from tspbench.projection.plantypes import (
+from tspbench.projection.plan.cache import OpsCache, cache_dir, estimate_peak
+from tspbench.projection.plan.types import (
     MAX_BATCH,
     Candidate,
     Config,

@@ -12,10 +12,11 @@ import statistics
 from pathlib import Path
 
 from tspbench.core.config import ConfigError, load_model
-from tspbench.projection import analytic, costmodel, planner
+from tspbench.projection import analytic, costmodel
 from tspbench.projection.costcheck import measured_runs
-from tspbench.projection.plancache import OpsCache, cache_dir
-from tspbench.projection.plantypes import Candidate, Config
+from tspbench.projection.plan import search
+from tspbench.projection.plan.cache import OpsCache, cache_dir
+from tspbench.projection.plan.types import Candidate, Config
 from tspbench.runtime.registry import searched
 from tspbench.runtime.spec import RunSpec
 
@@ -145,9 +146,9 @@ def _best_pick_row(
         cand = Candidate(spec.strategy, spec.layout, spec.batch, spec.recompute, opts,
                          spec=spec, peak=rec["steady"], fits=True)  # fmt: skip
         conf = Config(spec.strategy, spec.layout, spec.recompute, opts, [cand])
-        planner.count_config(conf, ops, preset)
+        search.count_config(conf, ops, preset)
         configs.append((conf, rec["cell"]))
-    ranked = planner.rank([c for c, _ in configs])
+    ranked = search.rank([c for c, _ in configs])
     pick = next(cell for c, cell in configs if c is ranked[0].config)
 
     def times(cell: str) -> list[float]:

@@ -1,6 +1,6 @@
 """The planner's records: the question (:class:`Request`, checked when made) and what a plan
 tries and answers (:class:`Candidate`, :class:`Config`, :class:`Row`, :class:`Plan`). They live
-apart from the enumeration and ranking (:mod:`planner`) so that the rendering, the commands, the
+apart from the enumeration and ranking (:mod:`.search`) so that the rendering, the commands, the
 maps and the check can use them without the planner's machinery.
 """
 
@@ -15,7 +15,7 @@ from tspbench.core.config import ConfigError, ModelConfig, load_model
 from tspbench.core.options import Value
 from tspbench.core.strategy import Layout
 from tspbench.projection import costmodel
-from tspbench.projection.plancache import OpsCache
+from tspbench.projection.plan.cache import OpsCache
 from tspbench.runtime.registry import searched, strategies
 from tspbench.runtime.spec import CHOICES, DECODE_MODES, RunSpec
 

@@ -1,6 +1,6 @@
 """The figures of a plan map (PROJECTED): ``write_map`` writes ``map.csv`` and, as PNG and PDF,
 the winner of every (S, GPUs) cell, each strategy's memory-feasible region and the focus
-strategy's margin over the best other. Split from :mod:`planmap`, which plans the cells:
+strategy's margin over the best other. Split from :mod:`.map`, which plans the cells:
 drawing them is its own concern (matplotlib, seaborn: imported only here, when drawing).
 """
 
