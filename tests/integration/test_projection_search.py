@@ -6,9 +6,10 @@ from __future__ import annotations
 import dataclasses
 
 from tspbench.core.config import get_config
-from tspbench.projection import costmodel, planner
+from tspbench.projection import costmodel
 from tspbench.projection.estimate import estimate_rank
-from tspbench.projection.plantypes import Request
+from tspbench.projection.plan import search
+from tspbench.projection.plan.types import Request
 from tspbench.runtime.registry import strategies
 from tspbench.runtime.spec import RunSpec
 
@@ -41,7 +42,7 @@ def test_fit_decisions_use_the_usable_memory_not_the_nominal_size():
         assert costmodel.usable_memory(p) < 0.96 * u["visible_bytes"]
     req = Request.make("7b", "h100", 131072, 8)
     assert req.memory_cap == costmodel.usable_memory(costmodel.load_preset("h100"))
-    best = planner.plan(req, use_cache=False).best
+    best = search.plan(req, use_cache=False).best
     assert best is not None and best.fits and best.cand.peak <= req.memory_cap < 75 * 2**30
     # a calibrated preset (no breakdown: it measured the free memory) keeps its memory_bytes
     assert costmodel.usable_memory({"memory_bytes": 5.0}) == 5.0

@@ -83,7 +83,7 @@ def test_counting_alone_counts_what_the_estimators_probe_step_dispatches(strateg
 
 
 def test_a_kv_bucket_dispatches_at_least_its_whole_group():
-    """The planner bounds a KV bucket's operations by its whole-group twin's (planner.tighten):
+    """The planner bounds a KV bucket's operations by its whole-group twin's (plan.search.tighten):
     a bucket repeats the group's gathers and kernel calls and removes none. Llama-3-8B at
     D=2: 4 KV heads per group, buckets of 2 and 1."""
     n = [

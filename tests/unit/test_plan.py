@@ -14,8 +14,8 @@ import yaml
 
 from tspbench.cli import main
 from tspbench.core.config import PRESETS, ConfigError, hf_config
-from tspbench.projection import costmodel, plancheck, planfigures, planmap, planner
-from tspbench.projection.plantypes import Request
+from tspbench.projection import costmodel
+from tspbench.projection.plan import Request, check, load_config, search, sweep, write_map
 from tspbench.runtime.spec import RunSpec
 
 LLAMA3_8B = {
@@ -218,16 +218,16 @@ def test_bad_input_is_one_line_exit_2(capsys, counted, argv, needle):
 
 def test_global_batch_sets_the_micro_batch(counted):
     req = Request.make("7b", "mi300x", 32768, 16, global_batch=8)
-    p = planner.plan(req, use_cache=False)
+    p = search.plan(req, use_cache=False)
     for c in p.candidates:
         if c.spec is not None:
             assert c.batch * c.layout.dp == 8
-    assert p.best is not None and planner.limit(p.rows[0], req) == "global batch"
+    assert p.best is not None and search.limit(p.rows[0], req) == "global batch"
 
 
 def test_answers_in_seconds_for_1024_gpus(counted):
     t0 = time.perf_counter()
-    p = planner.plan(Request.make("7b", "mi300x", 131072, 1024), use_cache=False)
+    p = search.plan(Request.make("7b", "mi300x", 131072, 1024), use_cache=False)
     assert time.perf_counter() - t0 < 20 and p.best is not None and p.best.fits
     assert {c.layout.world_size for c in p.candidates} == {1024}
 
@@ -267,7 +267,7 @@ def test_a_cold_plan_for_1024_gpus_counts_few_configurations(counted):
     """The cold path's cost is the configurations counted (each a few seconds: the per-count
     budget is in test_op_count.py) times their count: a cold 7B plan at 128K on 1024 GPUs
     counts the rows it shows, not its 92 configurations or their KV buckets."""
-    p = planner.plan(Request.make("7b", "mi300x", 131072, 1024), use_cache=False)
+    p = search.plan(Request.make("7b", "mi300x", 131072, 1024), use_cache=False)
     assert len(p.configs) >= 90 and p.ops.counted == len(counted) <= 16
     assert not any(key.options.get("kv_bucket") for key in counted)
 
@@ -287,9 +287,9 @@ def test_a_bound_recharged_with_the_operations_is_their_projection(strategy):
 
 def test_counts_operations_for_real_and_caches_them(tmp_path):
     req = Request.make("tiny", "mi300x", 256, 2, mode="infer", dtype="fp32", max_batch=2)
-    first = planner.plan(req, top=1, cache=tmp_path)
+    first = search.plan(req, top=1, cache=tmp_path)
     assert first.ops.counted > 0 and all(r.cand.exact for r in first.shown if r.fits)
-    again = planner.plan(req, top=1, cache=tmp_path)
+    again = search.plan(req, top=1, cache=tmp_path)
     assert again.ops.counted == 0 and again.ops.hits == first.ops.counted
     assert again.best.cand.tokens_per_s == first.best.cand.tokens_per_s
 
@@ -310,12 +310,12 @@ def test_map_sweep_and_figures(counted, tmp_path):
         "name: t\nmaps: [{model: 7b, hardware: mi300x}]\nseq_lens: [65536, 1048576]\n"
         "gpus: [8, 16]\nmax_batch: 2\n"
     )
-    cfg = planmap.load_config(cfg_path)
-    table = planmap.sweep(cfg, "7b", "mi300x", cache=tmp_path)
+    cfg = load_config(cfg_path)
+    table = sweep(cfg, "7b", "mi300x", cache=tmp_path)
     assert len(table) == 2 * 2 * 7 and table.fits.any()
     s64 = table[(table.seq_len == 65536) & (table.gpus == 8)]
     assert s64.winner.iloc[0] is not None and s64.focus_margin.notna().all()
-    planfigures.write_map(table, cfg, "7b", "mi300x", tmp_path / "out")
+    write_map(table, cfg, "7b", "mi300x", tmp_path / "out")
     for name in ("winner", "feasible", "margin"):
         assert (tmp_path / "out" / f"{name}.png").stat().st_size > 10_000
         assert (tmp_path / "out" / f"{name}.pdf").exists()
@@ -335,13 +335,13 @@ def test_map_config_refused_naming_the_key(tmp_path, text, needle):
     path = tmp_path / "plan.yaml"
     path.write_text(text)
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
-        planmap.load_config(path)
+        load_config(path)
 
 
 def test_spearman_ranks_with_ties():
-    assert plancheck.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
-    assert plancheck.spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
-    assert plancheck.spearman([1, 1, 2], [5, 5, 9]) == pytest.approx(1.0)
+    assert check.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert check.spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+    assert check.spearman([1, 1, 2], [5, 5, 9]) == pytest.approx(1.0)
 
 
 def test_plan_check_compares_each_analytic_peak_with_the_same_step(counted, tmp_path):
@@ -362,6 +362,6 @@ def test_plan_check_compares_each_analytic_peak_with_the_same_step(counted, tmp_
     assert (rows["peak_mem_bytes"] != rows["peak_mem_bytes_first_step"]).any()
     summary = tmp_path / "summary.csv"
     rows.to_csv(summary, index=False)
-    text = plancheck.check([str(summary)], f"{ref}/calibration/cpu-2c.json",
+    text = check.check([str(summary)], f"{ref}/calibration/cpu-2c.json",
                            f"{ref}/projected-7b/memory.csv", cache=str(tmp_path))  # fmt: skip
     assert "steady state median 0.0%, max 0.0%; first step median 0.0%, max 0.0%" in text

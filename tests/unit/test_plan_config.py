@@ -8,7 +8,8 @@ import pytest
 
 from tests.helpers.runner import ROOT
 from tspbench.core.config import PRESETS, ConfigError
-from tspbench.projection import costmodel, planmap
+from tspbench.projection import costmodel
+from tspbench.projection.plan import load_config
 from tspbench.runtime.registry import schema, strategies
 
 SCHEMA = schema("plan.schema.yaml")["properties"]
@@ -23,11 +24,11 @@ def test_schema_enums_are_the_registries():
 
 
 def test_the_committed_config_passes_and_defaults_are_filled(tmp_path):
-    cfg = planmap.load_config(ROOT / "workflows/config/plan.yaml")
+    cfg = load_config(ROOT / "workflows/config/plan.yaml")
     assert cfg["name"] == "plan" and cfg["focus"] == "tsp" and cfg["max_degree"] is None
     path = tmp_path / "p.yaml"
     path.write_text("maps: [{model: 7b, hardware: h100}]\nseq_lens: [64, 32]\ngpus: [16, 8]\n")
-    cfg = planmap.load_config(path)
+    cfg = load_config(path)
     defaults = (cfg["dtype"], cfg["mode"], cfg["max_batch"], cfg["focus"])
     assert defaults == ("bf16", "train", 16, "tsp")
     assert cfg["seq_lens"] == [32, 64] and cfg["gpus"] == [8, 16]
@@ -48,5 +49,5 @@ def test_a_bad_value_is_one_line_naming_it(tmp_path, extra, needle):
     path = tmp_path / "plan.yaml"
     path.write_text(GOOD + extra)
     with pytest.raises(ConfigError) as e:
-        planmap.load_config(path)
+        load_config(path)
     assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)

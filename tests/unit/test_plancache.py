@@ -5,7 +5,7 @@ entry out of range is dropped (recounted)."""
 import hashlib
 import json
 
-from tspbench.projection.plancache import OpsCache
+from tspbench.projection.plan import OpsCache
 
 
 def _write(path, counts, checksum=None):

@@ -21,10 +21,7 @@ def schema_models() -> list[str]:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from tspbench.projection import planner, planrender
-    from tspbench.projection.plancache import cache_dir
-    from tspbench.projection.planlaunch import pipeline_config
-    from tspbench.projection.plantypes import Request
+    from tspbench.projection.plan import Request, cache_dir, pipeline_config, render, search
     from tspbench.runtime.registry import searched
 
     req = Request.make(
@@ -52,7 +49,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         f"{args.seq_len} (operation counts: traced once per shape, then cached"
         + (", not here)" if args.no_cache else f" in {cache_dir(args.cache)})"),
     )
-    plan = planner.plan(
+    plan = search.plan(
         req,
         top=args.top,
         exact=args.exact,
@@ -62,7 +59,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         use_cache=not args.no_cache,
     )
     models = schema_models()
-    obj = planrender.to_json(plan)
+    obj = render.to_json(plan)
     if plan.best is not None:  # (obj["best"] too)
         assert plan.best.cand.spec is not None  # a fitting candidate is a valid one
         obj["pipeline_config"] = pipeline_config(req, plan.best.cand.spec, models)
@@ -70,25 +67,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from tspbench.runtime.record import write_json
 
         write_json(args.out, obj)
-    print(json.dumps(obj, indent=1) if args.json else planrender.render(plan, models))
+    print(json.dumps(obj, indent=1) if args.json else render.render(plan, models))
     return 0
 
 
 def cmd_plan_map(args: argparse.Namespace) -> int:
-    from tspbench.projection import planfigures, planmap
+    from tspbench.projection.plan import load_config, sweep, write_map
 
-    cfg = planmap.load_config(args.config)
-    table = planmap.sweep(cfg, args.model, args.hardware, cache=args.cache, progress=True)
-    planfigures.write_map(table, cfg, args.model, args.hardware, args.out)
+    cfg = load_config(args.config)
+    table = sweep(cfg, args.model, args.hardware, cache=args.cache, progress=True)
+    write_map(table, cfg, args.model, args.hardware, args.out)
     print(f"wrote {args.out}")
     return 0
 
 
 def cmd_plan_check(args: argparse.Namespace) -> int:
-    from tspbench.projection import plancheck
+    from tspbench.projection.plan import check
     from tspbench.runtime.record import write_atomic
 
-    text = plancheck.check(
+    text = check.check(
         args.summary, args.hardware, args.memory, args.memory_hardware, cache=args.cache
     )
     print(text)

@@ -41,7 +41,7 @@ def _host_peak(device: str, spec: RunSpec) -> float:
 
     if device != "cpu" and torch.cuda.is_available():
         return 0.0
-    from tspbench.projection.planner import peak_of
+    from tspbench.projection.plan import peak_of
 
     return peak_of(spec)
 

@@ -225,35 +225,66 @@ def hf_config(data: object, where: str = "config.json") -> tuple[ModelConfig, li
     another activation or head size) is a ConfigError naming the key."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: must be a JSON object of model settings")
+    _hf_check_architecture(data, where)
+    values = _hf_values(data, where)
+    _hf_check_head_dim(data, where, values)
+    cfg = _hf_model(values, where)
+    notes = []
+    if data.get("rope_scaling"):
+        notes.append(
+            "rope_scaling read but not modelled (it changes positions, not shapes or costs)"
+        )
+    return cfg, notes
 
-    def refuse(key: str, why: str) -> ConfigError:
-        return ConfigError(f"{where}: {key}={data[key]!r}: {why}")
 
+def _hf_refuse(data: dict, where: str, key: str, why: str) -> ConfigError:
+    """The error for a ``config.json`` key whose value the model here cannot express."""
+    return ConfigError(f"{where}: {key}={data[key]!r}: {why}")
+
+
+def _hf_check_architecture(data: dict, where: str) -> None:
+    """Refuse a ``config.json`` that is not a dense Llama-style decoder: another model type or
+    architecture, experts, biases, sliding-window attention, a tied head, another activation."""
     mtype = data.get("model_type")
     archs = data.get("architectures") or []
     if mtype is not None and mtype not in HF_MODEL_TYPES:
-        raise refuse(
-            "model_type", f"not a Llama-style model (supported: {', '.join(HF_MODEL_TYPES)})"
+        raise _hf_refuse(
+            data,
+            where,
+            "model_type",
+            f"not a Llama-style model (supported: {', '.join(HF_MODEL_TYPES)})",
         )
     if not isinstance(archs, list) or any(
         not isinstance(a, str) or a not in HF_ARCHS for a in archs
     ):  # exact names: a prefix lets LlamaMoEForCausalLM or a classification head through
-        raise refuse("architectures", f"not a Llama-style decoder (one of {', '.join(HF_ARCHS)})")
+        raise _hf_refuse(
+            data,
+            where,
+            "architectures",
+            f"not a Llama-style decoder (one of {', '.join(HF_ARCHS)})",
+        )
     for key in HF_MOE_KEYS:
         if data.get(key):
-            raise refuse(
-                key, "mixture of experts: the model here is dense (one SwiGLU MLP per layer)"
+            raise _hf_refuse(
+                data,
+                where,
+                key,
+                "mixture of experts: the model here is dense (one SwiGLU MLP per layer)",
             )
     for key in ("attention_bias", "mlp_bias"):
         if data.get(key):
-            raise refuse(key, "biases: the model here has bias-free projections")
+            raise _hf_refuse(data, where, key, "biases: the model here has bias-free projections")
     if data.get("sliding_window") is not None and data.get("use_sliding_window", True):
-        raise refuse(
+        raise _hf_refuse(
+            data,
+            where,
             "sliding_window",
             "sliding-window attention: the model here attends causally over the whole sequence",
         )
     if data.get("tie_word_embeddings"):
-        raise refuse(
+        raise _hf_refuse(
+            data,
+            where,
             "tie_word_embeddings",
             "the model here has an untied LM head (separate [V, h] embedding and head); "
             "set it to false to plan the untied model (one more [V, h] matrix)",
@@ -261,45 +292,63 @@ def hf_config(data: object, where: str = "config.json") -> tuple[ModelConfig, li
     act = data.get("hidden_act", data.get("hidden_activation", "silu"))
     if act not in ("silu", "swish"):
         key = "hidden_act" if "hidden_act" in data else "hidden_activation"
-        raise refuse(key, "the MLP here is SwiGLU (silu)")
+        raise _hf_refuse(data, where, key, "the MLP here is SwiGLU (silu)")
+
+
+def _hf_values(data: dict, where: str) -> dict[str, int | float]:
+    """The :data:`HF_FIELDS` of a ``config.json``, each checked against its range."""
     values: dict[str, int | float] = {}
     for field, (key, default) in HF_FIELDS.items():
-        if key in data and (data[key] is not None or default is None):
-            v = data[key]  # null reads as missing where the key has a default, as HF reads it
-        elif default is None:
-            raise ConfigError(f"{where}: {key}: missing (a Llama-style config.json has it)")
-        else:
-            v = data[default] if isinstance(default, str) and default in data else default
-        lo, hi = RANGES[field]
-        integral = field not in ("rope_theta", "norm_eps")
-        bad = isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v)
-        if bad or (integral and not isinstance(v, int)):
-            raise ConfigError(
-                f"{where}: {key}={v!r}: must be {'an integer' if integral else 'a number'}"
-            )
-        if not lo <= v <= hi:
-            raise ConfigError(f"{where}: {key}={v!r}: must be between {_num(lo)} and {_num(hi)}")
-        values[field] = v if integral else float(v)
+        values[field] = _hf_value(data, where, field, key, default)
+    return values
+
+
+def _hf_value(
+    data: dict, where: str, field: str, key: str, default: str | float | None
+) -> int | float:
+    """One field's value from ``config.json`` key ``key`` (its default where missing or null,
+    a required key where ``default`` is None): an integer or a float, within its range."""
+    if key in data and (data[key] is not None or default is None):
+        v = data[key]  # null reads as missing where the key has a default, as HF reads it
+    elif default is None:
+        raise ConfigError(f"{where}: {key}: missing (a Llama-style config.json has it)")
+    else:
+        v = data[default] if isinstance(default, str) and default in data else default
+    lo, hi = RANGES[field]
+    integral = field not in ("rope_theta", "norm_eps")
+    bad = isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v)
+    if bad or (integral and not isinstance(v, int)):
+        raise ConfigError(
+            f"{where}: {key}={v!r}: must be {'an integer' if integral else 'a number'}"
+        )
+    if not lo <= v <= hi:
+        raise ConfigError(f"{where}: {key}={v!r}: must be between {_num(lo)} and {_num(hi)}")
+    return v if integral else float(v)
+
+
+def _hf_check_head_dim(data: dict, where: str, values: dict[str, int | float]) -> None:
+    """Refuse a ``head_dim`` other than hidden_size/num_attention_heads."""
     heads, hidden = values["heads"], values["hidden"]
     if "head_dim" in data and data["head_dim"] is not None and hidden % heads == 0:
         if data["head_dim"] != hidden // heads:
-            raise refuse(
+            raise _hf_refuse(
+                data,
+                where,
                 "head_dim",
                 f"the model here has head dim hidden_size/num_attention_heads = {hidden // heads}",
             )
+
+
+def _hf_model(values: dict[str, int | float], where: str) -> ModelConfig:
+    """The :class:`ModelConfig` of the values read; a rule across fields is said with the
+    file's keys."""
     try:
-        cfg = ModelConfig(name="custom", **cast(ModelOverrides, values))  # int where integral
+        return ModelConfig(name="custom", **cast(ModelOverrides, values))  # int where integral
     except ConfigError as e:  # a rule across fields: say it with the file's keys
         msg = str(e)
         for field, (key, _) in HF_FIELDS.items():
             msg = msg.replace(f"model.{field}", key)
         raise ConfigError(f"{where}: {msg}") from None
-    notes = []
-    if data.get("rope_scaling"):
-        notes.append(
-            "rope_scaling read but not modelled (it changes positions, not shapes or costs)"
-        )
-    return cfg, notes
 
 
 def read_hf_config(path: str) -> tuple[ModelConfig, list[str]]:

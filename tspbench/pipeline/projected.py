@@ -228,8 +228,30 @@ def write_report(cfg: dict, estimates: Path, out: Path, plots: Path, command: st
     import seaborn as sns
 
     out.mkdir(parents=True, exist_ok=True)
+    note = _report_note(cfg, command)
+    mem = memory_table(cfg, estimates)
+    _write_memory_tables(cfg, mem, out, note)
+    tables = throughput_tables(cfg)
+    for name, df in tables.items():
+        df = _ordered(df, cfg["hardware"])
+        write_atomic(out / f"{name}.csv", df.to_csv(index=False))
+        write_atomic(out / f"{name}.md", _md(df, name.replace("_", " "), note))
+
+    sns.set_theme(style="whitegrid", context="paper")
+    labels = label_order(mem.strategy)
+    colors, marks = palette(labels), styles(labels)
+    _plot_memory(cfg, mem, plots, colors, marks)
+    _plot_throughput(cfg, tables["throughput_vs_seq"], plots, colors, marks)
+    _plot_scaling(cfg, tables["scaling"], plots, colors, marks)
+    _plot_microbatch(cfg, tables["microbatch"], plots, colors, marks)
+    if "decode" in cfg:  # serving: KV cache per GPU, longest prompt per memory budget
+        write_decode_report(cfg, out, plots, note)
+
+
+def _report_note(cfg: dict, command: str) -> str:
+    """The paragraph every table carries: what is projected, from what, made by which command."""
     hw0 = cfg["hardware"][0]
-    note = (
+    return (
         f"**Projected**, not measured: {cfg['model']} model, {cfg['dtype']}, D = {cfg['degree']}. "
         f"Memory: fake-tensor estimates of the real code (rank 0, fused flash-attention memory; "
         f"TSP with the ring MLP, `tspbench run`'s default), "
@@ -238,7 +260,10 @@ def write_report(cfg: dict, estimates: Path, out: Path, plots: Path, command: st
         f"the options its topology chooses ({', '.join(f'`{k}`' for k in preset_chosen())}). "
         f"Made by: `{command}`."
     )
-    mem = memory_table(cfg, estimates)
+
+
+def _write_memory_tables(cfg: dict, mem: pd.DataFrame, out: Path, note: str) -> None:
+    """memory.md (peak GiB per recompute and strategy by S, OOM marked) and memory.csv."""
     wide = mem.assign(
         cell=[f"{p:.1f}" + ("" if f else " (OOM)") for p, f in zip(mem.peak_gib, mem.fits)]
     ).pivot_table(
@@ -249,15 +274,11 @@ def write_report(cfg: dict, estimates: Path, out: Path, plots: Path, command: st
     wide.columns = [f"S={c // 1024}K" for c in wide.columns]
     write_atomic(out / "memory.md", _md(wide.reset_index(), "Peak memory per GPU (GiB)", note))
     write_atomic(out / "memory.csv", mem.to_csv(index=False))
-    tables = throughput_tables(cfg)
-    for name, df in tables.items():
-        df = _ordered(df, cfg["hardware"])
-        write_atomic(out / f"{name}.csv", df.to_csv(index=False))
-        write_atomic(out / f"{name}.md", _md(df, name.replace("_", " "), note))
 
-    sns.set_theme(style="whitegrid", context="paper")
-    labels = label_order(mem.strategy)
-    colors, marks = palette(labels), styles(labels)
+
+def _plot_memory(cfg: dict, mem: pd.DataFrame, plots: Path, colors: dict, marks: dict) -> None:
+    """memory_projected: peak GiB per GPU by S, without and with full recompute."""
+    hw0 = cfg["hardware"][0]
     mem_gib = cfg["device_memory_gib"]
     with _figure(plots / "memory_projected", 2, figsize=(11, 4), sharey=True) as (fig, axes):
         oom = False
@@ -283,7 +304,10 @@ def write_report(cfg: dict, estimates: Path, out: Path, plots: Path, command: st
             f"red x: above {hw0}'s {mem_gib} GiB"
         )
 
-    ts, n_hw = tables["throughput_vs_seq"], len(cfg["hardware"])
+
+def _plot_throughput(cfg: dict, ts: pd.DataFrame, plots: Path, colors: dict, marks: dict) -> None:
+    """throughput_projected: training tokens/s per GPU by S, one panel per hardware preset."""
+    n_hw = len(cfg["hardware"])
     size = (4.2 * n_hw + 1.2, 3.8)
     with _figure(plots / "throughput_projected", n_hw, figsize=size) as (fig, axes):
         oom = False
@@ -300,7 +324,11 @@ def write_report(cfg: dict, estimates: Path, out: Path, plots: Path, command: st
             "red x: would not fit (analytic memory)"
         )
 
-    sc = tables["scaling"]
+
+def _plot_scaling(cfg: dict, sc: pd.DataFrame, plots: Path, colors: dict, marks: dict) -> None:
+    """scaling_projected: forward tokens/s by GPUs at the longest S on the first preset, and
+    the same relative to the first strategy (TSP)."""
+    hw0 = cfg["hardware"][0]
     S = max(sc.seq_len)
     d = sc[(sc.hardware == hw0) & (sc.seq_len == S)]
     ref = label_order(d.strategy)[0]  # TSP: the others relative to it, where lines coincide
@@ -321,7 +349,10 @@ def write_report(cfg: dict, estimates: Path, out: Path, plots: Path, command: st
             f"data parallel across nodes); {_fits(oom, hw0)}"
         )
 
-    mb = tables["microbatch"]
+
+def _plot_microbatch(cfg: dict, mb: pd.DataFrame, plots: Path, colors: dict, marks: dict) -> None:
+    """microbatch_projected: training tokens/s by micro-batch on the first preset."""
+    hw0 = cfg["hardware"][0]
     d = mb[mb.hardware == hw0]
     with _figure(plots / "microbatch_projected", figsize=(6.8, 4.2)) as (_, ax):
         oom = _lines(ax, d, "batch", "tokens_per_s", colors, marks)
@@ -333,8 +364,6 @@ def write_report(cfg: dict, estimates: Path, out: Path, plots: Path, command: st
         )
         log_x(ax, d.batch, str)
         _legend(ax, d, oom)
-    if "decode" in cfg:  # serving: KV cache per GPU, longest prompt per memory budget
-        write_decode_report(cfg, out, plots, note)
 
 
 def load(path: str) -> dict[str, Any]:

@@ -43,6 +43,13 @@ def _check_point(i: int, p: Any, presets: dict, strategies: dict) -> None:
     if not isinstance(p, dict):
         raise ConfigError(f"{where}={p!r}: must be an object")
     where = f"points[{i}]({p.get('id', '?')})"
+    _check_types(where, p)
+    _check_values(where, p, presets, strategies)
+    _check_source(where, p)
+
+
+def _check_types(where: str, p: dict) -> None:
+    """Every field present, of its type, a string not blank, a size positive and finite."""
     for field, kind in POINT_FIELDS.items():
         if field not in p:
             raise _bad(where, field, None, "missing; every point needs it")
@@ -55,6 +62,10 @@ def _check_point(i: int, p: Any, presets: dict, strategies: dict) -> None:
         v = p[field]
         if not math.isfinite(v) or v <= 0:
             raise _bad(where, field, v, "must be a positive number")
+
+
+def _check_values(where: str, p: dict, presets: dict, strategies: dict) -> None:
+    """The strategy, preset, precision and recompute known; the GPUs the layout's."""
     if p["strategy"] not in strategies:
         raise _bad(where, "strategy", p["strategy"], f"must be one of {', '.join(strategies)}")
     if p["preset"] not in presets:
@@ -65,6 +76,10 @@ def _check_point(i: int, p: Any, presets: dict, strategies: dict) -> None:
         raise _bad(where, "recompute", p["recompute"], f"must be one of {', '.join(RECOMPUTE)}")
     if p["gpus"] != p["degree"] * p["dp"]:
         raise _bad(where, "gpus", p["gpus"], f"must equal degree x dp = {p['degree'] * p['dp']}")
+
+
+def _check_source(where: str, p: dict) -> None:
+    """The source's title, address and date given; the address https."""
     for field in SOURCE_FIELDS:
         v = p["source"].get(field)
         if not isinstance(v, str) or not v.strip():

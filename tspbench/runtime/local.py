@@ -84,78 +84,118 @@ def spawn_local(
     the launcher (held since start-up: :mod:`tspbench.runtime.guard`) is passed on to every
     rank, and no rank is started after it. Ranks die with the launcher (parent-death signal).
     """
-    from tspbench.runtime.guard import HEARTBEAT_ENV, SIGNALS, held_signal
+    from tspbench.runtime.guard import SIGNALS, held_signal
 
-    got: list[int] = []
+    ranks = _Ranks()
     silent: dict[int, float] = {}
     beats = Path(tempfile.mkdtemp(prefix="tspbench-heartbeat-"))
-    heard: dict[int, tuple[int, float]] = {}  # rank -> (heartbeat mtime, when first seen)
     silent_s = max(silent_s, MIN_SILENT_S)
-    procs: list[subprocess.Popen] = []
-    mine: set[int] = set()
-
-    def kill_all(sig: int = signal.SIGKILL, by_launcher: bool = False) -> None:
-        for r, p in enumerate(procs):
-            if p.poll() is None:
-                p.send_signal(sig)
-                if by_launcher:
-                    mine.add(r)
-
-    def forward(signum, _frame):  # Ctrl-C / scancel reach every rank
-        got.append(signum)
-        kill_all(signum)
-
-    old = {s: signal.signal(s, forward) for s in SIGNALS}
+    old = {s: signal.signal(s, ranks.forward) for s in SIGNALS}
     if (held := held_signal()) is not None:
-        got.append(held)
+        ranks.got.append(held)
     port, start, arm = free_port(), time.monotonic(), die_with_parent()
     try:
-        for r in range(nproc):
-            if got:
-                break
-            env = dict(
-                os.environ,
-                RANK=str(r),
-                WORLD_SIZE=str(nproc),
-                LOCAL_RANK=str(r),
-                LOCAL_WORLD_SIZE=str(nproc),
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-                TSPBENCH_LAUNCHER="local",
-                **{HEARTBEAT_ENV: str(beats / str(r))},
-            )
-            for k in ("SLURM_PROCID", "SLURM_NTASKS", *MPI_VARS):
-                env.pop(k, None)
-            cmd = [sys.executable, "-m", "tspbench", *argv]
-            (beats / str(r)).touch()  # its start counts as its first beat
-            procs.append(subprocess.Popen(cmd, env=env, preexec_fn=arm))
-        if got:  # signalled while starting the ranks: pass it on to those already started
-            kill_all(got[0])
-        failed_at = None
-        while [p for p in procs if p.poll() is None]:  # poll every rank, every time
-            for r, quiet in _silent_ranks(procs, beats, heard, silent_s).items():
-                if r not in silent:
-                    procs[r].kill()
-                    silent[r] = quiet
-                    mine.add(r)
-            now = time.monotonic()
-            if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
-                failed_at = now
-            grace = after_rank0_s if procs[0].returncode is not None else grace_s
-            late = deadline_s is not None and now - start > deadline_s
-            if late or (failed_at is not None and now - failed_at > grace):
-                kill_all(by_launcher=True)
-            time.sleep(0.05)
+        _start_ranks(ranks, argv, nproc, port, beats, arm)
+        if ranks.got:  # signalled while starting the ranks: pass it on to those already started
+            ranks.kill_all(ranks.got[0])
+        _watch(ranks, beats, silent, silent_s, grace_s, after_rank0_s, start, deadline_s)
     finally:
-        kill_all()
-        for p in procs:
+        ranks.kill_all()
+        for p in ranks.procs:
             p.wait()
         for s, h in old.items():
             signal.signal(s, h)
         shutil.rmtree(beats, ignore_errors=True)
-    codes = [p.returncode for p in procs]
-    killed = sorted(r for r in mine if codes[r] < 0)
-    return LocalRanks(codes, killed, got[0] if got else None, silent)
+    codes = [p.returncode for p in ranks.procs]
+    killed = sorted(r for r in ranks.mine if codes[r] < 0)
+    return LocalRanks(codes, killed, ranks.got[0] if ranks.got else None, silent)
+
+
+@dataclass
+class _Ranks:
+    """The ranks ``spawn_local`` started, those it signalled itself (``mine``) and the signals
+    the launcher received (``got``)."""
+
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    mine: set[int] = field(default_factory=set)
+    got: list[int] = field(default_factory=list)
+
+    def kill_all(self, sig: int = signal.SIGKILL, by_launcher: bool = False) -> None:
+        for r, p in enumerate(self.procs):
+            if p.poll() is None:
+                p.send_signal(sig)
+                if by_launcher:
+                    self.mine.add(r)
+
+    def forward(self, signum, _frame) -> None:  # Ctrl-C / scancel reach every rank
+        self.got.append(signum)
+        self.kill_all(signum)
+
+
+def _rank_env(r: int, nproc: int, port: int, beat: Path) -> dict[str, str]:
+    """Rank ``r``'s environment: torchrun's variables, its heartbeat file, no Slurm or MPI
+    rank variables."""
+    from tspbench.runtime.guard import HEARTBEAT_ENV
+
+    env = dict(
+        os.environ,
+        RANK=str(r),
+        WORLD_SIZE=str(nproc),
+        LOCAL_RANK=str(r),
+        LOCAL_WORLD_SIZE=str(nproc),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        TSPBENCH_LAUNCHER="local",
+        **{HEARTBEAT_ENV: str(beat)},
+    )
+    for k in ("SLURM_PROCID", "SLURM_NTASKS", *MPI_VARS):
+        env.pop(k, None)
+    return env
+
+
+def _start_ranks(
+    ranks: _Ranks, argv: list[str], nproc: int, port: int, beats: Path, arm: Callable[[], None]
+) -> None:
+    """Start the ranks one by one; none after a signal reached the launcher."""
+    for r in range(nproc):
+        if ranks.got:
+            break
+        env = _rank_env(r, nproc, port, beats / str(r))
+        cmd = [sys.executable, "-m", "tspbench", *argv]
+        (beats / str(r)).touch()  # its start counts as its first beat
+        ranks.procs.append(subprocess.Popen(cmd, env=env, preexec_fn=arm))
+
+
+def _watch(
+    ranks: _Ranks,
+    beats: Path,
+    silent: dict[int, float],
+    silent_s: float,
+    grace_s: float,
+    after_rank0_s: float,
+    start: float,
+    deadline_s: float | None,
+) -> None:
+    """Poll every rank until none runs: kill the silent ones (recorded in ``silent``), and all
+    of them once the grace after a failure, or ``deadline_s`` after ``start`` (the monotonic
+    clock), has passed."""
+    procs = ranks.procs
+    heard: dict[int, tuple[int, float]] = {}  # rank -> (heartbeat mtime, when first seen)
+    failed_at = None
+    while [p for p in procs if p.poll() is None]:  # poll every rank, every time
+        for r, quiet in _silent_ranks(procs, beats, heard, silent_s).items():
+            if r not in silent:
+                procs[r].kill()
+                silent[r] = quiet
+                ranks.mine.add(r)
+        now = time.monotonic()
+        if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
+            failed_at = now
+        grace = after_rank0_s if procs[0].returncode is not None else grace_s
+        late = deadline_s is not None and now - start > deadline_s
+        if late or (failed_at is not None and now - failed_at > grace):
+            ranks.kill_all(by_launcher=True)
+        time.sleep(0.05)
 
 
 MIN_SILENT_S = 10.0  # a rank may hold the GIL this long while loading torch's libraries

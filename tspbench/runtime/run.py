@@ -126,66 +126,19 @@ def run_env(
 ) -> int:
     """Join the launched job, run ``work`` (collective), and write rank 0's record (``cell``: a
     pipeline cell, whose interrupted record goes to :func:`interrupted_path`)."""
-    env = detect()
+    env = _rank_env(spec)
     world = spec.layout.world_size
-    if env is None:
-        if world != 1:
-            raise ConfigError(
-                f"no launcher environment (torchrun, Slurm or MPI) for world size {world}; "
-                f"launch with torchrun/srun/mpiexec, or use --launch local --nproc {world}"
-            )
-        env = RankEnv(0, 1, 0, "127.0.0.1", free_port(), "single")
-    if env.world_size != world:
-        raise ConfigError(
-            f"world size {env.world_size} (from {env.source}): must equal degree x dp = {world}"
-        )
     header = spec.header(env.source, world)
-    lock = threading.Lock()
-    written: list[bool] = []
-
-    def write(record: dict) -> str:
-        """Write rank 0's record once; return the status it was written with."""
-        with lock:
-            if written or env.rank != 0:
-                return record["status"]
-            written.append(True)
-            interrupted = "interrupted by" in str(record.get("error_message"))
-            path = interrupted_path(out) if cell and interrupted else out
-            record = _finite({**record, "wall_s": process_age_s(), "timestamp_utc": utc_now()})
-            if not record_written(path, record, "rank 0"):
-                return "error"
-            if dist.is_initialized():  # the peers waiting in _await_record may leave now
-                try:
-                    dist.distributed_c10d._get_default_store().set(failure.WRITTEN_KEY, "1")
-                except Exception:
-                    pass
-            if not spec.quiet:
-                print(f"[tspbench] {record['status']}: wrote {path}", flush=True)
-            return record["status"]
-
-    def on_fatal(reason: str) -> str:
-        print(f"[tspbench] rank {env.rank}: {reason}", file=sys.stderr, flush=True)
-        own, failed, status = ("error", reason), [env.rank], "error"
-        if dist.is_initialized():
-            failure.post(*own)
-            if env.rank != 0:
-                failure.await_record()
-            if env.rank == 0 and "interrupted by" not in reason:  # wait a watchdog tick more:
-                causes = failure.causes(
-                    world, wait_s=5.0, quiet_s=2.0
-                )  # a silent rank is the suspect
-                status, reason, failed = failure.root_cause(causes, own, world)
-        # the root cause's status: a peer's OOM that left this rank waiting is an OOM
-        write({**header, "status": status, "error_message": reason, "failed_ranks": failed})
-        return status
-
-    guard = Guard(timeout_s, on_fatal, time_limit_s, step_timeout_s)
+    record = _Record(spec, out, cell, env, header)
+    guard = Guard(timeout_s, record.on_fatal, time_limit_s, step_timeout_s)
     guard.rendezvous = f"{env.master_addr}:{env.master_port}"
     try:
         device, backend = init(env, timeout_s, device_choice)
     except Exception as e:  # never joined: no peer to tell, rank 0 says why
         reason = f"{RENDEZVOUS} at {guard.rendezvous} failed: {type(e).__name__}: {e}"
-        write({**header, "status": "error", "error_message": reason, "failed_ranks": [env.rank]})
+        record.write(
+            {**header, "status": "error", "error_message": reason, "failed_ranks": [env.rank]}
+        )
         print(f"[tspbench] rank {env.rank}: {reason}", file=sys.stderr, flush=True)
         return 1
     guard.rendezvous = None
@@ -203,29 +156,106 @@ def run_env(
         result = work(spec, device, header, guard.beat)
         completed = True
         if env.rank == 0:
-            status = write({**header, "status": "ok", **result})
+            status = record.write({**header, "status": "ok", **result})
     except Exception as e:
         caught = failure.classify(e), f"{type(e).__name__}: {e}".strip(), traceback.format_exc()
     # Out of the except block, the exception's frames, and the tensors they held, are freed: an
     # allocator failure leaves the memory (and address space) that reporting it needs.
     if caught is not None:
-        status, msg, tb = caught
-        failure.post(status, msg, tb=tb)
-        guard.beat()
-        if not spec.quiet:  # one line per rank; the root cause's traceback once, from rank 0
-            print(f"[tspbench] rank {env.rank}: {status}: {msg}", file=sys.stderr, flush=True)
-        if env.rank != 0:
-            oom = failure.leave(world, status)
-            sys.stdout.flush()
-            return 0 if oom else 1
-        status, msg, failed = failure.root_cause(failure.causes(world), (status, msg), world)
-        if not spec.quiet and failed:
-            print(failure.traceback_of(failed[0], 0, tb), file=sys.stderr, end="", flush=True)
-        write({**header, "status": status, "error_message": msg, "failed_ranks": failed})
-        failure.exit_now(0 if status in ("ok", "oom") else 1)
+        return _report_failure(spec, env, record, guard, caught)
     guard.beat()
     if completed:  # every rank finished the work: leave together
         with blocked_in_collective():
             dist.barrier()
         dist.destroy_process_group()
     return 0 if status in ("ok", "oom") else 1
+
+
+def _rank_env(spec: RunSpec) -> RankEnv:
+    """This rank's place in the launched job (one rank of its own without a launcher), its
+    world size the spec's."""
+    env = detect()
+    world = spec.layout.world_size
+    if env is None:
+        if world != 1:
+            raise ConfigError(
+                f"no launcher environment (torchrun, Slurm or MPI) for world size {world}; "
+                f"launch with torchrun/srun/mpiexec, or use --launch local --nproc {world}"
+            )
+        env = RankEnv(0, 1, 0, "127.0.0.1", free_port(), "single")
+    if env.world_size != world:
+        raise ConfigError(
+            f"world size {env.world_size} (from {env.source}): must equal degree x dp = {world}"
+        )
+    return env
+
+
+class _Record:
+    """Rank 0's one record (``header`` completed as the run goes): :meth:`write` writes it
+    once, whoever calls first; :meth:`on_fatal` is the guard's answer to a signal or a hang."""
+
+    def __init__(self, spec: RunSpec, out: str, cell: bool, env: RankEnv, header: dict) -> None:
+        self.spec, self.out, self.cell, self.env, self.header = spec, out, cell, env, header
+        self.lock = threading.Lock()
+        self.written: list[bool] = []
+
+    def write(self, record: dict) -> str:
+        """Write rank 0's record once; return the status it was written with."""
+        with self.lock:
+            if self.written or self.env.rank != 0:
+                return record["status"]
+            self.written.append(True)
+            interrupted = "interrupted by" in str(record.get("error_message"))
+            path = interrupted_path(self.out) if self.cell and interrupted else self.out
+            record = _finite({**record, "wall_s": process_age_s(), "timestamp_utc": utc_now()})
+            if not record_written(path, record, "rank 0"):
+                return "error"
+            if dist.is_initialized():  # the peers waiting in _await_record may leave now
+                try:
+                    dist.distributed_c10d._get_default_store().set(failure.WRITTEN_KEY, "1")
+                except Exception:
+                    pass
+            if not self.spec.quiet:
+                print(f"[tspbench] {record['status']}: wrote {path}", flush=True)
+            return record["status"]
+
+    def on_fatal(self, reason: str) -> str:
+        env, world = self.env, self.spec.layout.world_size
+        print(f"[tspbench] rank {env.rank}: {reason}", file=sys.stderr, flush=True)
+        own, failed, status = ("error", reason), [env.rank], "error"
+        if dist.is_initialized():
+            failure.post(*own)
+            if env.rank != 0:
+                failure.await_record()
+            if env.rank == 0 and "interrupted by" not in reason:  # wait a watchdog tick more:
+                causes = failure.causes(
+                    world, wait_s=5.0, quiet_s=2.0
+                )  # a silent rank is the suspect
+                status, reason, failed = failure.root_cause(causes, own, world)
+        # the root cause's status: a peer's OOM that left this rank waiting is an OOM
+        self.write(
+            {**self.header, "status": status, "error_message": reason, "failed_ranks": failed}
+        )
+        return status
+
+
+def _report_failure(
+    spec: RunSpec, env: RankEnv, record: _Record, guard: Guard, caught: tuple[str, str, str]
+) -> int:
+    """After ``work`` raised on this rank: post its cause; a peer leaves (0 if an OOM is the
+    cause), rank 0 writes the root cause's record and exits."""
+    world = spec.layout.world_size
+    status, msg, tb = caught
+    failure.post(status, msg, tb=tb)
+    guard.beat()
+    if not spec.quiet:  # one line per rank; the root cause's traceback once, from rank 0
+        print(f"[tspbench] rank {env.rank}: {status}: {msg}", file=sys.stderr, flush=True)
+    if env.rank != 0:
+        oom = failure.leave(world, status)
+        sys.stdout.flush()
+        return 0 if oom else 1
+    status, msg, failed = failure.root_cause(failure.causes(world), (status, msg), world)
+    if not spec.quiet and failed:
+        print(failure.traceback_of(failed[0], 0, tb), file=sys.stderr, end="", flush=True)
+    record.write({**record.header, "status": status, "error_message": msg, "failed_ranks": failed})
+    failure.exit_now(0 if status in ("ok", "oom") else 1)

@@ -6,7 +6,7 @@
 # ~/.cache/tspbench: the first map counts (minutes), later ones reuse the counts.
 import re
 
-from tspbench.projection.planmap import load_config as load_plan_config
+from tspbench.projection.plan import load_config as load_plan_config
 
 PLAN_CONFIG = os.path.join(workflow.basedir, "workflows/config/plan.yaml")
 try:  # checked against tspbench/schemas/plan.schema.yaml before any shell line

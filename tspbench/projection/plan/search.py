@@ -31,8 +31,8 @@ An option declared ``bounded_by_default`` (TSP's KV bucket: it repeats its group
 kernel calls and removes none) is bounded by its counted twin at the default (:func:`tighten`);
 priced as the twin otherwise, it is counted only with ``--exact`` or an estimate.
 
-This module enumerates and ranks; the records it fills are in :mod:`plantypes`, the caches in
-:mod:`plancache`, the printed answer in :mod:`planrender` and the commands in :mod:`planlaunch`.
+This module enumerates and ranks; the records it fills are in :mod:`.types`, the caches in
+:mod:`.cache`, the printed answer in :mod:`.render` and the commands in :mod:`.launch`.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ from tspbench.core.config import ConfigError
 from tspbench.core.options import Value
 from tspbench.core.strategy import Layout, Strategy
 from tspbench.projection import analytic, costmodel, decode
-from tspbench.projection.plancache import OpsCache, cache_dir, estimate_peak
-from tspbench.projection.plantypes import (
+from tspbench.projection.plan.cache import OpsCache, cache_dir, estimate_peak
+from tspbench.projection.plan.types import (
     MAX_BATCH,
     Candidate,
     Config,
@@ -134,33 +134,48 @@ def enumerate_configs(req: Request) -> tuple[list[Config], list[dict]]:
     """Every configuration with its candidates (valid or not), and the degrees left out."""
     degrees = [d for d in divisors(req.gpus) if d <= req.max_degree]
     factors = [[t, d // t] for d in degrees for t in divisors(d)]
-    configs, skipped = [], []
+    configs = []
     for name, impl in strategies().items():
         single = one_rank_only(impl)
         for lay in impl.sweep_layouts(degrees, factors):
             if lay.degree == 1 and not single:
                 continue  # the single-device model: the one-rank strategy stands for it
             lay = dataclasses.replace(lay, dp=req.gpus // lay.degree)
-            batches = _batches(req, lay)
-            base = None
-            if not isinstance(batches, str):
-                try:
-                    base = _spec(req, name, lay, impl.replica_batch(lay), "none", {})
-                except ConfigError:
-                    pass
-            tries = [(rc, o) for rc in req.recompute for o in option_sets(req, impl, base)]
-            for rc, opts in tries:
-                conf = Config(name, lay, rc, opts)
-                if isinstance(batches, str):
-                    conf.candidates.append(Candidate(name, lay, 0, rc, opts, reason=batches))
-                for b in [] if isinstance(batches, str) else batches:
-                    cand = Candidate(name, lay, b, rc, opts)
-                    try:
-                        cand.spec = _spec(req, name, lay, b, rc, opts)
-                    except ConfigError as e:
-                        cand.reason = str(e)
-                    conf.candidates.append(cand)
-                configs.append(conf)
+            configs += _layout_configs(req, name, impl, lay)
+    return configs, _skipped_degrees(req)
+
+
+def _layout_configs(req: Request, name: str, impl: type[Strategy], lay: Layout) -> list[Config]:
+    """The configurations of one layout (each recompute and option set), each with a candidate
+    per micro-batch (or one that says why the global batch does not split)."""
+    batches = _batches(req, lay)
+    base = None
+    if not isinstance(batches, str):
+        try:
+            base = _spec(req, name, lay, impl.replica_batch(lay), "none", {})
+        except ConfigError:
+            pass
+    configs = []
+    tries = [(rc, o) for rc in req.recompute for o in option_sets(req, impl, base)]
+    for rc, opts in tries:
+        conf = Config(name, lay, rc, opts)
+        if isinstance(batches, str):
+            conf.candidates.append(Candidate(name, lay, 0, rc, opts, reason=batches))
+        for b in [] if isinstance(batches, str) else batches:
+            cand = Candidate(name, lay, b, rc, opts)
+            try:
+                cand.spec = _spec(req, name, lay, b, rc, opts)
+            except ConfigError as e:
+                cand.reason = str(e)
+            conf.candidates.append(cand)
+        configs.append(conf)
+    return configs
+
+
+def _skipped_degrees(req: Request) -> list[dict]:
+    """The model groups above ``req.max_degree``: each strategy's layouts of them, with the rule
+    that would refuse them anyway (None: none)."""
+    skipped = []
     for d in divisors(req.gpus):
         if d <= req.max_degree:
             continue
@@ -176,7 +191,7 @@ def enumerate_configs(req: Request) -> tuple[list[Config], list[dict]]:
                     why = str(e)
                 skipped.append({"strategy": name, "label": impl.label(lay), "degree": d,
                                 "tp": lay.tp, "sp": lay.sp, "rule": why})  # fmt: skip
-    return configs, skipped
+    return skipped
 
 
 # -- deciding -------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The planner's records: the question (:class:`Request`, checked when made) and what a plan
 tries and answers (:class:`Candidate`, :class:`Config`, :class:`Row`, :class:`Plan`). They live
-apart from the enumeration and ranking (:mod:`planner`) so that the rendering, the commands, the
+apart from the enumeration and ranking (:mod:`.search`) so that the rendering, the commands, the
 maps and the check can use them without the planner's machinery.
 """
 
@@ -15,7 +15,7 @@ from tspbench.core.config import ConfigError, ModelConfig, load_model
 from tspbench.core.options import Value
 from tspbench.core.strategy import Layout
 from tspbench.projection import costmodel
-from tspbench.projection.plancache import OpsCache
+from tspbench.projection.plan.cache import OpsCache
 from tspbench.runtime.registry import searched, strategies
 from tspbench.runtime.spec import CHOICES, DECODE_MODES, RunSpec
 
@@ -61,61 +61,85 @@ class Request:
         degree cap to its node size."""
         cfg, notes = load_model(model) if isinstance(model, str) else (model, [])
         preset = costmodel.load_preset(hardware) if isinstance(hardware, str) else hardware
-        if memory_cap is None:
-            if not preset.get("memory_bytes"):
-                raise ConfigError(
-                    f"--memory-cap: hardware {preset.get('name')!r} states no memory_bytes; "
-                    "give the GPU memory in GiB"
-                )
-            memory_cap = costmodel.usable_memory(preset)
-        if (
-            not (isinstance(memory_cap, int | float) and math.isfinite(memory_cap))
-            or memory_cap <= 0
-        ):
-            raise ConfigError(f"--memory-cap={memory_cap!r}: must be a positive number of GiB")
+        memory_cap = _memory_cap(preset, memory_cap)
         node = node_size(preset)
         max_degree = node if max_degree is None else max_degree
-        for name, v, lo, hi in (
-            ("--seq-len", seq_len, 1, 2**24),
-            ("--gpus", gpus, 1, 65536),
-            ("--max-degree", max_degree, 1, 65536),
-            ("--max-batch", kw.get("max_batch", 16), 1, MAX_BATCH),
-            ("--global-batch", kw.get("global_batch") or 1, 1, 2**24),
-        ):
-            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-                raise ConfigError(f"{name}={v!r}: must be an integer between {lo} and {hi}")
-        for key, choices in CHOICES.items():
-            values = kw.get(key, ())
-            for v in values if isinstance(values, tuple) else (values,):
-                if v not in choices:
-                    raise ConfigError(f"--{key}={v!r}: must be one of {', '.join(choices)}")
-        for name, values in kw.get("options", {}).items():
-            option = searched().get(name)
-            if option is None:
-                raise ConfigError(f"--{name}: not an option the planner searches")
-            for v in values:
-                try:
-                    option.check(v)
-                except ConfigError as e:
-                    raise ConfigError(f"--{e}") from None
-        mode = kw.get("mode", "train")
-        if mode != "train":
-            kw["recompute"] = ("none",)  # recomputation is a training matter
-        if mode in DECODE_MODES:
-            kw["new_tokens"] = kw.get("new_tokens") or 16  # tspbench run's default
-            if not 2 <= kw["new_tokens"] <= 2**20:
-                raise ConfigError(f"--new-tokens={kw['new_tokens']!r}: must be 2..{2**20}")
-        elif kw.get("new_tokens"):
-            raise ConfigError(
-                f"--new-tokens={kw['new_tokens']!r}: only --mode decode or generate generates"
-            )
-        else:
-            kw["new_tokens"] = 0
+        _check_sizes(seq_len, gpus, max_degree, kw)
+        _check_choices(kw)
+        _check_options(kw.get("options", {}))
+        _set_mode(kw)
         return cls(
             cfg=cfg, hardware=preset, seq_len=seq_len, gpus=gpus, memory_cap=int(memory_cap),
             max_degree=max_degree, model=model if isinstance(model, str) else cfg.name,
             notes=tuple(notes), **kw,
         )  # fmt: skip
+
+
+def _memory_cap(preset: dict, memory_cap: float | None) -> float:
+    """The memory cap asked for, else the preset's usable memory: a positive number of bytes."""
+    if memory_cap is None:
+        if not preset.get("memory_bytes"):
+            raise ConfigError(
+                f"--memory-cap: hardware {preset.get('name')!r} states no memory_bytes; "
+                "give the GPU memory in GiB"
+            )
+        memory_cap = costmodel.usable_memory(preset)
+    if not (isinstance(memory_cap, int | float) and math.isfinite(memory_cap)) or memory_cap <= 0:
+        raise ConfigError(f"--memory-cap={memory_cap!r}: must be a positive number of GiB")
+    return memory_cap
+
+
+def _check_sizes(seq_len: int, gpus: int, max_degree: int, kw: dict[str, Any]) -> None:
+    """S, GPUs, the degree cap, the micro-batch cap and the global batch: integers in range."""
+    for name, v, lo, hi in (
+        ("--seq-len", seq_len, 1, 2**24),
+        ("--gpus", gpus, 1, 65536),
+        ("--max-degree", max_degree, 1, 65536),
+        ("--max-batch", kw.get("max_batch", 16), 1, MAX_BATCH),
+        ("--global-batch", kw.get("global_batch") or 1, 1, 2**24),
+    ):
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise ConfigError(f"{name}={v!r}: must be an integer between {lo} and {hi}")
+
+
+def _check_choices(kw: dict[str, Any]) -> None:
+    """Each run setting with fixed choices (mode, dtype, recompute): one of them."""
+    for key, choices in CHOICES.items():
+        values = kw.get(key, ())
+        for v in values if isinstance(values, tuple) else (values,):
+            if v not in choices:
+                raise ConfigError(f"--{key}={v!r}: must be one of {', '.join(choices)}")
+
+
+def _check_options(options: Mapping[str, tuple[Value, ...]]) -> None:
+    """Each option restricted: one the planner searches, each value one it takes."""
+    for name, values in options.items():
+        option = searched().get(name)
+        if option is None:
+            raise ConfigError(f"--{name}: not an option the planner searches")
+        for v in values:
+            try:
+                option.check(v)
+            except ConfigError as e:
+                raise ConfigError(f"--{e}") from None
+
+
+def _set_mode(kw: dict[str, Any]) -> None:
+    """The settings a mode fixes, in ``kw``: no recomputation outside training, the tokens a
+    decode or generate run makes (and none for the others)."""
+    mode = kw.get("mode", "train")
+    if mode != "train":
+        kw["recompute"] = ("none",)  # recomputation is a training matter
+    if mode in DECODE_MODES:
+        kw["new_tokens"] = kw.get("new_tokens") or 16  # tspbench run's default
+        if not 2 <= kw["new_tokens"] <= 2**20:
+            raise ConfigError(f"--new-tokens={kw['new_tokens']!r}: must be 2..{2**20}")
+    elif kw.get("new_tokens"):
+        raise ConfigError(
+            f"--new-tokens={kw['new_tokens']!r}: only --mode decode or generate generates"
+        )
+    else:
+        kw["new_tokens"] = 0
 
 
 def node_size(preset: dict) -> int:

@@ -1,8 +1,8 @@
 """Many plans at once: ``load_config`` reads workflows/config/plan.yaml (checked against
 tspbench/schemas/plan.schema.yaml) and ``sweep`` plans every cell of sequence
 length x GPUs into the table (one row per strategy: its best fitting configuration, the cell's
-winner, the focus strategy's (TSP's) margin) that :mod:`planfigures` draws. Everything here is
-PROJECTED (analytic memory, cost model); the planner's check is in :mod:`plancheck`.
+winner, the focus strategy's (TSP's) margin) that :mod:`.figures` draws. Everything here is
+PROJECTED (analytic memory, cost model); the planner's check is in :mod:`.check`.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from tspbench.core.configfile import check_schema, read_yaml
-from tspbench.projection import planner
-from tspbench.projection.plancache import OpsCache, cache_dir
-from tspbench.projection.plantypes import Plan, Request, Row
+from tspbench.projection.plan import search
+from tspbench.projection.plan.cache import OpsCache, cache_dir
+from tspbench.projection.plan.types import Plan, Request, Row
 from tspbench.runtime.registry import names, schema, searched, strategies
 
 GiB = 2**30
@@ -51,7 +51,7 @@ def sweep(
                 model, hardware, S, G, dtype=cfg["dtype"], mode=cfg["mode"],
                 max_batch=cfg["max_batch"], max_degree=cfg["max_degree"],
             )  # fmt: skip
-            p = planner.plan(req, top=1, ops=ops)
+            p = search.plan(req, top=1, ops=ops)
             rows += cell_rows(p, cfg["focus"])
             if progress:
                 best = p.best

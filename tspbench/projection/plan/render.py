@@ -11,9 +11,9 @@ from typing import Any
 
 from tspbench.core.config import ModelConfig
 from tspbench.projection.costmodel import usable_memory
-from tspbench.projection.planlaunch import pipeline_config, run_lines
-from tspbench.projection.planner import binding, limit
-from tspbench.projection.plantypes import Candidate, Plan, Request, node_size
+from tspbench.projection.plan.launch import pipeline_config, run_lines
+from tspbench.projection.plan.search import binding, limit
+from tspbench.projection.plan.types import Candidate, Plan, Request, node_size
 from tspbench.runtime.registry import searched, strategies
 
 GiB = 2**30

@@ -13,7 +13,7 @@ from typing import Any
 from tspbench.core.config import PRESETS, ModelConfig
 from tspbench.projection import costmodel
 from tspbench.projection.node import node_share
-from tspbench.projection.plantypes import Request, node_size
+from tspbench.projection.plan.types import Request, node_size
 from tspbench.runtime.spec import RunSpec
 
 

@@ -1,6 +1,6 @@
 """What a plan keeps on disk (``~/.cache/tspbench``): operation counts per configuration
 (:class:`OpsCache`) and the fake-tensor estimator's peaks (:func:`estimate_peak`), both keyed by a
-digest of the step's code. Split from the planner because counting is the slow part (seconds
+digest of the step's code. Split from the search because counting is the slow part (seconds
 per configuration) and its cache is shared by ``tspbench plan``, the maps and the check.
 """
 

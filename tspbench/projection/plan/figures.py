@@ -1,6 +1,6 @@
 """The figures of a plan map (PROJECTED): ``write_map`` writes ``map.csv`` and, as PNG and PDF,
 the winner of every (S, GPUs) cell, each strategy's memory-feasible region and the focus
-strategy's margin over the best other. Split from :mod:`planmap`, which plans the cells:
+strategy's margin over the best other. Split from :mod:`.map`, which plans the cells:
 drawing them is its own concern (matplotlib, seaborn: imported only here, when drawing).
 """
 
@@ -55,11 +55,7 @@ def write_map(table, cfg: dict, model: str, hardware: str, out: str | Path) -> N
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
     import seaborn as sns
-    from matplotlib.colors import BoundaryNorm, ListedColormap, LogNorm, TwoSlopeNorm
-    from matplotlib.patches import Patch
 
     from tspbench.runtime.record import write_atomic
 
@@ -67,14 +63,25 @@ def write_map(table, cfg: dict, model: str, hardware: str, out: str | Path) -> N
     out.mkdir(parents=True, exist_ok=True)
     write_atomic(out / "map.csv", table.to_csv(index=False, float_format="%.6g"))
     sns.set_theme(style="white", context="paper")
-    S, G = cfg["seq_lens"], cfg["gpus"]
-    names = list(strategies())
-    colors = dict(zip(names, sns.color_palette("deep", len(names))))
     cap = table["cap_gib"].iloc[0]
     what = f"{model} {cfg['mode']} {cfg['dtype']} on {hardware} ({cap:.0f} GiB per GPU)"
     cells = table.drop_duplicates(["seq_len", "gpus"]).set_index(["seq_len", "gpus"])
+    _winner_figure(table, cells, cfg, what, out)
+    _feasible_figure(table, cfg, what, out)
+    _margin_figure(table, cells, cfg, what, out)
 
-    # 1. the winner of every cell
+
+def _winner_figure(table, cells, cfg: dict, what: str, out: Path) -> None:
+    """winner: the winner of every cell (label, D, B, recompute), coloured by strategy."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+    import seaborn as sns
+    from matplotlib.colors import BoundaryNorm, ListedColormap
+    from matplotlib.patches import Patch
+
+    S, G = cfg["seq_lens"], cfg["gpus"]
+    names = list(strategies())
+    colors = dict(zip(names, sns.color_palette("deep", len(names))))
     fig, ax = plt.subplots(figsize=(1.25 * len(S) + 2.2, 0.62 * len(G) + 1.6))
     idx = np.full((len(G), len(S)), np.nan)
     for i, g in enumerate(G):
@@ -106,7 +113,14 @@ def write_map(table, cfg: dict, model: str, hardware: str, out: str | Path) -> N
     fig.text(0.01, -0.02, note, fontsize=7)
     _save(fig, out, "winner")
 
-    # 2. feasible region per strategy, coloured by its best tokens/s per GPU
+
+def _feasible_figure(table, cfg: dict, what: str, out: Path) -> None:
+    """feasible: each strategy's memory-feasible region, coloured by its best tokens/s per GPU."""
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import LogNorm
+
+    S, G = cfg["seq_lens"], cfg["gpus"]
+    names = list(strategies())
     n = len(names)
     cols = min(4, n)
     rows_n = math.ceil(n / cols)
@@ -116,17 +130,7 @@ def write_map(table, cfg: dict, model: str, hardware: str, out: str | Path) -> N
     norm = LogNorm(per_gpu.min(), per_gpu.max()) if len(per_gpu) else None
     for k, name in enumerate(names):
         ax = axes[k // cols][k % cols]
-        d = table[table.strategy == name].set_index(["seq_len", "gpus"])
-        grid = np.full((len(G), len(S)), np.nan)
-        for i, g in enumerate(G):
-            for j, s in enumerate(S):
-                r = d.loc[(s, g)]
-                if r["fits"]:
-                    grid[i, j] = r["tokens_per_s_per_gpu"]
-                else:
-                    ax.text(j, i, "x", ha="center", va="center", fontsize=7, color="0.45")
-        cm = plt.get_cmap("viridis").with_extremes(bad="0.93")
-        im = ax.imshow(grid, cmap=cm, norm=norm, origin="lower", aspect="auto")
+        im = _feasible_panel(ax, table[table.strategy == name], S, G, norm)
         _grid(ax, S, G, name)
         ax.tick_params(labelsize=6.5)
         ax.tick_params(axis="x", labelrotation=60)
@@ -142,7 +146,33 @@ def write_map(table, cfg: dict, model: str, hardware: str, out: str | Path) -> N
                  fontsize=10)  # fmt: skip
     _save(fig, out, "feasible")
 
-    # 3. the focus strategy's margin over the best other strategy
+
+def _feasible_panel(ax, rows, S, G, norm):
+    """One strategy's panel: its tokens/s per GPU where it fits, an x where it does not; the
+    image drawn."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    d = rows.set_index(["seq_len", "gpus"])
+    grid = np.full((len(G), len(S)), np.nan)
+    for i, g in enumerate(G):
+        for j, s in enumerate(S):
+            r = d.loc[(s, g)]
+            if r["fits"]:
+                grid[i, j] = r["tokens_per_s_per_gpu"]
+            else:
+                ax.text(j, i, "x", ha="center", va="center", fontsize=7, color="0.45")
+    cm = plt.get_cmap("viridis").with_extremes(bad="0.93")
+    return ax.imshow(grid, cmap=cm, norm=norm, origin="lower", aspect="auto")
+
+
+def _margin_figure(table, cells, cfg: dict, what: str, out: Path) -> None:
+    """margin: the focus strategy's margin over the best other strategy in every cell."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.colors import TwoSlopeNorm
+
+    S, G = cfg["seq_lens"], cfg["gpus"]
     focus = cfg["focus"]
     fig, ax = plt.subplots(figsize=(1.25 * len(S) + 2.2, 0.62 * len(G) + 1.6))
     vals = [m for m in cells["focus_margin"] if m is not None and m == m]
