@@ -14,6 +14,7 @@ import hashlib
 import math
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 _M32 = 0xFFFFFFFF
 # elements generated at once: on a CPU the int64 temporaries stay cache-sized (4x faster than 2^22
@@ -80,6 +81,8 @@ def block(
     device = torch.device(device)
     r, c = _indices(rows, R, device), _indices(cols, C, device)
     out = torch.empty(len(r), len(c), dtype=torch.float32, device=device)
+    if isinstance(out, FakeTensor):
+        return out  # fake tensors hold no values: hashing them would only cost time
     step = max(1, _CHUNK.get(device.type, _CHUNK_GPU) // max(1, len(c)))
     for i in range(0, len(r), step):
         flat = r[i : i + step, None] * C + c[None, :]
@@ -101,6 +104,8 @@ def flat_range(
     start, stop = max(0, start), min(numel, stop)
     device = torch.device(device)
     out = torch.empty(max(0, stop - start), dtype=torch.float32, device=device)
+    if isinstance(out, FakeTensor):
+        return out  # (no values to compute, as in block)
     step = _CHUNK.get(device.type, _CHUNK_GPU)
     for i in range(start, stop, step):
         flat = torch.arange(i, min(stop, i + step), device=device, dtype=torch.int64)
