@@ -149,11 +149,35 @@ def kv_gather(ev: Schedule, c: Spec, phase: str, axis: str, size: int, nbytes: i
         ev.add(phase, axis, "reduce_scatter", size, nbytes, L)
 
 
+def ulysses(c: Spec) -> bool:
+    """Whether the run's context parallelism exchanges by all-to-all (``cp_comm=a2a``, SP and
+    FSDP+CP: DeepSpeed-Ulysses) rather than by K/V all-gathers."""
+    return c.cp > 1 and c.options.get("cp_comm", "all_gather") == "a2a"
+
+
+def ulysses_a2a(ev: Schedule, c: Spec, phase: str, axis: str, size: int) -> None:
+    """Ulysses in one phase, per layer: Q, the packed K/V and the output each re-sharded by one
+    all-to-all of this rank's [t, ...] block (in forward, and again in a recomputed forward);
+    backward, the output's gradient, then K/V's and Q's, the other way."""
+    L, t, e = c.cfg.layers, c.tokens, c.e
+    q, kv = t * c.cfg.hidden * e, 2 * t * c.cfg.kv_dim * e
+    n = L if phase == "forward" or c.rc else 0
+    for nbytes in (q, kv, q):  # q, k/v, out
+        ev.add(phase, axis, "all_to_all", size, nbytes, n)
+    if phase == "backward":
+        for nbytes in (q, kv, q):  # d out, d k/v, d q
+            ev.add(phase, axis, "all_to_all", size, nbytes, L)
+
+
 def context_parallel(c: Spec, axis: str, size: int) -> Schedule:
-    """The K/V gathers of context parallelism over ``size`` ranks (SP, FSDP+CP), whole heads."""
+    """The K/V gathers of context parallelism over ``size`` ranks (SP, FSDP+CP), whole heads;
+    or, with ``cp_comm=a2a``, the Ulysses all-to-alls."""
     ev = Schedule()
     for phase in phases(c):
-        kv_gather(ev, c, phase, axis, size, kv_bytes(c))
+        if ulysses(c):
+            ulysses_a2a(ev, c, phase, axis, size)
+        else:
+            kv_gather(ev, c, phase, axis, size, kv_bytes(c))
     return ev
 
 
