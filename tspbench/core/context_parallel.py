@@ -34,7 +34,7 @@ def check_a2a(cfg: ModelConfig, degree: int) -> None:
         value = getattr(cfg, field)
         if value % degree:
             raise ConfigError(
-                f"{field}={value}: must be divisible by D={degree} for cp_comm=a2a (the "
+                f"model.{field}={value}: must be divisible by D={degree} for cp_comm=a2a (the "
                 "all-to-all gives each rank H/D query and kv heads)"
             )
 
