@@ -6,7 +6,9 @@ Before a unit runs, its shard is all-gathered; after the forward the gathered co
 (saved-tensor hooks keep only a *recipe* for the weights the backward needs) and it is
 all-gathered again when the backward reaches the unit; the gradient is reduce-scattered back to
 the shards (summed: the ranks share sequences, so sums, not averages, are wanted). Tokens are
-zigzag over the same D ranks with K/V all-gather attention, exactly as in SP.
+zigzag over the same D ranks with K/V all-gather attention, exactly as in SP; with
+``cp_comm=a2a``, as SP's, the Ulysses all-to-alls instead (ZeRO-3 weights with Ulysses:
+DeepSpeed's long-context recipe).
 
 With ``overlap`` on (the default), as FSDP2 does by default: before unit i runs, unit i+1's
 all-gather is issued asynchronously (at most one prefetched unit alive besides the one in use);
@@ -36,11 +38,11 @@ from baselines.fsdp_cp.costs import FSDPCPCosts
 from tspbench.core import zigzag
 from tspbench.core.comm import Pending
 from tspbench.core.config import ModelConfig
-from tspbench.core.context_parallel import cp_tables
+from tspbench.core.context_parallel import check_a2a, cp_tables
 from tspbench.core.layers import rms_norm, transformer_layer
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.optim import grad_sq_sum
-from tspbench.core.options import OVERLAP
+from tspbench.core.options import CP_COMM, OVERLAP, Value
 from tspbench.core.reference import LAYER_PARAMS, param_shapes
 from tspbench.core.strategy import Batch, Layout, Strategy, tensor_of
 
@@ -87,8 +89,9 @@ class GatherUnit(torch.autograd.Function):
 class FSDPCP(Strategy):
     name = "fsdp_cp"
     display = "FSDP+CP"  # legends, titles and tables' captions
-    options = (OVERLAP,)
-    overlap: bool  # set from the option (Strategy.__init__)
+    options = (OVERLAP, CP_COMM)
+    overlap: bool  # set from the options (Strategy.__init__)
+    cp_comm: str
     costs = FSDPCPCosts()
     decoder = None  # no decode path (docs/decode.md)
 
@@ -97,9 +100,13 @@ class FSDPCP(Strategy):
         return layout.degree
 
     @classmethod
-    def validate(cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, **_) -> None:
+    def validate(
+        cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, **options: Value
+    ) -> None:
         super().validate(cfg, layout, seq_len, batch)
         zigzag.check_divisible(seq_len, layout.degree)
+        if options.get("cp_comm") == "a2a":
+            check_a2a(cfg, layout.degree)
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, **kw) -> None:
         super().__init__(cfg, mesh, **kw)
@@ -214,7 +221,7 @@ class FSDPCP(Strategy):
         cfg = self.cfg
         S = batch.tokens.shape[1] * self.comm.size
         x = self.run_unit(0, lambda w: F.embedding(batch.tokens, w["embed"]))
-        cos, sin, hooks = cp_tables(self, S, self.comm, cfg, x)
+        cos, sin, hooks = cp_tables(self, S, self.comm, cfg, x, self.cp_comm)
         for i in range(cfg.layers):
             x = self.checkpointed(
                 self.run_unit,

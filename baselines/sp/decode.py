@@ -1,5 +1,5 @@
 """SP's decode path (docs/decode.md): weights replicated, the cache split by sequence; each
-step's attention merged over the D ranks."""
+step's attention merged over the D ranks. The prefill exchanges by the run's ``cp_comm``."""
 
 from __future__ import annotations
 
@@ -28,10 +28,10 @@ class SPDecoder(Decoder):
     @classmethod
     def validate(
         cls, strategy, cfg: ModelConfig, layout: Layout, prompt_len: int, new_tokens: int,
-        batch: int, **_,
+        batch: int, **options,
     ) -> None:  # fmt: skip
         super().validate(strategy, cfg, layout, prompt_len, new_tokens, batch)
-        strategy.validate(cfg, layout, prompt_len, batch)
+        strategy.validate(cfg, layout, prompt_len, batch, **options)
 
     @classmethod
     def cache_split(cls, layout: Layout) -> tuple[int, int]:
@@ -58,7 +58,8 @@ class SPDecoder(Decoder):
         x = F.embedding(zigzag.shard(tokens, D, r).to(m.device), m.params["embed"])
         slots = KVCache.capacity(P, max_len, D)
         cache = KVCache.empty(cfg.layers, B, cfg.kv_heads, slots, cfg.head_dim, x, D, r)
-        cos, sin, hooks = cp_tables(m, P, comm, cfg, x)
+        cos, sin, hooks = cp_tables(m, P, comm, cfg, x, m.cp_comm)  # the prefill exchanges
+        # as training does (cp_comm); the cache keeps each rank's own tokens' K/V either way
         x = prefill_layers(cfg, self._layers(), x, cos, sin, hooks, cache)
         cache.start(P // D, P)
         last = x[:, -1].contiguous()  # position P-1 ends chunk 2D-1: rank 0's last local token

@@ -1,8 +1,10 @@
 """SP (context parallelism): weights replicated, tokens zigzag over D ranks.
 
 Each rank projects its own tokens; K/V are all-gathered along the sequence (reduce-scattered in
-backward) for zigzag causal attention, through the same attention entry point as TSP. Every
-other op is token-local. Gradients of the replicated weights are summed with one all-reduce.
+backward) for zigzag causal attention, through the same attention entry point as TSP; or, with
+``cp_comm=a2a`` (DeepSpeed-Ulysses), Q, K/V and the output are re-sharded between sequence and
+heads by all-to-alls around causal attention over the whole sequence. Every other op is
+token-local. Gradients of the replicated weights are summed with one all-reduce.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ from baselines.sp.costs import SPCosts
 from baselines.sp.decode import SPDecoder
 from tspbench.core import zigzag
 from tspbench.core.config import ModelConfig
-from tspbench.core.context_parallel import cp_tables
+from tspbench.core.context_parallel import check_a2a, cp_tables
 from tspbench.core.layers import rms_norm, transformer_layer
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.optim import grad_sq_sum
+from tspbench.core.options import CP_COMM, Value
 from tspbench.core.reference import LAYER_PARAMS, param_shapes
 from tspbench.core.strategy import Batch, Layout, Strategy, tensor_of
 
@@ -25,6 +28,8 @@ from tspbench.core.strategy import Batch, Layout, Strategy, tensor_of
 class SP(Strategy):
     name = "sp"
     display = "SP"  # legends, titles and tables' captions
+    options = (CP_COMM,)
+    cp_comm: str  # set from the option (Strategy.__init__)
     costs = SPCosts()
     decoder = SPDecoder
 
@@ -33,9 +38,13 @@ class SP(Strategy):
         return layout.degree
 
     @classmethod
-    def validate(cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, **_) -> None:
+    def validate(
+        cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, **options: Value
+    ) -> None:
         super().validate(cfg, layout, seq_len, batch)
         zigzag.check_divisible(seq_len, layout.degree)
+        if options.get("cp_comm") == "a2a":
+            check_a2a(cfg, layout.degree)
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, **kw) -> None:
         super().__init__(cfg, mesh, **kw)
@@ -49,7 +58,7 @@ class SP(Strategy):
         cfg, p = self.cfg, self.params
         S = batch.tokens.shape[1] * self.comm.size
         x = F.embedding(batch.tokens, p["embed"])
-        cos, sin, hooks = cp_tables(self, S, self.comm, cfg, x)
+        cos, sin, hooks = cp_tables(self, S, self.comm, cfg, x, self.cp_comm)
         for i in range(cfg.layers):
             lp = {k: p[f"layers.{i}.{k}"] for k in LAYER_PARAMS}
             x = self.checkpointed(

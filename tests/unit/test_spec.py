@@ -69,8 +69,8 @@ def test_options_belong_to_their_strategy():
     assert dict(tp.options) == {} and list(tsp.options) == [
         "overlap", "kv_bucket", "mlp_schedule", "kv_backward"]  # fmt: skip
     keys = list(tp.header("local", 1))
-    want = ["recompute", "overlap", "kv_bucket", "mlp_schedule", "kv_backward", "model_config"]
-    assert keys[keys.index("recompute") :][:6] == want
+    want = ["recompute", "overlap", "kv_bucket", "mlp_schedule", "kv_backward", "cp_comm"]
+    assert keys[keys.index("recompute") :][:7] == [*want, "model_config"]
     assert {k: tp.header("local", 1)[k] for k in tsp.options} == dict(tsp.options)
     assert "--overlap" not in tp.to_argv() and "--kv-bucket" not in tp.to_argv()
     assert tsp.replace(kv_bucket=2).options["kv_bucket"] == 2

@@ -3,7 +3,8 @@
 Bytes are counted per rank with the nccl-tests bus-traffic convention (``docs/method.md`` §6),
 written once in :func:`bus_bytes` so that the analytic model uses the very same rule:
 all-gather / reduce-scatter (D-1)/D of the full tensor, all-reduce 2(D-1)/D, broadcast / reduce
-(D-1)/D, send/recv the tensor on the receiver.
+(D-1)/D, send/recv the tensor on the receiver, all-to-all (D-1)/D of the tensor each rank sends
+(its own block stays).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import torch.distributed as dist
 
 from tspbench.core import compat
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduce", "send_recv")
+KINDS = (
+    "all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduce", "send_recv", "all_to_all"
+)  # fmt: skip
 
 
 def bus_bytes(kind: str, nbytes: float, size: int) -> float:
@@ -281,6 +284,19 @@ class Comm:
         return self._issue(
             compat.reduce_scatter_flat, (out, stacked), lambda: out, async_op, flat=True
         )
+
+    def all_to_all(self, t: torch.Tensor, async_op: bool = False):
+        """Block j of ``size`` equal blocks of ``t`` along dim 0 goes to group-rank j; block j
+        of the result came from group-rank j (DeepSpeed-Ulysses' exchange). Counted as
+        (D-1)/D of ``t``: what a rank sends and receives, its own block staying."""
+        tc = t.contiguous()
+        if not self._start("all_to_all", "all_to_all", tc, tc):
+            if self.size == 1:
+                return self._ret(None, lambda: tc, async_op)
+            zeros = torch.zeros_like(tc)
+            return self._ret(None, lambda: zeros, async_op)
+        out = torch.empty_like(tc)
+        return self._issue(compat.all_to_all_flat, (out, tc), lambda: out, async_op, flat=True)
 
     def ring_exchange(self, send: torch.Tensor, recv: torch.Tensor, async_op: bool = False):
         """Send ``send`` to the next rank and receive the previous rank's into ``recv``."""

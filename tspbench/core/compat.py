@@ -49,3 +49,9 @@ def reduce_scatter_flat(out: torch.Tensor, t: torch.Tensor, group=None, async_op
     """Sum of every rank's 1-D ``t``, block ``rank`` of ``size`` equal blocks into ``out``."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(out, t, group=group, async_op=async_op)
+
+
+def all_to_all_flat(out: torch.Tensor, t: torch.Tensor, group=None, async_op: bool = False):
+    """Block j of ``size`` equal blocks of the 1-D ``t`` to group-rank j; block j of ``out``
+    from group-rank j (``all_to_all_single``: the same name from torch 2.11 to 2.13)."""
+    return dist.all_to_all_single(out, t, group=group, async_op=async_op)

@@ -1,6 +1,8 @@
 """Context parallelism's per-sequence pieces, shared by SP, TP+SP and FSDP+CP: RoPE tables at the
 zigzag tokens' global positions, and layer hooks that all-gather K/V along the sequence (reduce-
-scatter in backward) and run zigzag causal attention."""
+scatter in backward) and run zigzag causal attention, or (``cp_comm="a2a"``, SP and FSDP+CP:
+DeepSpeed-Ulysses) re-shard Q, K/V and the output between sequence and heads with all-to-alls
+and run causal attention over the whole sequence on H/D heads."""
 
 from __future__ import annotations
 
@@ -8,9 +10,9 @@ import torch
 
 from tspbench.core import zigzag
 from tspbench.core.attention import attention
-from tspbench.core.collectives import GatherSequence
+from tspbench.core.collectives import GatherSequence, HeadsToSeq, SeqToHeads
 from tspbench.core.comm import Comm
-from tspbench.core.config import ModelConfig
+from tspbench.core.config import ConfigError, ModelConfig
 from tspbench.core.layers import LayerHooks, cached, rope_tables
 
 
@@ -23,17 +25,35 @@ def zigzag_rope(
     return cos.to(device), sin.to(device)
 
 
+CP_COMMS = ("all_gather", "a2a")  # the K/V exchanges (tspbench.core.options.CP_COMM)
+
+
+def check_a2a(cfg: ModelConfig, degree: int) -> None:
+    """Refuse, in one line, heads the all-to-all cannot split over ``degree`` ranks."""
+    for field in ("heads", "kv_heads"):
+        value = getattr(cfg, field)
+        if value % degree:
+            raise ConfigError(
+                f"model.{field}={value}: must be divisible by D={degree} for cp_comm=a2a (the "
+                "all-to-all gives each rank H/D query and kv heads)"
+            )
+
+
 def cp_tables(
-    owner: object, seq_len: int, comm: Comm, cfg: ModelConfig, like: torch.Tensor, **tp_hooks
-) -> tuple[torch.Tensor, torch.Tensor, LayerHooks]:
+    owner: object, seq_len: int, comm: Comm, cfg: ModelConfig, like: torch.Tensor,
+    cp_comm: str = "all_gather", **tp_hooks,
+) -> tuple[torch.Tensor, torch.Tensor, LayerHooks]:  # fmt: skip
     """(cos, sin, hooks) of context parallelism over ``comm`` at ``seq_len`` for activations
-    like ``like``: :func:`zigzag_rope` and :func:`context_parallel_hooks`, built once and kept
-    with ``owner`` (:func:`tspbench.core.layers.cached`)."""
+    like ``like``: :func:`zigzag_rope` and :func:`context_parallel_hooks` (``cp_comm="a2a"``:
+    :func:`ulysses_hooks`), built once and kept with ``owner``
+    (:func:`tspbench.core.layers.cached`)."""
     device = like.device
-    key = ("cp", seq_len, like.dtype, device, id(comm), *sorted(tp_hooks))
+    a2a = cp_comm == "a2a" and comm.size > 1
+    key = ("cp", seq_len, like.dtype, device, id(comm), a2a, *sorted(tp_hooks))
+    hooks = ulysses_hooks if a2a else context_parallel_hooks
     return cached(owner, key, lambda: (
         *zigzag_rope(seq_len, comm, cfg, like.dtype, device),
-        context_parallel_hooks(seq_len, comm, device, **tp_hooks),
+        hooks(seq_len, comm, device, **tp_hooks),
     ))  # fmt: skip
 
 
@@ -53,3 +73,20 @@ def context_parallel_hooks(
     return LayerHooks(
         gather_kv=gather_kv, attn=lambda q, k, v: attention(q, k, v, r, D), **tp_hooks
     )
+
+
+def ulysses_hooks(seq_len: int, comm: Comm, device: torch.device, **tp_hooks) -> LayerHooks:
+    """DeepSpeed-Ulysses over ``comm``: Q and the packed K/V each re-sharded from this rank's
+    zigzag tokens of every head to every token (global order) of H/D heads (one all-to-all
+    each), causal attention over the whole sequence, the output back with one all-to-all;
+    backward, the gradients the other way. Needs H and kv heads divisible by D
+    (:func:`check_a2a`)."""
+    to_g = zigzag.gathered_to_global(seq_len, comm.size).to(device)
+    to_r = zigzag.global_to_gathered(seq_len, comm.size).to(device)
+
+    def attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        qh = SeqToHeads.apply(q, comm, to_g, to_r)
+        kv = SeqToHeads.apply(torch.stack([k, v]), comm, to_g, to_r)
+        return HeadsToSeq.apply(attention(qh, kv[0], kv[1]), comm, to_g, to_r)
+
+    return LayerHooks(attn=attn, **tp_hooks)

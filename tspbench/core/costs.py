@@ -149,11 +149,35 @@ def kv_gather(ev: Schedule, c: Spec, phase: str, axis: str, size: int, nbytes: i
         ev.add(phase, axis, "reduce_scatter", size, nbytes, L)
 
 
+def ulysses(c: Spec) -> bool:
+    """Whether the run's context parallelism exchanges by all-to-all (``cp_comm=a2a``, SP and
+    FSDP+CP: DeepSpeed-Ulysses) rather than by K/V all-gathers."""
+    return c.cp > 1 and c.options.get("cp_comm", "all_gather") == "a2a"
+
+
+def ulysses_a2a(ev: Schedule, c: Spec, phase: str, axis: str, size: int) -> None:
+    """Ulysses in one phase, per layer: Q, the packed K/V and the output each re-sharded by one
+    all-to-all of this rank's [t, ...] block (in forward, and again in a recomputed forward);
+    backward, the output's gradient, then K/V's and Q's, the other way."""
+    L, t, e = c.cfg.layers, c.tokens, c.e
+    q, kv = t * c.cfg.hidden * e, 2 * t * c.cfg.kv_dim * e
+    n = L if phase == "forward" or c.rc else 0
+    for nbytes in (q, kv, q):  # q, k/v, out
+        ev.add(phase, axis, "all_to_all", size, nbytes, n)
+    if phase == "backward":
+        for nbytes in (q, kv, q):  # d out, d k/v, d q
+            ev.add(phase, axis, "all_to_all", size, nbytes, L)
+
+
 def context_parallel(c: Spec, axis: str, size: int) -> Schedule:
-    """The K/V gathers of context parallelism over ``size`` ranks (SP, FSDP+CP), whole heads."""
+    """The K/V gathers of context parallelism over ``size`` ranks (SP, FSDP+CP), whole heads;
+    or, with ``cp_comm=a2a``, the Ulysses all-to-alls."""
     ev = Schedule()
     for phase in phases(c):
-        kv_gather(ev, c, phase, axis, size, kv_bytes(c))
+        if ulysses(c):
+            ulysses_a2a(ev, c, phase, axis, size)
+        else:
+            kv_gather(ev, c, phase, axis, size, kv_bytes(c))
     return ev
 
 
@@ -206,8 +230,11 @@ def saved_per_layer(c: Spec, T: int) -> int:
     """Bytes one plain layer keeps for backward (no recomputation), from what each op saves."""
     cfg, e, t, B, S = c.cfg, c.e, c.tokens, c.batch, c.seq_len
     nh, kvl, fl, _ = local_dims(cfg, T)
-    kv = 2 * B * S * kvl * e if c.cp > 1 else 2 * t * kvl * e  # the gathered K/V, or local K/V
-    o_copy = c.cp > 1  # zigzag chunks are concatenated, so merging heads copies
+    # the gathered K/V, or local K/V (Ulysses: every token of H/D heads, as many bytes)
+    kv = 2 * B * S * kvl * e if c.cp > 1 and not ulysses(c) else 2 * t * kvl * e
+    # zigzag chunks are concatenated, so merging heads copies; Ulysses: the attention keeps its
+    # output (H/D heads, every token) and the W_o GEMM the all-to-all's, as many bytes
+    o_copy = c.cp > 1
     attn = (2 + o_copy) * t * nh * cfg.head_dim * e + 4 * t * nh + kv
     return norms_saved(c) + attn + 4 * t * fl * e  # MLP: h1, silu(h1), h3, their product
 
@@ -228,6 +255,13 @@ def inference_working_set(c: Spec, T: int, vocab_parallel: bool) -> tuple[int, i
     nh, kvl, fl, vl = local_dims(cfg, T)
     o = t * nh * cfg.head_dim * e  # one attention output (or Q)
     act, kvu, logits = t * cfg.hidden * e, kv_unit(c, kvl), 4 * t * vl
+    if ulysses(c):  # the locals are this rank's tokens' (the output merges heads by a view)
+        kvp = 2 * t * kvl * e
+        layer = 2 * act + 2 * o + kvp + 2 * act + 3 * t * fl * e
+        # the exchanges: K/V's (local, stacked, sent, received, reordered), the output's (Q,
+        # its heads, K/V's, the output, sent, received, merged)
+        layer = max(layer, 2 * act + 2 * o + 4 * kvp, 2 * act + 6 * o + 2 * kvp)
+        return layer, 2 * act + (3 if vocab_parallel else 2) * logits
     attn_locals = 2 * act + 2 * o + kvu + (c.cp > 1) * o
     layer = attn_locals + 2 * act + 3 * t * fl * e  # + residual, normed, MLP crest
     if c.cp > 1:  # the K/V gather: local K/V, stacked, gathered, reordered
@@ -242,12 +276,18 @@ def backward_transients(c: Spec, T: int) -> tuple[int, int]:
     silu(h1) * h3, which W2's backward has freed) and, context parallel, its attention's backward
     (the residual's gradient, the attention output's gradient and its copy, and three and a half
     gathered K/V pairs: the gather, its gradient staging, the kernel's gradients; by then the
-    MLP's saved tensors and the second norm's input and output are freed)."""
+    MLP's saved tensors and the second norm's input and output are freed; Ulysses: the output
+    gradient's all-to-all, four [t, H/T * d] buffers)."""
     e, t = c.e, c.tokens
     nh, kvl, fl, vl = local_dims(c.cfg, T)
     act, kvu, logits = t * c.cfg.hidden * e, kv_unit(c, kvl), 4 * t * vl
     layer_t = act + 2 * t * fl * e
-    if c.cp > 1:
+    if c.cp > 1 and ulysses(c):
+        # Ulysses: the output's all-to-all backward (its gradient, sent, received, reordered)
+        # beside the residual's gradient; fitted to the fake-tensor peaks (within 1% where it
+        # crests), which do not grow with K/V there and see no MLP tensor freed yet
+        layer_t = max(layer_t, act + 4 * t * nh * c.cfg.head_dim * e)
+    elif c.cp > 1:
         freed = 4 * t * fl * e + 2 * act
         layer_t = max(layer_t, act + 2 * t * nh * c.cfg.head_dim * e + 7 * kvu // 2 - freed)
     return 2 * logits, layer_t

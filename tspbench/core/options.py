@@ -111,6 +111,19 @@ OVERLAP = Option(
     label=" (overlap {value})",
 )
 
+# Shared by the strategies that shard the sequence over whole weights (SP, FSDP+CP): how the
+# context-parallel ranks exchange what attention needs (tspbench/core/context_parallel.py).
+CP_COMM = Option(
+    "cp_comm",
+    "all_gather",
+    "context parallelism's exchange: all_gather K/V along the sequence (reduce-scatter in "
+    "backward), or a2a: DeepSpeed-Ulysses all-to-alls of Q, K/V and the output between "
+    "sequence and heads (heads and kv_heads divisible by D)",
+    choices=("all_gather", "a2a"),
+    tag="-cp-{value}",
+    label=" ({value})",
+)
+
 
 class Options(Mapping[str, Value]):
     """A run's values of its strategy's options, in declaration order, every one filled in:

@@ -125,8 +125,10 @@ def _collectives(device: torch.device, size: int) -> dict[str, Any]:
                 "broadcast": lambda t=t: comm.broadcast(t, src=0),
                 "reduce": lambda t=t: comm.reduce(t, dst=0),
                 "send_recv": lambda t=t: comm.ring_exchange(t, torch.empty_like(t)),
+                "all_to_all": lambda full=full: comm.all_to_all(full),  # D equal blocks
             }[kind]
-            full_bytes = nbytes * (comm.size if kind in ("all_gather", "reduce_scatter") else 1)
+            split = ("all_gather", "reduce_scatter", "all_to_all")
+            full_bytes = nbytes * (comm.size if kind in split else 1)
             pts.append((bus_bytes(kind, full_bytes, comm.size), _timed(op, device, 7)))
         out[kind] = _fit(pts)
     return out

@@ -134,6 +134,12 @@ def fabric(preset: dict, size: int) -> dict[str, dict[str, float]]:
     return out
 
 
+def _link(rates: dict, kind: str) -> dict[str, float]:
+    """The (latency, bandwidth) fit of ``kind``; a calibration written before the all-to-all
+    was counted has none: it moves (D-1)/D of its tensor per rank, as a reduce-scatter does."""
+    return rates[kind] if kind in rates or kind != "all_to_all" else rates["reduce_scatter"]
+
+
 def metric_reductions(c: RunSpec) -> list[tuple[str, int]]:
     """The reported loss's and gradient norm's small all-reduces: (axis, group size) each; the
     model group's are the strategy's (``metric_reductions``)."""
@@ -212,7 +218,7 @@ def project(c: RunSpec, preset: dict, ops: int | None = None) -> dict[str, Any]:
             continue
         inter = axis == Axis.DP and world > per_node or axis != Axis.DP and c.degree > per_node
         # a calibrated preset may hold fits per group size (groups of 2 in a 4-rank node...)
-        link = r["inter"] if inter else r.get("groups", {}).get(str(size), r)[kind]
+        link = r["inter"] if inter else _link(r.get("groups", {}).get(str(size), r), kind)
         t = link["lat"] + bus_bytes(kind, nbytes, size) / link["bw"]
         if ev.overlapped:  # what the implementation hides, as its schedule says
             ovl += t
