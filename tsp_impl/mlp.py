@@ -42,8 +42,8 @@ three, so the steps allocate no buffers. In a recomputed forward (``recompute``)
 needed: the SiLU gate and the W2 GEMM are skipped, as autograd's recompute of a plain layer skips
 them.
 
-Each schedule is plain functions (``ring_mlp_forward`` and ``broadcast_mlp_forward``, both the
-loop ``mlp_forward`` over their slice iterator; ``ring_mlp_backward``, ``broadcast_mlp_backward``)
+Each schedule is plain functions (the forward ``mlp_forward`` over the schedule's slice
+iterator, ``ring`` or ``owner_shards``; ``ring_mlp_backward``, ``broadcast_mlp_backward``)
 under a thin autograd.Function (``RingMLP``, ``BroadcastMLP``) that keeps h13 on its ctx.
 """
 
@@ -120,32 +120,6 @@ def mlp_forward(
     return y.view(B, n, h), saved
 
 
-def ring_mlp_forward(
-    res: torch.Tensor,
-    x: torch.Tensor,
-    w_own: torch.Tensor,
-    comm: Comm,
-    overlap: bool,
-    save: bool,
-    recompute: bool,
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """:func:`mlp_forward` with the slices passed around the ring."""
-    return mlp_forward(res, x, ring(w_own, comm, overlap), save, recompute)
-
-
-def broadcast_mlp_forward(
-    res: torch.Tensor,
-    x: torch.Tensor,
-    w_own: torch.Tensor,
-    comm: Comm,
-    overlap: bool,
-    save: bool,
-    recompute: bool,
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """:func:`mlp_forward` with each slice broadcast by its owner."""
-    return mlp_forward(res, x, owner_shards(w_own, comm, overlap), save, recompute)
-
-
 def ring_mlp_backward(
     dy: torch.Tensor,
     x: torch.Tensor,
@@ -210,13 +184,14 @@ def broadcast_mlp_backward(
 
 
 class RingMLP(torch.autograd.Function):
-    """res + MLP(x) by the ring schedule: :func:`ring_mlp_forward`, :func:`ring_mlp_backward`."""
+    """res + MLP(x) by the ring schedule: :func:`mlp_forward` over :func:`ring`,
+    :func:`ring_mlp_backward`."""
 
     @staticmethod
     def forward(ctx, res, x, w_own, comm: Comm, overlap: bool, grad: bool, recompute: bool = False):
         save = grad and any(ctx.needs_input_grad)  # (needs_input_grad ignores no_grad)
         ctx.comm, ctx.overlap = comm, overlap
-        y, saved = ring_mlp_forward(res, x, w_own, comm, overlap, save, recompute)
+        y, saved = mlp_forward(res, x, ring(w_own, comm, overlap), save, recompute)
         if save:
             ctx.save_for_backward(x, w_own, *saved)
         return y
@@ -229,14 +204,14 @@ class RingMLP(torch.autograd.Function):
 
 
 class BroadcastMLP(torch.autograd.Function):
-    """res + MLP(x) by the broadcast schedule: :func:`broadcast_mlp_forward`,
-    :func:`broadcast_mlp_backward`."""
+    """res + MLP(x) by the broadcast schedule: :func:`mlp_forward` over
+    :func:`tsp_impl.overlap.owner_shards`, :func:`broadcast_mlp_backward`."""
 
     @staticmethod
     def forward(ctx, res, x, w_own, comm: Comm, overlap: bool, grad: bool, recompute: bool = False):
         save = grad and any(ctx.needs_input_grad)  # (needs_input_grad ignores no_grad)
         ctx.comm, ctx.overlap = comm, overlap
-        y, saved = broadcast_mlp_forward(res, x, w_own, comm, overlap, save, recompute)
+        y, saved = mlp_forward(res, x, owner_shards(w_own, comm, overlap), save, recompute)
         if save:
             ctx.save_for_backward(x, w_own, *saved)
         return y
