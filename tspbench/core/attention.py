@@ -72,10 +72,10 @@ def causal_pairs(lq: int, lk: int, lower_right: bool = True) -> int:
     return lk * (lk + 1) // 2
 
 
-def _count_flash(kind: str, q: torch.Tensor, k: torch.Tensor) -> None:
+def _count_flash(kind: str, q: torch.Tensor, k: torch.Tensor, causal: bool = True) -> None:
     """Tell the listeners a flash-attn call's FLOPs, by torch's SDPA formulas over the causal
-    (lower-right) call's pairs, as the CPU kernels are counted: 4 b h d per pair forward, 2.5
-    times that backward."""
+    (lower-right) call's pairs (``causal=False``: every pair), as the CPU kernels are counted:
+    4 b h d per pair forward, 2.5 times that backward."""
     if not FLOP_LISTENERS:
         return
     from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
@@ -88,7 +88,8 @@ def _count_flash(kind: str, q: torch.Tensor, k: torch.Tensor) -> None:
         if kind == "forward"
         else sdpa_backward_flop_count(qs, qs, ks, ks)
     )
-    n = n * causal_pairs(s_q, s_k) // (s_q * s_k)
+    if causal:
+        n = n * causal_pairs(s_q, s_k) // (s_q * s_k)
     for listen in FLOP_LISTENERS:
         listen(f"flash_attn.{kind}", n)
 
@@ -145,19 +146,19 @@ def _sdpa(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
-def _flash(q, k, v):
+def _flash(q, k, v, causal=True):
     """(out [B, Hq, Lq, d], lse [B, Hq, Lq] fp32) from flash-attn's public function (it works in
     [B, L, H, d]; with ``return_attn_probs`` it also returns the log-sum-exp)."""
     from flash_attn import flash_attn_func
 
     out, lse, _ = flash_attn_func(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal,
         return_attn_probs=True,
     )  # fmt: skip
     return out.transpose(1, 2), lse
 
 
-def _flash_bwd(dout, q, k, v, out, lse):
+def _flash_bwd(dout, q, k, v, out, lse, causal=True):
     """flash-attn's backward kernel for :func:`_flash`'s call. Its private entry point's
     arguments changed between releases (``window_size`` became ``window_size_left/right``,
     ``softcap`` and ``deterministic`` appeared, and from 2.6.3 it is a torch custom op): they
@@ -171,7 +172,7 @@ def _flash_bwd(dout, q, k, v, out, lse):
     values = {
         "dout": t[0], "q": t[1], "k": t[2], "v": t[3], "out": t[4], "softmax_lse": lse,
         "dq": dq, "dk": dk, "dv": dv, "dropout_p": 0.0, "softmax_scale": q.shape[-1] ** -0.5,
-        "causal": True, "window_size": (-1, -1), "window_size_left": -1, "window_size_right": -1,
+        "causal": causal, "window_size": (-1, -1), "window_size_left": -1, "window_size_right": -1,
         "softcap": 0.0, "alibi_slopes": None, "deterministic": False, "rng_state": None,
     }  # fmt: skip
     # from flash-attn 2.6.3 (torch >= 2.4) the kernel is a torch.library custom op whose own
@@ -244,6 +245,75 @@ def causal_bwd(
             out = _sdpa(qq, kk, vv)
         grads = torch.autograd.grad(out, (qq, kk, vv), dout)
     return grads[0], grads[1], grads[2]
+
+
+def _math_block(q, k, v, causal):
+    """(out, lse fp32) of one block written out (fp32 scores, K/V heads repeated for GQA): the
+    ``sdpa`` backend's ring block, since SDPA returns no log-sum-exp to merge by."""
+    g = q.shape[1] // k.shape[1]
+    kk, vv = (t.float().repeat_interleave(g, dim=1) for t in (k, v))
+    s = (q.float() @ kk.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if causal:
+        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
+    lse = s.logsumexp(-1)
+    return ((s - lse[..., None]).exp() @ vv).to(q.dtype), lse
+
+
+def _math_block_bwd(dout, q, k, v, out, lse, causal):
+    """(dq, dk, dv) of :func:`_math_block` given the merged out and lse: the flash backward's
+    formulas (P = exp(S - lse), dS = P (dP - rowsum(dO O))), K/V's summed over their group."""
+    g, scale = q.shape[1] // k.shape[1], q.shape[-1] ** -0.5
+    qf, do = q.float(), dout.float()
+    kk, vv = (t.float().repeat_interleave(g, dim=1) for t in (k, v))
+    s = (qf @ kk.transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
+    p = (s - lse[..., None]).exp()
+    ds = p * (do @ vv.transpose(-1, -2) - (do * out.float()).sum(-1, keepdim=True)) * scale
+    dk = (ds.transpose(-1, -2) @ qf).unflatten(1, (-1, g)).sum(2)
+    dv = (p.transpose(-1, -2) @ do).unflatten(1, (-1, g)).sum(2)
+    return (ds @ kk).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def block_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse [B, Hq, Lq] fp32) of one block of ring attention: every query over every key,
+    or (``causal``) a square block's causal mask. Unlike :func:`causal_fwd` the log-sum-exp
+    is always there, since the ring merges its blocks' partial outputs by it."""
+    backend = backend_for(q.device, q.dtype)
+    with torch.no_grad():
+        if backend == "fused":
+            _require_fake(q)
+        if backend in ("fused", "cpu_flash"):
+            return _cpu_block(q, k, v, causal)
+        if backend == "flash_attn":
+            _count_flash("forward", q, k, causal)
+            return _flash(q, k, v, causal)
+        return _math_block(q, k, v, causal)
+
+
+def block_bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of one :func:`block_fwd` block, given the merged output and log-sum-exp of
+    all blocks (what makes each block's share of the gradient exact)."""
+    backend = backend_for(q.device, q.dtype)
+    if backend == "fused":
+        _require_fake(q)
+    if backend in ("fused", "cpu_flash"):
+        bwd = _aten._scaled_dot_product_flash_attention_for_cpu_backward
+        return bwd(dout, q, k, v, out, lse, 0.0, causal)
+    if backend == "flash_attn":
+        _count_flash("backward", q, k, causal)
+        return _flash_bwd(dout, q, k, v, out, lse, causal)
+    return _math_block_bwd(dout, q, k, v, out, lse, causal)
 
 
 def zigzag_fwd(

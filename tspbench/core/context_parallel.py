@@ -2,7 +2,8 @@
 zigzag tokens' global positions, and layer hooks that all-gather K/V along the sequence (reduce-
 scatter in backward) and run zigzag causal attention, or (``cp_comm="a2a"``, SP and FSDP+CP:
 DeepSpeed-Ulysses) re-shard Q, K/V and the output between sequence and heads with all-to-alls
-and run causal attention over the whole sequence on H/D heads."""
+and run causal attention over the whole sequence on H/D heads, or (``cp_comm="ring"``) pass
+K/V chunks round the ring behind the attention (:mod:`tspbench.core.ring_attention`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from tspbench.core.collectives import GatherSequence, HeadsToSeq, SeqToHeads
 from tspbench.core.comm import Comm
 from tspbench.core.config import ConfigError, ModelConfig
 from tspbench.core.layers import LayerHooks, cached, rope_tables
+from tspbench.core.ring_attention import ring_attention
 
 
 def zigzag_rope(
@@ -23,9 +25,6 @@ def zigzag_rope(
     pos = zigzag.positions(seq_len, comm.size, comm.rank)
     cos, sin = rope_tables(pos, cfg.head_dim, cfg.rope_theta, dtype)
     return cos.to(device), sin.to(device)
-
-
-CP_COMMS = ("all_gather", "a2a")  # the K/V exchanges (tspbench.core.options.CP_COMM)
 
 
 def check_a2a(cfg: ModelConfig, degree: int) -> None:
@@ -44,13 +43,13 @@ def cp_tables(
     cp_comm: str = "all_gather", **tp_hooks,
 ) -> tuple[torch.Tensor, torch.Tensor, LayerHooks]:  # fmt: skip
     """(cos, sin, hooks) of context parallelism over ``comm`` at ``seq_len`` for activations
-    like ``like``: :func:`zigzag_rope` and :func:`context_parallel_hooks` (``cp_comm="a2a"``:
-    :func:`ulysses_hooks`), built once and kept with ``owner``
-    (:func:`tspbench.core.layers.cached`)."""
+    like ``like``: :func:`zigzag_rope` and the hooks of the exchange (``cp_comm``:
+    :func:`context_parallel_hooks`, :func:`ulysses_hooks` or :func:`ring_hooks`), built once
+    and kept with ``owner`` (:func:`tspbench.core.layers.cached`)."""
     device = like.device
-    a2a = cp_comm == "a2a" and comm.size > 1
-    key = ("cp", seq_len, like.dtype, device, id(comm), a2a, *sorted(tp_hooks))
-    hooks = ulysses_hooks if a2a else context_parallel_hooks
+    kind = cp_comm if comm.size > 1 else "all_gather"
+    key = ("cp", seq_len, like.dtype, device, id(comm), kind, *sorted(tp_hooks))
+    hooks = {"a2a": ulysses_hooks, "ring": ring_hooks}.get(kind, context_parallel_hooks)
     return cached(owner, key, lambda: (
         *zigzag_rope(seq_len, comm, cfg, like.dtype, device),
         hooks(seq_len, comm, device, **tp_hooks),
@@ -90,3 +89,10 @@ def ulysses_hooks(seq_len: int, comm: Comm, device: torch.device, **tp_hooks) ->
         return HeadsToSeq.apply(attention(qh, kv[0], kv[1]), comm, to_g, to_r)
 
     return LayerHooks(attn=attn, **tp_hooks)
+
+
+def ring_hooks(seq_len: int, comm: Comm, device: torch.device, **tp_hooks) -> LayerHooks:
+    """Ring attention over ``comm`` (Megatron-Core's ``p2p``): this rank's zigzag K/V chunks
+    travel round the ring while each arriving chunk's attention runs; the tokens stay local,
+    so nothing is reordered."""
+    return LayerHooks(attn=lambda q, k, v: ring_attention(q, k, v, comm), **tp_hooks)

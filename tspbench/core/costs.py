@@ -149,10 +149,35 @@ def kv_gather(ev: Schedule, c: Spec, phase: str, axis: str, size: int, nbytes: i
         ev.add(phase, axis, "reduce_scatter", size, nbytes, L)
 
 
+def cp_comm(c: Spec) -> str:
+    """How the run's context parallelism exchanges (SP, FSDP+CP's ``cp_comm``): all_gather
+    (the K/V gathers; also with no context parallelism), a2a (DeepSpeed-Ulysses) or ring."""
+    return c.options.get("cp_comm", "all_gather") if c.cp > 1 else "all_gather"
+
+
 def ulysses(c: Spec) -> bool:
-    """Whether the run's context parallelism exchanges by all-to-all (``cp_comm=a2a``, SP and
-    FSDP+CP: DeepSpeed-Ulysses) rather than by K/V all-gathers."""
-    return c.cp > 1 and c.options.get("cp_comm", "all_gather") == "a2a"
+    """Whether the run's context parallelism exchanges by all-to-all (``cp_comm=a2a``)."""
+    return cp_comm(c) == "a2a"
+
+
+def ring(c: Spec) -> bool:
+    """Whether the run's context parallelism passes K/V round a ring (``cp_comm=ring``)."""
+    return cp_comm(c) == "ring"
+
+
+def ring_p2p(ev: Schedule, c: Spec, phase: str, axis: str, size: int) -> None:
+    """Ring attention in one phase (:mod:`tspbench.core.ring_attention`), per layer: forward
+    (and a recomputed forward), D-1 hops of this rank's packed K/V, each sent on before the
+    block it arrived for is computed (all hidden); backward, D-1 hops of K/V again and D of
+    the fp32 dK/dV sums, each issued before a block's compute but the last, which is waited
+    for at once."""
+    L, kv = c.cfg.layers, 2 * c.tokens * c.cfg.kv_dim
+    n = L if phase == "forward" or c.rc else 0
+    ev.add(phase, axis, "send_recv", size, kv * c.e, n * (size - 1), overlapped=True)
+    if phase == "backward":
+        ev.add(phase, axis, "send_recv", size, kv * c.e, L * (size - 1), overlapped=True)
+        ev.add(phase, axis, "send_recv", size, kv * FP32, L * (size - 1), overlapped=True)
+        ev.add(phase, axis, "send_recv", size, kv * FP32, L)
 
 
 def ulysses_a2a(ev: Schedule, c: Spec, phase: str, axis: str, size: int) -> None:
@@ -171,11 +196,13 @@ def ulysses_a2a(ev: Schedule, c: Spec, phase: str, axis: str, size: int) -> None
 
 def context_parallel(c: Spec, axis: str, size: int) -> Schedule:
     """The K/V gathers of context parallelism over ``size`` ranks (SP, FSDP+CP), whole heads;
-    or, with ``cp_comm=a2a``, the Ulysses all-to-alls."""
+    or, with ``cp_comm=a2a``, the Ulysses all-to-alls; with ``cp_comm=ring``, the ring's hops."""
     ev = Schedule()
     for phase in phases(c):
         if ulysses(c):
             ulysses_a2a(ev, c, phase, axis, size)
+        elif ring(c):
+            ring_p2p(ev, c, phase, axis, size)
         else:
             kv_gather(ev, c, phase, axis, size, kv_bytes(c))
     return ev
@@ -230,11 +257,14 @@ def saved_per_layer(c: Spec, T: int) -> int:
     """Bytes one plain layer keeps for backward (no recomputation), from what each op saves."""
     cfg, e, t, B, S = c.cfg, c.e, c.tokens, c.batch, c.seq_len
     nh, kvl, fl, _ = local_dims(cfg, T)
-    # the gathered K/V, or local K/V (Ulysses: every token of H/D heads, as many bytes)
-    kv = 2 * B * S * kvl * e if c.cp > 1 and not ulysses(c) else 2 * t * kvl * e
+    # the gathered K/V, or local K/V (Ulysses: every token of H/D heads, as many bytes; ring:
+    # this rank's packed K/V, which backward sends round again)
+    kv = 2 * B * S * kvl * e if c.cp > 1 and cp_comm(c) == "all_gather" else 2 * t * kvl * e
     # zigzag chunks are concatenated, so merging heads copies; Ulysses: the attention keeps its
-    # output (H/D heads, every token) and the W_o GEMM the all-to-all's, as many bytes
-    o_copy = c.cp > 1
+    # output (H/D heads, every token) and the W_o GEMM the all-to-all's, as many bytes; the
+    # ring merges in place into its first block's output, laid out as the kernel's (merging
+    # heads is a view)
+    o_copy = c.cp > 1 and not ring(c)
     attn = (2 + o_copy) * t * nh * cfg.head_dim * e + 4 * t * nh + kv
     return norms_saved(c) + attn + 4 * t * fl * e  # MLP: h1, silu(h1), h3, their product
 
@@ -255,6 +285,13 @@ def inference_working_set(c: Spec, T: int, vocab_parallel: bool) -> tuple[int, i
     nh, kvl, fl, vl = local_dims(cfg, T)
     o = t * nh * cfg.head_dim * e  # one attention output (or Q)
     act, kvu, logits = t * cfg.hidden * e, kv_unit(c, kvl), 4 * t * vl
+    if ring(c):  # the locals are this rank's tokens'; at the crest of a ring step: its K/V
+        # stacked and two chunks (in use, in flight), the fp32 output sum, a block's output
+        # and the merge's product
+        kvp, o32 = 2 * t * kvl * e, 4 * t * nh * cfg.head_dim
+        layer = 2 * act + 2 * o + kvp + 2 * act + 3 * t * fl * e
+        layer = max(layer, 2 * act + 2 * o + 3 * kvp + 2 * o32)
+        return layer, 2 * act + (3 if vocab_parallel else 2) * logits
     if ulysses(c):  # the locals are this rank's tokens' (the output merges heads by a view)
         kvp = 2 * t * kvl * e
         layer = 2 * act + 2 * o + kvp + 2 * act + 3 * t * fl * e
@@ -282,7 +319,13 @@ def backward_transients(c: Spec, T: int) -> tuple[int, int]:
     nh, kvl, fl, vl = local_dims(c.cfg, T)
     act, kvu, logits = t * c.cfg.hidden * e, kv_unit(c, kvl), 4 * t * vl
     layer_t = act + 2 * t * fl * e
-    if c.cp > 1 and ulysses(c):
+    if ring(c):
+        # the ring's backward: the output's gradient and its copy, the fp32 dQ and dK/dV sums
+        # (one in flight), two K/V chunks (in use, in flight) and a block's gradients
+        kvp, o, o32 = 2 * t * kvl * e, t * nh * c.cfg.head_dim * e, 4 * t * nh * c.cfg.head_dim
+        freed = 4 * t * fl * e + 2 * act
+        layer_t = max(layer_t, act + 3 * o + o32 + 2 * kvp * FP32 // e + 3 * kvp - freed)
+    elif c.cp > 1 and ulysses(c):
         # Ulysses: the output's all-to-all backward (its gradient, sent, received, reordered)
         # beside the residual's gradient; fitted to the fake-tensor peaks (within 1% where it
         # crests), which do not grow with K/V there and see no MLP tensor freed yet

@@ -118,8 +118,9 @@ CP_COMM = Option(
     "all_gather",
     "context parallelism's exchange: all_gather K/V along the sequence (reduce-scatter in "
     "backward), or a2a: DeepSpeed-Ulysses all-to-alls of Q, K/V and the output between "
-    "sequence and heads (heads and kv_heads divisible by D)",
-    choices=("all_gather", "a2a"),
+    "sequence and heads (heads and kv_heads divisible by D), or ring: K/V chunks passed "
+    "point-to-point round the ring behind each chunk's attention (Megatron-Core's p2p)",
+    choices=("all_gather", "a2a", "ring"),
     tag="-cp-{value}",
     label=" ({value})",
 )
