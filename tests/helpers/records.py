@@ -1,6 +1,7 @@
 """Synthetic run records (record.schema.json, status ok) for the table and figure tests: a
 builder of one cell's record with plausible numbers, decode fields for the decode modes, and the
-aggregate table of a whole config made from them."""
+aggregate table of a whole config made from them; and the keys a real record carries, in order,
+from their one list (tspbench.runtime.record_keys)."""
 
 from __future__ import annotations
 
@@ -87,3 +88,24 @@ def summary(config: dict, tmp_path: Path, **kw) -> tuple[list, pd.DataFrame]:
     df = aggregate(cells, tmp_path / "runs")
     assert set(df["status"]) == {"ok"}, df[df["status"] != "ok"]["error_message"].tolist()
     return cells, df
+
+
+def header_keys(mode: str) -> list[str]:
+    """The keys of ``RunSpec.header`` for ``mode``, in order: the inputs, every strategy's
+    options, the setup."""
+    from tspbench.runtime import record_keys as rk
+    from tspbench.runtime.registry import all_options
+    from tspbench.runtime.spec import DECODE_MODES
+
+    inputs = [k for k in rk.INPUTS if mode in DECODE_MODES or k != "new_tokens"]
+    return [*inputs, *all_options(), *rk.SETUP]
+
+
+def written_keys(mode: str) -> list[str]:
+    """The keys of an ok record of ``mode``, in the order ``tspbench run`` writes them."""
+    from tspbench.runtime import record_keys as rk
+    from tspbench.runtime.spec import DECODE_MODES
+
+    summary = rk.DECODE_SUMMARY if mode in DECODE_MODES else rk.RUN_SUMMARY
+    after = [*rk.PLACEMENT, *rk.PROVENANCE, "status", *summary, *rk.CLOSING]
+    return [*header_keys(mode), *after]

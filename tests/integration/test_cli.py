@@ -11,6 +11,7 @@ import sys
 import jsonschema
 import pytest
 
+from tests.helpers.records import written_keys
 from tests.helpers.runner import tool, tspbench
 from tspbench.core import attention
 from tspbench.runtime.registry import schema
@@ -59,6 +60,7 @@ def test_all_strategies_agree_with_single(records, name):
     ref, rec = records["single"], records[name]
     jsonschema.validate(rec, SCHEMA)
     assert rec["status"] == "ok"
+    assert list(rec) == written_keys("train")  # the keys of tspbench.runtime.record_keys, in order
     assert rec["loss"] == pytest.approx(ref["loss"], rel=1e-5)
     assert rec["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
     assert rec["global_batch"] == 4 and rec["world_size"] == WORLD.get(name, 2)
@@ -140,6 +142,7 @@ def test_infer_reports_memory_without_grads_or_optimizer(tmp_path, records):
     assert p.returncode == 0, p.stderr[-2000:]
     rec = json.loads((tmp_path / "i.json").read_text())
     jsonschema.validate(rec, SCHEMA)
+    assert list(rec) == written_keys("infer")
     train = records["tsp"]
     assert rec["grad_norm"] is None and rec["optimizer_numel_per_rank"] == [0] * 4
     assert rec["loss"] == pytest.approx(train["loss"], rel=1e-5)

@@ -9,6 +9,7 @@ import json
 import jsonschema
 import pytest
 
+from tests.helpers.records import written_keys
 from tests.helpers.runner import tspbench
 from tspbench.core.config import get_config
 from tspbench.core.decode import bytes_per_step
@@ -49,6 +50,7 @@ def test_decode_record(records, name):
     rec = records[name]
     jsonschema.validate(rec, SCHEMA)
     assert rec["status"] == "ok" and all(rec[f] is not None for f in FIELDS)
+    assert list(rec) == written_keys(rec["mode"])  # tspbench.runtime.record_keys, in order
     assert rec["generated_tokens"] == records["single"]["generated_tokens"]
     assert len(rec["generated_tokens"]) == 2 and len(rec["generated_tokens"][0]) == 5
     assert rec["decode_latency_p90_s"] >= rec["decode_latency_s"] > 0

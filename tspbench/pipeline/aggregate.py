@@ -29,6 +29,8 @@ from tspbench.runtime.record import write_atomic
 from tspbench.runtime.registry import all_options, names, option_schemas
 from tspbench.runtime.spec import DECODE_MODES
 
+# The table's record columns, in its order (its own, not the record's): record keys all
+# (tspbench.runtime.record_keys; tests/unit/test_record_keys.py checks them)
 SCALARS = [
     "strategy",
     "model",

@@ -28,6 +28,7 @@ from tspbench.core.reference import make_batch
 from tspbench.runtime.flops import counter
 from tspbench.runtime.guard import process_age_s
 from tspbench.runtime.measure import build_strategy, gc_held, gemm_rate
+from tspbench.runtime.record_keys import DECODE_SUMMARY, ordered
 from tspbench.runtime.spec import RunSpec
 from tspbench.runtime.timing import timed
 
@@ -148,7 +149,8 @@ def generation_bytes(prefill: dict, per_step: dict, n: int) -> dict[str, float]:
 
 
 def summarize_decode(spec: RunSpec, ranks: list[dict[str, Any]], peak_flops: float | None) -> dict:
-    """The measurement part of a decode record, from every rank's results (rank order)."""
+    """The measurement part of a decode record, from every rank's results (rank order): the
+    keys of :data:`~tspbench.runtime.record_keys.DECODE_SUMMARY`, in its order."""
     r0, n, B = ranks[0], spec.new_tokens, spec.batch
     peaks = [r.get("device_peak", r["tracked_peak"]) for r in ranks]
     k = spec.steps
@@ -173,7 +175,7 @@ def summarize_decode(spec: RunSpec, ranks: list[dict[str, Any]], peak_flops: flo
     step_time = statistics.median(step_times)
     calib = statistics.median(r["calib_gflops"] for r in ranks)
     world = len(ranks)
-    return {
+    values = {
         "peak_mem_bytes": max(peaks),
         "peak_mem_bytes_per_rank": peaks,
         "peak_mem_bytes_first_step": max(peaks),
@@ -223,3 +225,4 @@ def summarize_decode(spec: RunSpec, ranks: list[dict[str, Any]], peak_flops: flo
         "startup_s": max(r["startup_s"] for r in ranks),
         "tokens_per_s_per_gflops": tokens_per_s / calib,
     }
+    return ordered(DECODE_SUMMARY, values)

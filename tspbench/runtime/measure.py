@@ -31,6 +31,7 @@ from tspbench.core.reference import make_batch
 from tspbench.runtime.faults import inject
 from tspbench.runtime.flops import counter
 from tspbench.runtime.guard import process_age_s
+from tspbench.runtime.record_keys import RUN_SUMMARY, ordered
 from tspbench.runtime.registry import get_strategy
 from tspbench.runtime.spec import RunSpec
 from tspbench.runtime.timing import slowest, timed
@@ -229,7 +230,8 @@ def probe(
 
 
 def summarize(spec: RunSpec, ranks: list[dict[str, Any]], device_peak_flops: float | None) -> dict:
-    """The measurement part of the record, from every rank's results (rank order)."""
+    """The measurement part of the record, from every rank's results (rank order): the keys of
+    :data:`~tspbench.runtime.record_keys.RUN_SUMMARY`, in its order."""
     r0 = ranks[0]
     peaks = [r.get("device_peak", r["tracked_peak"]) for r in ranks]
     firsts = [r.get("device_peak_first", r["tracked_peak_first"]) for r in ranks]
@@ -240,7 +242,7 @@ def summarize(spec: RunSpec, ranks: list[dict[str, Any]], device_peak_flops: flo
     world = len(ranks)
     comm = r0["comm_by_kind"]
     by_axis = r0["comm_by_axis"]
-    return {
+    values = {
         "peak_mem_bytes": max(peaks),
         "peak_mem_bytes_per_rank": peaks,
         "peak_mem_bytes_first_step": max(firsts),
@@ -274,3 +276,4 @@ def summarize(spec: RunSpec, ranks: list[dict[str, Any]], device_peak_flops: flo
         / step_time
         / statistics.median(r["calib_gflops"] for r in ranks),
     }
+    return ordered(RUN_SUMMARY, values)
