@@ -143,8 +143,10 @@ def _quantile(xs: list[float], q: float) -> float:
 
 
 def generation_bytes(prefill: dict, per_step: dict, n: int) -> dict[str, float]:
-    """Bytes by kind of a whole generation: the prefill's and ``n - 1`` decode steps'."""
-    kinds = {*prefill, *per_step}
+    """Bytes by kind of a whole generation: the prefill's and ``n - 1`` decode steps', in a
+    fixed order (prefill's kinds, then the steps' new ones), so records do not depend on the
+    hash seed."""
+    kinds = dict.fromkeys([*prefill, *per_step])
     return {k: prefill.get(k, 0.0) + (n - 1) * per_step.get(k, 0.0) for k in kinds}
 
 
