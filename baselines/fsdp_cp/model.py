@@ -100,6 +100,11 @@ class FSDPCP(Strategy):
         return layout.degree
 
     @classmethod
+    def checked_options(cls) -> list[dict[str, Value]]:
+        """Each option's other value, and the ring with every collective waited for at once."""
+        return [*super().checked_options(), {"cp_comm": "ring", "overlap": False}]
+
+    @classmethod
     def validate(
         cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, **options: Value
     ) -> None:
@@ -221,7 +226,7 @@ class FSDPCP(Strategy):
         cfg = self.cfg
         S = batch.tokens.shape[1] * self.comm.size
         x = self.run_unit(0, lambda w: F.embedding(batch.tokens, w["embed"]))
-        cos, sin, hooks = cp_tables(self, S, self.comm, cfg, x, self.cp_comm)
+        cos, sin, hooks = cp_tables(self, S, self.comm, cfg, x, self.cp_comm, self.overlap)
         for i in range(cfg.layers):
             x = self.checkpointed(
                 self.run_unit,

@@ -20,7 +20,7 @@ from tspbench.core.context_parallel import check_a2a, cp_tables
 from tspbench.core.layers import rms_norm, transformer_layer
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.optim import grad_sq_sum
-from tspbench.core.options import CP_COMM, Value
+from tspbench.core.options import CP_COMM, OVERLAP, Value
 from tspbench.core.reference import LAYER_PARAMS, param_shapes
 from tspbench.core.strategy import Batch, Layout, Strategy, tensor_of
 
@@ -28,14 +28,23 @@ from tspbench.core.strategy import Batch, Layout, Strategy, tensor_of
 class SP(Strategy):
     name = "sp"
     display = "SP"  # legends, titles and tables' captions
-    options = (CP_COMM,)
-    cp_comm: str  # set from the option (Strategy.__init__)
+    options = (CP_COMM, OVERLAP)  # overlap: the ring's hops behind the attention
+    cp_comm: str  # set from the options (Strategy.__init__)
+    overlap: bool
     costs = SPCosts()
     decoder = SPDecoder
 
     @classmethod
     def context_parallel(cls, layout: Layout) -> int:
         return layout.degree
+
+    @classmethod
+    def checked_options(cls) -> list[dict[str, Value]]:
+        """Each exchange, and the ring with its hops waited for at once (overlap touches only
+        the ring, so overlap off alone would repeat the default)."""
+        return [{"cp_comm": c} for c in CP_COMM.choices if c != CP_COMM.default] + [
+            {"cp_comm": "ring", "overlap": False}
+        ]
 
     @classmethod
     def validate(
@@ -58,7 +67,7 @@ class SP(Strategy):
         cfg, p = self.cfg, self.params
         S = batch.tokens.shape[1] * self.comm.size
         x = F.embedding(batch.tokens, p["embed"])
-        cos, sin, hooks = cp_tables(self, S, self.comm, cfg, x, self.cp_comm)
+        cos, sin, hooks = cp_tables(self, S, self.comm, cfg, x, self.cp_comm, self.overlap)
         for i in range(cfg.layers):
             lp = {k: p[f"layers.{i}.{k}"] for k in LAYER_PARAMS}
             x = self.checkpointed(

@@ -40,19 +40,25 @@ def check_a2a(cfg: ModelConfig, degree: int) -> None:
 
 def cp_tables(
     owner: object, seq_len: int, comm: Comm, cfg: ModelConfig, like: torch.Tensor,
-    cp_comm: str = "all_gather", **tp_hooks,
+    cp_comm: str = "all_gather", overlap: bool = True, **tp_hooks,
 ) -> tuple[torch.Tensor, torch.Tensor, LayerHooks]:  # fmt: skip
     """(cos, sin, hooks) of context parallelism over ``comm`` at ``seq_len`` for activations
     like ``like``: :func:`zigzag_rope` and the hooks of the exchange (``cp_comm``:
-    :func:`context_parallel_hooks`, :func:`ulysses_hooks` or :func:`ring_hooks`), built once
-    and kept with ``owner`` (:func:`tspbench.core.layers.cached`)."""
+    :func:`context_parallel_hooks`, :func:`ulysses_hooks` or :func:`ring_hooks`, whose hops
+    hide behind the attention unless ``overlap`` is off), built once and kept with ``owner``
+    (:func:`tspbench.core.layers.cached`)."""
     device = like.device
     kind = cp_comm if comm.size > 1 else "all_gather"
-    key = ("cp", seq_len, like.dtype, device, id(comm), kind, *sorted(tp_hooks))
-    hooks = {"a2a": ulysses_hooks, "ring": ring_hooks}.get(kind, context_parallel_hooks)
+    key = ("cp", seq_len, like.dtype, device, id(comm), kind, overlap, *sorted(tp_hooks))
+
+    def hooks() -> LayerHooks:
+        if kind == "ring":
+            return ring_hooks(seq_len, comm, device, overlap, **tp_hooks)
+        make = ulysses_hooks if kind == "a2a" else context_parallel_hooks
+        return make(seq_len, comm, device, **tp_hooks)
+
     return cached(owner, key, lambda: (
-        *zigzag_rope(seq_len, comm, cfg, like.dtype, device),
-        hooks(seq_len, comm, device, **tp_hooks),
+        *zigzag_rope(seq_len, comm, cfg, like.dtype, device), hooks(),
     ))  # fmt: skip
 
 
@@ -91,8 +97,10 @@ def ulysses_hooks(seq_len: int, comm: Comm, device: torch.device, **tp_hooks) ->
     return LayerHooks(attn=attn, **tp_hooks)
 
 
-def ring_hooks(seq_len: int, comm: Comm, device: torch.device, **tp_hooks) -> LayerHooks:
+def ring_hooks(
+    seq_len: int, comm: Comm, device: torch.device, overlap: bool = True, **tp_hooks
+) -> LayerHooks:
     """Ring attention over ``comm`` (Megatron-Core's ``p2p``): this rank's zigzag K/V chunks
-    travel round the ring while each arriving chunk's attention runs; the tokens stay local,
-    so nothing is reordered."""
-    return LayerHooks(attn=lambda q, k, v: ring_attention(q, k, v, comm), **tp_hooks)
+    travel round the ring while each arriving chunk's attention runs (``overlap`` off: each hop
+    waited for at once); the tokens stay local, so nothing is reordered."""
+    return LayerHooks(attn=lambda q, k, v: ring_attention(q, k, v, comm, overlap), **tp_hooks)

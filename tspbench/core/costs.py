@@ -170,13 +170,13 @@ def ring_p2p(ev: Schedule, c: Spec, phase: str, axis: str, size: int) -> None:
     (and a recomputed forward), D-1 hops of this rank's packed K/V, each sent on before the
     block it arrived for is computed (all hidden); backward, D-1 hops of K/V again and D of
     the fp32 dK/dV sums, each issued before a block's compute but the last, which is waited
-    for at once."""
+    for at once (``overlap`` off: every hop is)."""
     L, kv = c.cfg.layers, 2 * c.tokens * c.cfg.kv_dim
-    n = L if phase == "forward" or c.rc else 0
-    ev.add(phase, axis, "send_recv", size, kv * c.e, n * (size - 1), overlapped=True)
+    n, hide = (L if phase == "forward" or c.rc else 0), c.options.get("overlap", True)
+    ev.add(phase, axis, "send_recv", size, kv * c.e, n * (size - 1), overlapped=hide)
     if phase == "backward":
-        ev.add(phase, axis, "send_recv", size, kv * c.e, L * (size - 1), overlapped=True)
-        ev.add(phase, axis, "send_recv", size, kv * FP32, L * (size - 1), overlapped=True)
+        ev.add(phase, axis, "send_recv", size, kv * c.e, L * (size - 1), overlapped=hide)
+        ev.add(phase, axis, "send_recv", size, kv * FP32, L * (size - 1), overlapped=hide)
         ev.add(phase, axis, "send_recv", size, kv * FP32, L)
 
 

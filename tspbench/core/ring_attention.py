@@ -31,9 +31,11 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, lse_b: torch.T
     lse.copy_(new)
 
 
-def _shift(t: torch.Tensor, comm: Comm):
-    """Start sending ``t`` to the next rank; the pending result is the previous rank's."""
-    return comm.ring_exchange(t, torch.empty_like(t), async_op=True)
+def _shift(t: torch.Tensor, comm: Comm, overlap: bool) -> Pending:
+    """Start sending ``t`` to the next rank; the pending result is the previous rank's. With
+    ``overlap`` off the hop is waited for at once (what ``tspbench overlap`` compares with)."""
+    pending = comm.ring_exchange(t, torch.empty_like(t), async_op=True)
+    return pending if overlap else Pending.ready(pending.wait())
 
 
 def _forward_block(
@@ -50,20 +52,20 @@ def _forward_block(
 
 
 def ring_forward(
-    q: torch.Tensor, kv: torch.Tensor, comm: Comm
+    q: torch.Tensor, kv: torch.Tensor, comm: Comm, overlap: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, Hq, 2c, d], lse [B, Hq, 2c] fp32) of this rank's zigzag queries over the
     whole sequence, given its own packed ``kv`` [2, B, Hkv, 2c, d]; each arriving chunk is
     sent on before its block is computed, so the transfer runs behind the compute."""
     D, r = comm.size, comm.rank  # D >= 2 (cp_tables runs D = 1 as plain attention)
-    pending = _shift(kv, comm)
+    pending = _shift(kv, comm, overlap)
     o, lse_b = block_fwd(q, kv[0], kv[1], causal=True)
     out, lse = o.float(), lse_b.clone()
     del o, lse_b
     for s in range(1, D):
         kv = pending.wait()
         if s + 1 < D:
-            pending = _shift(kv, comm)
+            pending = _shift(kv, comm, overlap)
         _forward_block(q, kv, out, lse, early=(r - s) % D < r)
     return out.to(q.dtype), lse
 
@@ -96,23 +98,23 @@ def _backward_block(
 
 def ring_backward(
     dout: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    comm: Comm,
+    comm: Comm, overlap: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(dq, dkv) for :func:`ring_forward`: the K/V go round again, and each block's dK/dV is
     added to the accumulator of that chunk, which travels one hop behind (fp32, as
     ring-flash-attention's); one last hop brings every rank its own chunks' sum."""
     D, r = comm.size, comm.rank
-    pending = _shift(kv, comm)
+    pending = _shift(kv, comm, overlap)
     dq, dk, dv = block_bwd(dout, q, kv[0], kv[1], out, lse, causal=True)
     dq, dkv = dq.float(), torch.stack([dk, dv]).float()
     del dk, dv
     for s in range(1, D):
         kv = pending.wait()
         if s + 1 < D:
-            pending = _shift(kv, comm)
-        sent = _shift(dkv, comm)  # the sum so far goes on while this block computes
+            pending = _shift(kv, comm, overlap)
+        sent = _shift(dkv, comm, overlap)  # the sum so far goes on while this block computes
         dkv = _backward_block(dout, q, kv, out, lse, dq, sent, early=(r - s) % D < r)
-    dkv = _shift(dkv, comm).wait()  # the last hop: nothing left to hide it behind
+    dkv = _shift(dkv, comm, overlap).wait()  # the last hop: nothing left to hide it behind
     return dq.to(q.dtype), dkv.to(kv.dtype)
 
 
@@ -120,20 +122,22 @@ class RingAttention(torch.autograd.Function):
     """Differentiable :func:`ring_forward`: keeps this rank's packed K/V (not the sequence's)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, comm: Comm):
+    def forward(ctx, q, k, v, comm: Comm, overlap: bool):
         kv = torch.stack([k, v])
-        out, lse = ring_forward(q, kv, comm)
+        out, lse = ring_forward(q, kv, comm, overlap)
         ctx.save_for_backward(q, kv, out, lse)
-        ctx.comm = comm
+        ctx.comm, ctx.overlap = comm, overlap
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, kv, out, lse = ctx.saved_tensors
-        dq, dkv = ring_backward(dout.contiguous(), q, kv, out, lse, ctx.comm)
-        return dq, dkv[0], dkv[1], None
+        dq, dkv = ring_backward(dout.contiguous(), q, kv, out, lse, ctx.comm, ctx.overlap)
+        return dq, dkv[0], dkv[1], None, None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm) -> torch.Tensor:
+def ring_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Comm, overlap: bool = True
+) -> torch.Tensor:
     """Zigzag causal attention of this rank's tokens over the sequence held by ``comm``."""
-    return RingAttention.apply(q, k, v, comm)
+    return RingAttention.apply(q, k, v, comm, overlap)
