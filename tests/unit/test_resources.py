@@ -77,11 +77,18 @@ def test_node_resources_preset_needs_a_hardware_preset():
         sweep_cells({**cfg, "node_resources": "preset"})
 
 
-def test_the_planners_srun_line_asks_for_the_same_share(capsys, tmp_path):
-    from tspbench.cli import main
+def test_the_planners_srun_line_asks_for_the_same_share():
+    """The plan's srun line (what ``tspbench plan`` prints under its table) asks for the
+    rank's share of the preset's node; rendered from one plan row (a search of its own, cold,
+    takes half a minute here and is tested in tests/unit/test_plan.py)."""
+    from tspbench.core.config import get_config
+    from tspbench.projection.plan.launch import run_lines
+    from tspbench.projection.plan.types import Request
+    from tspbench.runtime.spec import RunSpec
 
-    argv = ["plan", "--model", "7b", "--hardware", "h100", "--seq-len", "16384", "--gpus", "16"]
-    assert main([*argv, "--cache", str(tmp_path)]) == 0
-    srun = next(x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("srun"))
+    req = Request.make("7b", "h100", 16384, 16)
+    spec = RunSpec.make("tsp", get_config("7b"), degree=8, dp=2, seq_len=16384, batch=1)
+    srun = run_lines(req, spec)["srun"]
+    assert "--nodes=2" in srun and "--ntasks-per-node=8" in srun
     assert "--cpus-per-task=14" in srun and "--exclusive" in srun
     assert f"--mem={math.floor(2e12 * 0.9 / 2**20)}M" in srun
