@@ -39,3 +39,28 @@ def test_a_top_left_kernel_is_found_and_refused(monkeypatch):
         spec = RunSpec.make("tp", get_config("tiny"), degree=1, seq_len=16)
         with pytest.raises(ConfigError, match="zigzag chunks would be wrong; refusing to run"):
             _require_causal_alignment(torch.device("cpu"), spec)
+
+
+@pytest.mark.parametrize("lq, lk", [(8, 24), (8, 8)])
+def test_the_sdpa_backend_runs_under_the_tracker_and_the_flop_counter(lq, lk):
+    """What the first H200 run hit: every sdpa step of a measured run ran under the memory
+    tracker and the FLOP counter (dispatch modes), where torch's lower-right CausalBias, a
+    tensor subclass, could not be made. Forward and backward equal the CPU flash kernel's."""
+    from tspbench.core.memory import MemoryTracker
+    from tspbench.runtime.flops import counter
+
+    attention._lower_right.cache_clear()  # made for the first time inside the modes
+    g = torch.Generator().manual_seed(0)
+    q, do = (torch.randn(1, 4, lq, 16, generator=g) for _ in range(2))
+    k, v = (torch.randn(1, 2, lk, 16, generator=g) for _ in range(2))
+    with attention.forced("cpu_flash"):
+        ref, ref_lse = attention.causal_fwd(q, k, v)
+        ref_grads = attention.causal_bwd(do, q, k, v, ref, ref_lse)
+    flops = counter()
+    with attention.forced("sdpa"), MemoryTracker() as tracker, flops:
+        out, lse = attention.causal_fwd(q, k, v)
+        grads = attention.causal_bwd(do, q, k, v, out, lse)
+    torch.testing.assert_close(out, ref)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want)
+    assert tracker.peak > 0 and flops.get_total_flops() > 0

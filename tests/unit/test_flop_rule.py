@@ -100,7 +100,7 @@ EFF = (None, None, None, None, None, 0.0)  # bias .. dropout_p, then custom_mask
 
 @pytest.mark.parametrize("op, args, layout, want", [
     ("_scaled_dot_product_efficient_attention", (None, False, 0.0, True), "bhld", (4, 12, False)),
-    ("_scaled_dot_product_flash_attention", (0.0, True), "bhld", (4, 12, False)),
+    ("_scaled_dot_product_flash_attention", (0.0, True), "bhld", (4, 12, True)),
     ("_scaled_dot_product_flash_attention", (0.0, False), "bhld", None),
     ("_flash_attention_forward", (None, None, 4, 12, 0.0, True, False), "blhd", (4, 12, True)),
     ("_efficient_attention_forward", (*EFF, 2), "blhd", (4, 12, True)),
@@ -109,8 +109,10 @@ EFF = (None, None, None, None, None, 0.0)  # bias .. dropout_p, then custom_mask
 ])  # fmt: skip
 def test_gpu_attention_ops_count_their_causal_pairs(op, args, layout, want):
     """The GPU kernels' ops (not run here) are scaled by their own causal argument and
-    alignment: SDPA's is_causal is top-left, flash's lower-right, the efficient kernels say
-    which in ``custom_mask_type``; without a causal mask the formula's count stands."""
+    alignment: SDPA's efficient op's is_causal is top-left; flash's kernels are lower-right
+    (torch's SDPA never sends them a non-square causal call, its CausalBias lower-right path
+    does); the efficient kernels say which in ``custom_mask_type``; without a causal mask the
+    formula's count stands."""
     from tspbench.runtime.flops import causal_share
 
     shape = {"bhld": lambda n: (1, 2, n, 8), "blhd": lambda n: (1, n, 2, 8)}[layout]

@@ -15,19 +15,64 @@ from tspbench.core import attention
 
 
 @pytest.mark.parametrize(
-    "device, dtype, has_flash, want",
+    "device, dtype, has_flash, torch_flash, want",
     [
-        ("cuda", torch.bfloat16, True, "flash_attn"),
-        ("cuda", torch.float16, True, "flash_attn"),
-        ("cuda", torch.float32, True, "sdpa"),  # flash-attn has no fp32 kernel
-        ("cuda", torch.bfloat16, False, "sdpa"),
-        ("cpu", torch.float32, True, "cpu_flash"),
+        ("cuda", torch.bfloat16, True, True, "flash_attn"),
+        ("cuda", torch.float16, True, True, "flash_attn"),
+        ("cuda", torch.float32, True, True, "sdpa"),  # no flash kernel takes fp32
+        ("cuda", torch.bfloat16, False, True, "torch_flash"),  # torch's own FlashAttention-2
+        ("cuda", torch.bfloat16, False, False, "sdpa"),
+        ("cpu", torch.float32, True, True, "cpu_flash"),
     ],
 )
-def test_flash_attn_only_for_half_precision(monkeypatch, device, dtype, has_flash, want):
+def test_flash_kernels_only_for_half_precision(monkeypatch, device, dtype, has_flash,
+                                               torch_flash, want):  # fmt: skip
     problem = None if has_flash else "flash-attn is not installed"
     monkeypatch.setattr(attention, "flash_attn_problem", lambda: problem)
+    monkeypatch.setattr(attention, "torch_flash_problem",
+                        lambda d: None if torch_flash else "no flash kernels")  # fmt: skip
     assert attention.backend_for(torch.device(device), dtype) == want
+
+
+def test_the_environment_names_the_kernel(monkeypatch, tmp_path):
+    """``TSPBENCH_ATTENTION`` picks the kernel for every call; an unknown name is refused in
+    one line naming the variable, the value and the choices, and ``run`` exits 2 on it."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TSPBENCH_ATTENTION", "sdpa")
+    assert attention.backend_for(torch.device("cpu"), torch.float32) == "sdpa"
+    monkeypatch.setenv("TSPBENCH_ATTENTION", "fused")  # shapes fake tensors only
+    from tspbench.cli import main
+    from tspbench.core.config import ConfigError
+
+    with pytest.raises(ConfigError, match="TSPBENCH_ATTENTION='fused': must be one of"):
+        attention.backend_for(torch.device("cpu"), torch.float32)
+    assert main(["run", "--strategy", "single", "--seq-len", "64", "--out", "x.json"]) == 2
+    assert not list(tmp_path.iterdir())  # refused before anything is written
+
+
+@pytest.mark.parametrize("lq, lk, causal", [(8, 24, True), (8, 8, True), (8, 8, False)])
+def test_torch_flash_calls_the_op_and_its_backward_as_torch_declares_them(lq, lk, causal):
+    """PyTorch's FlashAttention-2 op and its backward, on meta tensors (their declared shapes
+    and arguments, GQA's fewer K/V heads, a strided gradient), counted as every strategy's
+    attention is: the causal (lower-right) pairs, backward 2.5 times forward."""
+    from tspbench.runtime.flops import counter
+
+    meta = {"device": "meta", "dtype": torch.bfloat16}
+    q = torch.empty(1, 4, lq, 64, **meta)
+    k = torch.empty(1, 2, lk, 64, **meta)
+    dout = torch.empty(1, 4, 64, lq, **meta).transpose(2, 3)  # last dim strided
+    flops = counter()
+    with attention.forced("torch_flash"), flops:
+        if causal:
+            out, lse = attention.causal_fwd(q, k, k)
+            grads = attention.causal_bwd(dout, q, k, k, out, lse)
+        else:
+            out, lse = attention.block_fwd(q, k, k, False)
+            grads = attention.block_bwd(dout, q, k, k, out, lse, False)
+    assert out.shape == q.shape and lse is not None and lse.shape == (1, 4, lq)
+    assert [g.shape for g in grads] == [q.shape, k.shape, k.shape]
+    pairs = attention.causal_pairs(lq, lk) if causal else lq * lk
+    assert flops.get_total_flops() == 4 * 4 * 64 * pairs * 7 // 2
 
 
 def _use(monkeypatch, root) -> None:

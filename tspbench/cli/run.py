@@ -17,11 +17,13 @@ from tspbench.runtime.spec import RunSpec
 
 def _checked(args: argparse.Namespace) -> RunSpec:
     """The spec, the output path and the host's memory checked before anything starts."""
+    from tspbench.core import attention
     from tspbench.core.compat import require_torch
     from tspbench.runtime.launch import check_device, check_host_memory
 
     require_torch()
     check_device(args.device)
+    attention.env_backend()  # a kernel named in the environment: one the suite has
     spec = RunSpec.from_args(args)
     check_out(args.out, args.cell)
     local = 1

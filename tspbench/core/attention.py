@@ -13,7 +13,12 @@ Backends, picked per device:
 - ``cpu_flash``: PyTorch's CPU flash kernel (what SDPA dispatches to on CPU); the mask is split
   into the unmasked prefix and the causal diagonal block, merged by log-sum-exp, so no [Lq, Lk]
   mask is materialised. Backward uses the kernel's own backward with the merged out/lse.
-- ``sdpa``: any other case (a GPU without flash-attn, or fp32 on a GPU):
+- ``torch_flash``: a GPU without a usable flash-attn, fp16/bf16: PyTorch's own
+  FlashAttention-2 kernels (``aten._scaled_dot_product_flash_attention`` and its backward, as
+  torch's own context parallelism calls them), which return the log-sum-exp and align a causal
+  mask lower-right; so a GPU image without flash-attn keeps flash's memory and its backward
+  kernel (no recomputed forward, no written-out ring block).
+- ``sdpa``: any other case (fp32 on a GPU, a GPU without torch's flash kernels):
   ``scaled_dot_product_attention`` with ``causal_lower_right``; backward recomputes through
   autograd.
 - ``fused`` (only under :func:`forced`, only on fake tensors): one kernel call per block, shaped
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -37,7 +43,7 @@ from tspbench.core import recompute
 _aten = torch.ops.aten
 HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None  # installed (maybe broken)
 FLASH_MIN = (2, 1)  # causal=True is lower-right aligned from flash-attn 2.1 (top-left before)
-BACKENDS = ("flash_attn", "cpu_flash", "sdpa", "fused")
+BACKENDS = ("flash_attn", "torch_flash", "cpu_flash", "sdpa", "fused")
 _forced: str | None = None
 
 
@@ -119,15 +125,46 @@ def flash_attn_problem() -> str | None:
     return None
 
 
+ENV = "TSPBENCH_ATTENTION"  # a kernel chosen by the user for every call (comparing kernels)
+
+
+def env_backend() -> str | None:
+    """The kernel ``$TSPBENCH_ATTENTION`` names (None: unset), or ConfigError naming the rule."""
+    name = os.environ.get(ENV) or None
+    if name is not None and name not in BACKENDS[:-1]:  # "fused" only shapes fake tensors
+        from tspbench.core.config import ConfigError
+
+        raise ConfigError(f"{ENV}={name!r}: must be one of {', '.join(BACKENDS[:-1])}")
+    return name
+
+
 def backend_for(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
-    """The kernel this module uses on ``device`` for ``dtype``."""
+    """The kernel this module uses on ``device`` for ``dtype`` (``$TSPBENCH_ATTENTION`` first,
+    then the best this device has)."""
     if _forced is not None:
         return _forced
-    if device.type == "cuda" and dtype in FLASH_DTYPES and flash_attn_problem() is None:
-        return "flash_attn"
+    if (chosen := env_backend()) is not None:
+        return chosen
+    if device.type == "cuda" and dtype in FLASH_DTYPES:
+        if flash_attn_problem() is None:
+            return "flash_attn"
+        if torch_flash_problem(device) is None:
+            return "torch_flash"
     if device.type == "cpu":
         return "cpu_flash"
     return "sdpa"
+
+
+@functools.cache
+def torch_flash_problem(device: torch.device) -> str | None:
+    """Why PyTorch's own flash kernels cannot run on ``device`` (None: they can): a build
+    without them, or a GPU older than the kernels (CUDA compute capability 8.0)."""
+    if not torch.backends.cuda.is_flash_attention_available():
+        return "this torch has no flash attention kernels"
+    major, minor = torch.cuda.get_device_capability(device)
+    if torch.version.cuda and major < 8:
+        return f"compute capability {major}.{minor} (torch's flash kernels need 8.0)"
+    return None
 
 
 def _require_fake(t: torch.Tensor) -> None:
@@ -140,10 +177,57 @@ def _cpu_block(q, k, v, causal):
 
 
 def _sdpa(q, k, v):
-    from torch.nn.attention.bias import causal_lower_right
+    lq, lk = q.shape[-2], k.shape[-2]
+    if lq == lk:  # both alignments agree: SDPA's own causal flag, no mask object
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=_lower_right(lq, lk), enable_gqa=True)
 
-    mask = causal_lower_right(q.shape[-2], k.shape[-2])
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+@functools.lru_cache(maxsize=256)
+def _lower_right(lq: int, lk: int) -> torch.Tensor:
+    """torch's lower-right ``CausalBias`` for (lq, lk), made outside any dispatch mode: it is a
+    tensor subclass, and under a TorchDispatchMode (the memory tracker, the FLOP counter) its
+    construction raises "raw Tensor object is already associated to a python object" (torch
+    2.11 on the first H200 run: every sdpa run failed at its first step). It holds no data."""
+    from torch.nn.attention.bias import causal_lower_right
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        return causal_lower_right(lq, lk)
+
+
+def _torch_flash(q, k, v, causal=True):
+    """(out [B, Hq, Lq, d], lse [B, Hq, Lq] fp32) from PyTorch's FlashAttention-2 op; GQA is
+    native (K/V heads divide Q heads), and causal is lower-right (FlashAttention-2's rule)."""
+    out, lse = _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)[:2]
+    return out, lse
+
+
+@functools.cache
+def _no_dropout_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (philox seed, offset) the forward returns without dropout, which its backward takes
+    (read once from a tiny call, outside any dispatch mode, rather than guessed)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), torch.no_grad():
+        x = torch.zeros(1, 1, 8, 8, device=device, dtype=torch.bfloat16)
+        rest = _aten._scaled_dot_product_flash_attention(x, x, x, 0.0, True)
+    return rest[6], rest[7]
+
+
+def _torch_flash_bwd(dout, q, k, v, out, lse, causal=True):
+    """(dq, dk, dv) of :func:`_torch_flash`'s call, by the op's own backward kernel."""
+    seed, offset = _no_dropout_state(q.device)
+    dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
+        _last_dim_dense(dout), q, k, v, out, lse, None, None, q.shape[-2], k.shape[-2], 0.0,
+        causal, seed, offset,
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+def _last_dim_dense(t: torch.Tensor) -> torch.Tensor:
+    """``t``, copied only where its last dimension is strided (flash kernels need it dense)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def _flash(q, k, v, causal=True):
@@ -210,6 +294,8 @@ def causal_fwd(
         if backend == "flash_attn":
             _count_flash("forward", q, k)
             return _flash(q, k, v)
+        if backend == "torch_flash":
+            return _torch_flash(q, k, v)
         return _sdpa(q, k, v), None
 
 
@@ -239,6 +325,9 @@ def causal_bwd(
     if backend == "flash_attn":
         _count_flash("backward", q, k)
         return _flash_bwd(dout, q, k, v, out, lse)
+    if backend == "torch_flash":
+        assert lse is not None  # causal_fwd returned it
+        return _torch_flash_bwd(dout, q, k, v, out, lse)
     with torch.enable_grad():
         qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
         with recompute.recomputing():  # forward's again: no model FLOPs
@@ -290,6 +379,8 @@ def block_fwd(
         if backend == "flash_attn":
             _count_flash("forward", q, k, causal)
             return _flash(q, k, v, causal)
+        if backend == "torch_flash":
+            return _torch_flash(q, k, v, causal)
         return _math_block(q, k, v, causal)
 
 
@@ -313,6 +404,8 @@ def block_bwd(
     if backend == "flash_attn":
         _count_flash("backward", q, k, causal)
         return _flash_bwd(dout, q, k, v, out, lse, causal)
+    if backend == "torch_flash":
+        return _torch_flash_bwd(dout, q, k, v, out, lse, causal)
     return _math_block_bwd(dout, q, k, v, out, lse, causal)
 
 

@@ -112,7 +112,39 @@ def attention_check(device: torch.device, kernel: str, dtype: str) -> str:
             e = _err(got, want)
             worst = max(worst, e)
             assert e <= TOL[dtype], f"D={degree} {what}: error {e:.2e} > {TOL[dtype]:g}"
-    return f"D=1 and D=2 forward/backward within {worst:.1e} of SDPA (tolerance {TOL[dtype]:g})"
+    worst = max(worst, _ring_blocks(device, kernel, dtype, (q, k, v, dout)))
+    return (
+        f"D=1 and D=2 forward/backward, and ring blocks merged by their log-sum-exp, within "
+        f"{worst:.1e} of SDPA (tolerance {TOL[dtype]:g})"
+    )
+
+
+def _ring_blocks(device: torch.device, kernel: str, dtype: str, inputs: tuple) -> float:
+    """The ring's use of a kernel: the last half of the queries over two blocks (the earlier
+    keys unmasked, the diagonal causal), merged by log-sum-exp, forward and backward, against
+    the float64 oracle of the same rows: what makes the ring's exchange exact on this kernel."""
+    q, k, v, dout = inputs
+    h = q.shape[2] // 2
+    want = [t.double().requires_grad_() for t in (q[:, :, h:], k, v)]
+    g = q.shape[1] // k.shape[1]  # GQA: the oracle takes every head's K/V
+    ref = attention._math_causal(want[0], *(t.repeat_interleave(g, 1) for t in want[1:]))
+    ref.backward(dout[:, :, h:].double())
+    qh, kk, vv, dh = (t.to(device, DTYPES[dtype]) for t in (q[:, :, h:], k, v, dout[:, :, h:]))
+    with attention.forced(kernel):
+        o1, l1 = attention.block_fwd(qh, kk[:, :, :h], vv[:, :, :h], False)
+        o2, l2 = attention.block_fwd(qh, kk[:, :, h:], vv[:, :, h:], True)
+        lse = torch.logaddexp(l1, l2)
+        out = o1.float() * (l1 - lse).exp()[..., None] + o2.float() * (l2 - lse).exp()[..., None]
+        out = out.to(qh.dtype)
+        g1 = attention.block_bwd(dh, qh, kk[:, :, :h], vv[:, :, :h], out, lse, False)
+        g2 = attention.block_bwd(dh, qh, kk[:, :, h:], vv[:, :, h:], out, lse, True)
+    got = (out, g1[0] + g2[0], torch.cat([g1[1], g2[1]], 2), torch.cat([g1[2], g2[2]], 2))
+    worst = 0.0
+    for x, w, what in zip(got, (ref, *(_grad(t) for t in want)), ("out", "dq", "dk", "dv")):
+        e = _err(x, w)
+        worst = max(worst, e)
+        assert e <= TOL[dtype], f"ring blocks {what}: error {e:.2e} > {TOL[dtype]:g}"
+    return worst
 
 
 def strategy_check(device: torch.device, name: str, dtype: str = "fp32") -> str:

@@ -56,11 +56,13 @@ def _register() -> None:
 # attention ops whose formula ignores their causal mask: (mask alignment of ``is_causal``, the
 # sequence dim of query and key). SDPA's is_causal is top-left; the CPU flash kernel is called
 # causal only square (the entry point's diagonal block) or as the estimator's stand-in for
-# flash-attn's lower-right call; flash's kernels are lower-right. ``custom_mask_type`` (the
-# efficient kernels) says its own: 1 top-left, 2 lower-right.
+# flash-attn's lower-right call; flash's kernels are lower-right (torch's SDPA refuses them a
+# non-square causal call, check_flash_causal_non_square_seqlens; the lower-right CausalBias the
+# sdpa backend passes calls the aten flash op with is_causal=True, meaning lower-right).
+# ``custom_mask_type`` (the efficient kernels) says its own: 1 top-left, 2 lower-right.
 _CAUSAL = {
     "_scaled_dot_product_flash_attention_for_cpu": (True, -2),
-    "_scaled_dot_product_flash_attention": (False, -2),
+    "_scaled_dot_product_flash_attention": (True, -2),
     "_scaled_dot_product_efficient_attention": (False, -2),
     "_scaled_dot_product_cudnn_attention": (False, -2),
     "_flash_attention": (True, 1),
