@@ -29,6 +29,24 @@ def test_every_strategy_is_probed_at_d8_and_the_reference_skipped():
     ]
 
 
+def test_each_choice_of_a_strategy_is_probed_as_its_own_cell():
+    """A sweep may run any value of a strategy's choice options (TSP's MLP schedule, SP's K/V
+    exchange): each is a cell of its own, named by its label, one option at a time."""
+    for name, impl in strategies().items():
+        choices = sum(len(o.choices) - 1 for o in impl.options if o.choices)
+        assert len(rp.variants(impl)) == 1 + choices, name
+    names = [n for n, spec, _ in rp.probe_specs(torch.device("cpu"), 8, CELL, ["sp"]) if spec]
+    assert names == [f"rank probe sp{v} D=8 (tiny, 1 layer, S=128, fp32)"
+                     for v in ("", " (a2a)", " (ring)")]  # fmt: skip
+
+
+def test_the_probe_times_its_steps_and_their_issue():
+    """Steady steps timed beside their host issue (a CPU's clock is both: they are equal)."""
+    _, res = rp.rank_probe(torch.device("cpu"), 8, CELL, ["tp"], echo=False)
+    assert res[0]["step_s"] > 0 and res[0]["issue_s"] == res[0]["step_s"]
+    assert "s without communication (host issue" in res[0]["detail"]
+
+
 def test_a_cell_a_strategy_refuses_is_skipped_saying_why():
     cells = rp.probe_specs(torch.device("cpu"), 8, ("tiny", 1, 100, "fp32"), ["tsp", "tp"])
     (tsp, spec, why), (tp, tp_spec, _) = cells

@@ -51,14 +51,14 @@ class Step:
 def steps(out: Path, device: str) -> list[Step]:
     """The check's commands, in order, with their time limits (seconds)."""
     py = [sys.executable, "-m", "tspbench"]
-    plan = [Step("doctor", [*py, "doctor", "--out", str(out)], 165)]  # the rank probe too
+    plan = [Step("doctor", [*py, "doctor", "--out", str(out)], 180)]  # the rank probe too
     for name, args in RUNS.items():
         mode = "decode" if "decode" in args else "train"
         length = ["--prompt-len" if mode == "decode" else "--seq-len", str(LENGTH[device][mode])]
         argv = [*py, "run", *args, *SHAPES[device], *length, "--degree", "1", "--warmup", "1"]
         argv += ["--recompute", "full"] if device == "cuda" and mode == "train" else []
         argv += ["--steps", "2", "--device", device, "--quiet", "--out", str(out / f"{name}.json")]
-        plan.append(Step(name, argv, 45))
+        plan.append(Step(name, argv, 40))
     return plan
 
 

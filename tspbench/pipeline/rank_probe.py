@@ -11,7 +11,9 @@ projected tables and the planner trust, and with the analytic model (shown, not 
 The steps are a measured run's (:func:`tspbench.runtime.measure.probe`: a first step, then the
 steady-state step whose peak ``tspbench run`` records, then a FLOP-counted one): on a GPU the
 peak is ``torch.cuda.max_memory_allocated`` (reset before the step), on a CPU the suite's
-:class:`MemoryTracker`, as ``tspbench run`` records them. The cell depends on the device: on a
+:class:`MemoryTracker`, as ``tspbench run`` records them. Three more steady steps are timed,
+with the host's issue time beside (collectives are free here: compute and dispatch only, what
+the cost model's compute and exposed-host terms predict). The cell depends on the device: on a
 GPU two layers of 7B at S = 16K in bf16 (multi-GiB peaks, so fixed overheads stay under 2%), on
 a CPU a small fp32 cell that runs in seconds.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import statistics
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -33,6 +36,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from tspbench.core.config import ConfigError, get_config
 from tspbench.core.mesh import build_mesh
 from tspbench.core.optim import AdamW
+from tspbench.core.options import Value
 from tspbench.core.reference import make_batch
 from tspbench.core.strategy import Layout, Strategy
 from tspbench.pipeline.check import PEAK_BOUND, Check, in_bound, run_check
@@ -42,11 +46,13 @@ from tspbench.runtime.measure import build_strategy, one_step, probe
 from tspbench.runtime.record import write_json
 from tspbench.runtime.registry import strategies
 from tspbench.runtime.spec import RunSpec
+from tspbench.runtime.timing import timed_issue
 
 Plan = list[tuple[str, Callable[[], str | None], str | None]]
 
 # (model, layers, sequence length, dtype) of the probed cell, by device type
 CELLS = {"cuda": ("7b", 2, 16384, "bf16"), "cpu": ("small", 2, 1024, "fp32")}
+TIMED = 3  # steady steps timed after the peak probe
 
 
 def factor_pairs(degree: int) -> list[list[int]]:
@@ -67,10 +73,11 @@ def layouts(impl: type[Strategy], degree: int) -> list[Layout]:
 
 
 def cell_name(spec: RunSpec) -> str:
-    """``tsp D=8 (7b, 2 layers, S=16384, bf16)``: the strategy and the cell, as lines print it."""
+    """``tsp (broadcast MLP) D=8 (7b, 2 layers, S=16384, bf16)``: the strategy, its options
+    where not the defaults, and the cell, as lines print it."""
     n = spec.cfg.layers
     what = f"{spec.cfg.name}, {n} layer{'s' * (n != 1)}, S={spec.seq_len}, {spec.dtype}"
-    return f"{spec.impl.label(spec.layout)} D={spec.degree} ({what})"
+    return f"{spec.label} D={spec.degree} ({what})"
 
 
 def _size(n: float) -> str:
@@ -90,7 +97,7 @@ def fake_group(world_size: int, rank: int = 0) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _peaks(spec: RunSpec, device: torch.device) -> dict[str, int]:
+def _peaks(spec: RunSpec, device: torch.device) -> dict[str, Any]:
     """A measured run's probe steps on this rank (its tensors are freed on return)."""
     mesh = build_mesh(spec.impl.mesh_dims(spec.layout))
     strat = build_strategy(spec, mesh, device)
@@ -99,10 +106,21 @@ def _peaks(spec: RunSpec, device: torch.device) -> dict[str, int]:
     del tokens, labels
     opt = AdamW(strat.parameters()) if spec.mode == "train" else None
     found, _ = probe(lambda: one_step(strat, batch, opt), strat, batch, opt, device)
-    return found
+    return found | _times(lambda: one_step(strat, batch, opt), device)
 
 
-def measure_rank0(spec: RunSpec, device: torch.device) -> dict[str, int]:
+def _times(step: Callable[[], Any], device: torch.device, n: int = TIMED) -> dict[str, float]:
+    """Median seconds of ``n`` steady steps on this rank and of the host's issue of them.
+    Collectives complete at once on the fake group, so this is the rank's compute and dispatch
+    without communication: what a cost model's compute and exposed-host terms predict."""
+    runs = [timed_issue(step, device)[1:] for _ in range(n)]
+    return {
+        "step_s": statistics.median(r[0] for r in runs),
+        "issue_s": statistics.median(r[1] for r in runs),
+    }
+
+
+def measure_rank0(spec: RunSpec, device: torch.device) -> dict[str, Any]:
     """Rank 0 of ``spec`` on ``device`` under the fake group: the peak of a measured run's
     steady-state probe step (the allocator's on a GPU, else the tracker's)."""
     with fake_group(spec.layout.world_size):
@@ -111,7 +129,8 @@ def measure_rank0(spec: RunSpec, device: torch.device) -> dict[str, int]:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     peak = found.get("device_peak", found["tracked_peak"])
-    return {"measured_bytes": peak, "tracked_bytes": found["tracked_peak"]}
+    times = {k: found[k] for k in ("step_s", "issue_s")}
+    return {"measured_bytes": peak, "tracked_bytes": found["tracked_peak"], **times}
 
 
 def probe_spec(spec: RunSpec, device: torch.device) -> dict[str, Any]:
@@ -157,16 +176,29 @@ def probe_specs(
                 (f"rank probe {name} D={degree}", None, f"{why}: D = {degree} makes no sense")
             )
         for lay in lays:
-            try:
-                spec = RunSpec(
-                    strategy=name, cfg=cfg, layout=lay, seq_len=seq_len,
-                    batch=impl.replica_batch(lay), dtype=dtype,
-                )  # fmt: skip
-            except ConfigError as e:  # the cell is not one this strategy runs: say so
-                out.append((f"rank probe {impl.label(lay)} D={degree} ({model})", None, str(e)))
-                continue
-            out.append((f"rank probe {cell_name(spec)}", spec, None))
+            for options in variants(impl):
+                try:
+                    spec = RunSpec(
+                        strategy=name, cfg=cfg, layout=lay, seq_len=seq_len,
+                        batch=impl.replica_batch(lay), dtype=dtype, options=options,
+                    )  # fmt: skip
+                except ConfigError as e:  # not a cell this strategy runs: say so, once
+                    what = f"{impl.label(lay)} {options or ''}".strip()
+                    out.append((f"rank probe {what} D={degree} ({model})", None, str(e)))
+                    if not options:
+                        break  # the defaults refused: so will each variant, for the same cell
+                    continue
+                out.append((f"rank probe {cell_name(spec)}", spec, None))
     return out
+
+
+def variants(impl: type[Strategy]) -> list[dict[str, Value]]:
+    """The strategy at its defaults, then at each other value of each of its choice options
+    (TSP's MLP schedule, SP's K/V exchange, ...), one at a time: a sweep may run any of them,
+    and each allocates and computes differently."""
+    return [{}] + [
+        {o.name: v} for o in impl.options if o.choices for v in o.choices if v != o.default
+    ]
 
 
 def probe_plan(
@@ -181,7 +213,8 @@ def probe_plan(
         r = found[name] = probe_spec(spec, device)
         line = f"measured {_size(r['measured_bytes'])}, estimate {_size(r['estimate_bytes'])} "
         line += f"({r['ratio']:.2f}x); analytic {_size(r['analytic_bytes'])} "
-        line += f"({r['analytic_ratio']:.2f}x, not judged)"
+        line += f"({r['analytic_ratio']:.2f}x, not judged); step {r['step_s']:.3g} s without "
+        line += f"communication (host issue {r['issue_s']:.3g} s)"
         assert in_bound(r["ratio"]), f"{line}: measured/estimate outside {list(PEAK_BOUND)}"
         return line
 

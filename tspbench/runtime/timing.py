@@ -36,6 +36,26 @@ def timed(fn: Callable[[], T], device: torch.device) -> tuple[T, float]:
     return out, time.perf_counter() - t0
 
 
+def timed_issue(fn: Callable[[], T], device: torch.device) -> tuple[T, float, float]:
+    """(``fn()``, its seconds, the host's seconds to issue it): the device synchronized before
+    and after, the issue time read when ``fn`` returns, before the device is waited for. On a
+    GPU an issue time close to the step time says the host, not the device, sets the pace (the
+    queue never fills); on a CPU the two are the same clock."""
+    sync(device)
+    t0 = time.perf_counter()
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = fn()
+        issue = time.perf_counter() - t0
+        end.record()
+        sync(device)
+        return out, start.elapsed_time(end) / 1e3, issue
+    out = fn()
+    seconds = time.perf_counter() - t0
+    return out, seconds, seconds
+
+
 def slowest(times: list[float], device: torch.device) -> list[float]:
     """Each entry's largest value over the ranks (collective): a step lasts as long as its
     slowest rank. On the device, as NCCL wants its tensors."""
