@@ -38,3 +38,22 @@ def test_the_blocker_blocks(tmp_path):
     p = subprocess.run([sys.executable, "-c", "import pandas"], env=env, capture_output=True,
                        text=True)  # fmt: skip
     assert p.returncode != 0 and "No module named 'pandas'" in p.stderr
+
+
+def test_the_validation_runs_and_the_kernel_timings_run_on_cpu(tmp_path):
+    """env/gpu-validate.sh and env/gpu_kernels.py, the other two commands a lent GPU ran
+    (results/reference/gpu-h200), on their CPU stand-ins: every run ok, every kernel timed."""
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run(["bash", str(ROOT / "env/gpu-validate.sh"), str(tmp_path / "v")],
+                       env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    records = [json.loads(f.read_text()) for f in (tmp_path / "v").glob("*.json")]
+    assert len(records) == 3 and all(r["status"] == "ok" for r in records)
+    out = tmp_path / "k.json"
+    p = subprocess.run([sys.executable, str(ROOT / "env/gpu_kernels.py"), str(out),
+                        "--part", "kernels"], env=env, capture_output=True, text=True,
+                       timeout=300)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = json.loads(out.read_text())["kernels"]
+    assert {r["kernel"] for r in rows} == {"cpu_flash", "sdpa"}
+    assert all(r["fwd_bwd_s"] > 0 for r in rows)
