@@ -60,3 +60,19 @@ def test_a_summary_writes_its_list_exactly_in_its_order():
 def test_the_aggregate_reads_record_keys():
     assert set(aggregate.MATCH_KEYS) <= set(rk.INPUTS)  # compared with the cell's own header
     assert sorted({*aggregate.SCALARS, *aggregate.DECODE} - every_key()) == []
+
+
+def test_the_schema_takes_every_attention_kernel_and_the_gpu_records():
+    """The kernels a record may name are the entry point's (a new one failed the H200's records
+    until the schema named it), and every record the lent H200 wrote passes the schema."""
+    from pathlib import Path
+
+    from tspbench.core.attention import BACKENDS
+    from tspbench.runtime.record import check_record
+
+    assert SCHEMA["properties"]["attention_backend"]["enum"] == list(BACKENDS)
+    root = Path(__file__).resolve().parents[2] / "results/reference/gpu-h200"
+    records = sorted(root.glob("validate-*/*.json")) + sorted(root.glob("gpu-check/run-*.json"))
+    assert len(records) == 13
+    for path in records:
+        assert check_record(str(path))["status"] == "ok", path

@@ -83,7 +83,7 @@ def placement(spec: RunSpec, env: RankEnv) -> dict:
 
 def attention_kernel(spec: RunSpec, device: torch.device) -> str:
     """The attention kernel every strategy calls on ``device`` through the shared entry point
-    (flash_attn, cpu_flash, sdpa)."""
+    (flash_attn, torch_flash, cpu_flash, sdpa)."""
     return attention.backend_for(device, DTYPES[spec.dtype])
 
 
