@@ -80,20 +80,26 @@ def cmd_project(args: argparse.Namespace) -> int:
 
 
 def cmd_project_check(args: argparse.Namespace) -> int:
-    from tspbench.projection.costcheck import check_summary
+    from tspbench.projection.costcheck import check_records, check_summary
     from tspbench.projection.costmodel import load_preset
     from tspbench.projection.report import check_report
     from tspbench.runtime.record import write_atomic
 
     if args.published is not None:
         return _published_check(args)
+    what = "--records" if args.records else "--summary"
     if args.hardware is None:
-        raise ConfigError("--hardware: required with --summary (the calibrated preset)")
-    for path in args.summary:
+        raise ConfigError(f"--hardware: required with {what} (the machine's preset)")
+    for path in args.records or args.summary:
         if not Path(path).is_file():
-            raise ConfigError(f"--summary={path}: no such file; give an aggregate summary.csv")
+            raise ConfigError(f"{what}={path}: no such file")
     preset = load_preset(args.hardware)
-    table = check_summary(args.summary, preset)
+    if args.records:
+        table = check_records(args.records, preset)
+        if table.empty:
+            raise ConfigError("--records: no ok training or forward record among them")
+    else:
+        table = check_summary(args.summary, preset)
     text = check_report(table)
     print(text)
     if args.out:
@@ -205,6 +211,11 @@ def add_parsers(sub) -> None:
         help="aggregate CSV of measured runs; several: repeated runs of one sweep (median, range)",
     )
     what.add_argument(
+        "--records",
+        nargs="+",
+        help="run records (.json) of measured runs, each projected with its own model and layout",
+    )
+    what.add_argument(
         "--published",
         nargs="?",
         const="",
@@ -212,7 +223,9 @@ def add_parsers(sub) -> None:
         help="published end-to-end measurements (default: the committed "
         "tspbench/projection/published.json), each on its own preset; judges the model only",
     )
-    pc.add_argument("--hardware", default=None, help="with --summary: that machine's preset")
+    pc.add_argument(
+        "--hardware", default=None, help="with --summary or --records: that machine's preset"
+    )
     pc.add_argument("--out", type=out_file(), default=None, help="Markdown table")
     pc.add_argument("--csv", type=out_file(), default=None)
     pc.set_defaults(func=cmd_project_check)

@@ -8,6 +8,8 @@ import statistics
 
 from tspbench.core.config import read_csv_input
 from tspbench.projection.costmodel import case_of_row, project
+from tspbench.runtime.registry import strategies
+from tspbench.runtime.spec import RunSpec
 
 
 def measured_runs(paths: list[str]) -> tuple[list, list[str]]:
@@ -35,33 +37,61 @@ def check_summary(paths: list[str], preset: dict):
     rows = []
     for cell in cells:
         row = runs[0].loc[cell].to_dict()
-        times = sorted(float(r.loc[cell, "step_time_s"]) for r in runs)
-        measured = statistics.median(times)
-        c = case_of_row(row)
-        p = project(c, preset)
-        rows.append(
-            {
-                "strategy": c.strategy,
-                "label": row.get("label", ""),
-                "seq_len": c.seq_len,
-                "degree": c.degree,
-                "dp": c.dp,
-                "batch": c.batch,
-                "mode": c.mode,
-                "runs": len(times),
-                "measured_s": measured,
-                "measured_min_s": times[0],
-                "measured_max_s": times[-1],
-                "spread": times[-1] / times[0] - 1,
-                "projected_s": p["step_time_s"],
-                "error": p["step_time_s"] / measured - 1,
-                "inside_range": times[0] <= p["step_time_s"] <= times[-1],
-                "compute_s": p["compute_s"],
-                "dispatch_s": p["dispatch_s"],
-                "comm_s": p["comm_critical_s"] + p["comm_overlappable_s"] - p["comm_hidden_s"],
-            }
-        )
+        times = [float(r.loc[cell, "step_time_s"]) for r in runs]
+        rows.append(_row(case_of_row(row), row.get("label", ""), times, preset))
     return pd.DataFrame(rows)
+
+
+def check_records(paths: list[str], preset: dict):
+    """Predicted against measured step time for each ok training or forward record (its own
+    model, layout and options: a record of 4 layers is projected at 4 layers). One record is one
+    run: no range. Records are checked against their schema first (ConfigError naming one)."""
+    import pandas as pd
+
+    from tspbench.core.config import ModelConfig
+    from tspbench.runtime.record import check_record
+
+    rows = []
+    for path in paths:
+        rec = check_record(path)
+        if rec["status"] != "ok" or rec["mode"] not in ("train", "infer"):
+            continue
+        impl = strategies()[rec["strategy"]]
+        options = {o.name: rec[o.name] for o in impl.options if rec.get(o.name) is not None}
+        c = RunSpec.make(
+            rec["strategy"], ModelConfig(**rec["model_config"]), degree=rec["degree"],
+            tp=rec.get("tp") or 1, sp=rec.get("sp") or 1, dp=rec["dp"], seq_len=rec["seq_len"],
+            batch=rec["batch"], mode=rec["mode"], dtype=rec["dtype"],
+            recompute=rec["recompute"], **options,
+        )  # fmt: skip
+        rows.append(_row(c, c.label, [rec["step_time_s"]], preset))
+    return pd.DataFrame(rows)
+
+
+def _row(c: RunSpec, label: str, times: list[float], preset: dict) -> dict:
+    """One cell of the check: the measured runs' median and range against the projection."""
+    times = sorted(times)
+    measured, p = statistics.median(times), project(c, preset)
+    return {
+        "strategy": c.strategy,
+        "label": label,
+        "seq_len": c.seq_len,
+        "degree": c.degree,
+        "dp": c.dp,
+        "batch": c.batch,
+        "mode": c.mode,
+        "runs": len(times),
+        "measured_s": measured,
+        "measured_min_s": times[0],
+        "measured_max_s": times[-1],
+        "spread": times[-1] / times[0] - 1,
+        "projected_s": p["step_time_s"],
+        "error": p["step_time_s"] / measured - 1,
+        "inside_range": len(times) > 1 and times[0] <= p["step_time_s"] <= times[-1],
+        "compute_s": p["compute_s"],
+        "dispatch_s": p["dispatch_s"],
+        "comm_s": p["comm_critical_s"] + p["comm_overlappable_s"] - p["comm_hidden_s"],
+    }
 
 
 def check_footer(table) -> str:

@@ -148,4 +148,7 @@ def check_report(table: pd.DataFrame) -> str:
     """``tspbench project-check``: the per-cell table as Markdown with its summary footer."""
     from tspbench.projection.costcheck import check_footer
 
-    return table.to_markdown(index=False, floatfmt=".3f") + "\n\n" + check_footer(table)
+    shown = table
+    if len(table) and table["runs"].max() == 1:  # single runs: no range to show
+        shown = table.drop(columns=["measured_min_s", "measured_max_s", "spread", "inside_range"])
+    return shown.to_markdown(index=False, floatfmt=".3f") + "\n\n" + check_footer(table)
