@@ -117,8 +117,9 @@ def competitive_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
             + ", ".join(f"{S // 1024}K {r} ({best[S]})" for S, r in ratio.items())
             + f"; TSP / best TP+SP: {vs_named}; D not judged (one D in these tables)",
             judged,
-            "cost-model projection, 1.3-1.6x fast against published H100 runs "
-            "(docs/projection.md): the ratios, not the rates, are what it judges",
+            "cost-model projection, 1.2-1.5x fast against published H100 runs and 0.0-25% "
+            "against the lent H200's (docs/projection.md): the ratios, not the rates, are "
+            "what it judges",
             c["source"],
             f"{_rel(src.projected)}/throughput_vs_seq.csv",
         )
