@@ -48,9 +48,9 @@ def default_cpu(tmp_path_factory) -> tuple[list, pd.DataFrame]:
 def expected_tables(cell, sweep: str) -> list[tuple[str, str]]:
     """(table, column) that must show ``cell`` as a member of ``sweep``."""
     s = cell.spec
-    if sweep == "seq" and s.mode == "train":
+    if sweep in ("seq", "comm") and s.mode == "train":  # tables follow what a sweep varies
         return [("memory_vs_seq", str(s.seq_len)), ("throughput_vs_seq", str(s.seq_len))]
-    if sweep == "seq":
+    if sweep in ("seq", "comm"):
         return [
             (name, str(s.seq_len))
             for name in ("memory_vs_seq_infer", "throughput_vs_seq_infer", "comm_vs_seq")
@@ -72,34 +72,19 @@ def expected_tables(cell, sweep: str) -> list[tuple[str, str]]:
 def test_every_sweep_of_paper_yaml_shows_every_one_of_its_cells(paper, tmp_path):
     """A cell listed by two sweeps runs once and has one row, and appears in both sweeps'
     tables and figures: the D = 8 column of memory_vs_degree, the 8-GPU scaling point."""
-    from tspbench.pipeline.decode_figures import decode_plots
-    from tspbench.pipeline.figures import plots, write_figures
-    from tspbench.pipeline.tables import specs, write_tables
+    from tspbench.pipeline.figures import write_figures
+    from tspbench.pipeline.tables import write_tables
 
     cells, df = paper
     assert len(df) == len(cells) and df["cell"].is_unique  # one run, one record, one row
     shared = {c.id: c.sweeps for c in cells if len(c.sweeps) > 1}
     assert shared["tsp.D8.g8.S16384.B1.train"] == ("seq", "degree")
     assert shared["tsp.D8.g8.S131072.B1.infer"] == ("seq", "scaling")
-    df = pd.read_csv(_csv(df, tmp_path))  # what tables and figures read: the CSV
-    tables = {name: table for name, _, table in specs(df)}
+    tables = _every_cell_shown(cells, df, tmp_path)
     for S in (16384, 131072):
         assert list(tables[f"memory_vs_degree_S{S}"].columns) == ["2", "4", "8"]
         assert list(tables[f"scaling_infer_S{S}"].columns)[0] == "8"
-    for c in cells:
-        for sweep in c.sweeps:
-            for name, column in expected_tables(c, sweep):
-                shown = tables[name].loc[c.spec.label, column]
-                assert float(shown) > 0, (c.id, sweep, name, shown)
-
-    drawn: dict[str, set] = {}
-    for p in [*plots(df), *decode_plots(df)]:
-        for sweep in p.sweep.split("+"):
-            drawn.setdefault(sweep, set()).update(p.data["cell"])
-    for sweep in {s for c in cells for s in c.sweeps}:
-        missing = {c.id for c in cells if sweep in c.sweeps} - drawn[sweep]
-        assert not missing, f"{sweep}: not in any figure: {sorted(missing)[:5]}"
-
+    df = pd.read_csv(_csv(df, tmp_path))
     md = write_tables(df, tmp_path / "t")
     assert {p.stem for p in md} == set(tables)
     assert all((tmp_path / "t/html" / f"{p.stem}.html").exists() for p in md)
@@ -114,6 +99,39 @@ def test_every_sweep_of_paper_yaml_shows_every_one_of_its_cells(paper, tmp_path)
         "decode_latency_vs_seq",
         "decode_throughput_vs_batch",
     } <= pngs
+
+
+def test_every_variant_of_default_yaml_is_its_own_labelled_row(default_cpu, tmp_path):
+    """The default sweep's exchanges of SP and FSDP+CP (all_gather, ring, a2a) each have a row
+    of their own (their label) in its tables and are drawn in its figures."""
+    cells, df = default_cpu
+    tables = _every_cell_shown(cells, df, tmp_path)
+    rows = set(tables["memory_vs_seq"].index)
+    assert {"sp", "sp (ring)", "sp (a2a)", "fsdp_cp", "fsdp_cp (ring)", "fsdp_cp (a2a)"} <= rows
+
+
+def _every_cell_shown(cells: list, df: pd.DataFrame, tmp_path: Path) -> dict:
+    """Assert every cell has its value in each of its sweeps' tables (row: its label) and is
+    drawn in a figure of each; return the tables by name."""
+    from tspbench.pipeline.decode_figures import decode_plots
+    from tspbench.pipeline.figures import plots
+    from tspbench.pipeline.tables import specs
+
+    df = pd.read_csv(_csv(df, tmp_path))  # what tables and figures read: the CSV
+    tables = {name: table for name, _, table in specs(df)}
+    for c in cells:
+        for sweep in c.sweeps:
+            for name, column in expected_tables(c, sweep):
+                shown = tables[name].loc[c.spec.label, column]
+                assert float(shown) > 0, (c.id, sweep, name, shown)
+    drawn: dict[str, set] = {}
+    for p in [*plots(df), *decode_plots(df)]:
+        for sweep in p.sweep.split("+"):
+            drawn.setdefault(sweep, set()).update(p.data["cell"])
+    for sweep in {s for c in cells for s in c.sweeps}:
+        missing = {c.id for c in cells if sweep in c.sweeps} - drawn[sweep]
+        assert not missing, f"{sweep}: not in any figure: {sorted(missing)[:5]}"
+    return tables
 
 
 def _csv(df: pd.DataFrame, tmp_path: Path) -> Path:
@@ -143,14 +161,15 @@ def test_inference_cells_have_memory_and_throughput_tables(paper):
 
 def test_default_micro_batch_sweep_has_three_columns_and_about_the_same_cells(default_cpu):
     """The default sweep's micro-batch tables have at least three micro-batches; the sweep
-    stays about as long as before (40 cells, ~10 min on 2 cores, and 12 decode cells): the
-    B = 1 cells are the seq sweep's, run once."""
+    stays about as long as before (49 cells, ~11 min on 2 cores, and 12 decode cells; 8 of
+    them SP's and FSDP+CP's ring and a2a exchanges): the B = 1 cells are the seq sweep's, run
+    once."""
     from tspbench.pipeline.tables import specs
 
     batch = next(s for s in DEFAULT["sweeps"] if s["name"] == "batch")
     assert len(batch["batches"]) >= 3
     cells, df = default_cpu
-    assert len([c for c in cells if not c.spec.decoding]) <= 42
+    assert len([c for c in cells if not c.spec.decoding]) <= 49
     assert len([c for c in cells if c.spec.decoding]) <= 12  # ~1.5 min on 2 cores
     tables = {name: t for name, _, t in specs(df)}
     for name in ("batch_memory", "batch_throughput"):
