@@ -268,6 +268,12 @@ def _fake_project(spec, preset) -> dict:
     return {"tokens_per_s": tokens / step, "step_time_s": step, "mfu": 0.4 / slower}
 
 
+def _fake_range(spec, preset, ops=None) -> tuple[float, float]:
+    """The stand-in's range over the rates: 10% faster to 20% slower than its step."""
+    step = _fake_project(spec, preset)["step_time_s"]
+    return 0.9 * step, 1.2 * step
+
+
 @pytest.fixture(scope="module")
 def projected(tmp_path_factory):
     """The projected report of the committed memory estimates on the H100 preset (80 GB:
@@ -289,6 +295,7 @@ def projected(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setattr(projected, "save", keep)
     mp.setattr(projected, "project", _fake_project)
+    mp.setattr(projected, "project_range", _fake_range)
     try:
         write_report(cfg, ROOT / "results/reference/projected-7b/estimates", tmp, tmp, "test")
     finally:

@@ -16,6 +16,7 @@ from tspbench.cli import main
 from tspbench.core.config import PRESETS, ConfigError, hf_config
 from tspbench.projection import costmodel
 from tspbench.projection.plan import Request, check, load_config, search, sweep, write_map
+from tspbench.runtime.registry import searched
 from tspbench.runtime.spec import RunSpec
 
 LLAMA3_8B = {
@@ -59,7 +60,7 @@ def plan_cli(capsys, *argv) -> tuple[int, str, str]:
     return rc, out, err
 
 
-FITS = 10  # the table's "fits" column
+FITS = 11  # the table's "fits" column
 
 
 def table_rows(out: str) -> list[list[str]]:
@@ -89,9 +90,11 @@ def test_ranks_strategies_and_prints_commands(capsys, counted, tmp_path):
     srun = next(line.strip() for line in out.splitlines() if line.strip().startswith("srun "))
     assert f"--strategy {best}" in run and "--nproc 8" in run and "--launch env" in srun
     # the best plan and its run line carry the best row's options where its strategy has them
-    # (TSP: MLP schedule and KV bucket; "-" in the table where it has none)
+    # (TSP: MLP schedule and KV bucket, SP and FSDP+CP: K/V exchange; "-" in the table where
+    # it has none), each in its own column after recompute
     line = next(line for line in out.splitlines() if line.startswith("best plan:"))
-    for col, name in ((6, "mlp_schedule"), (7, "kv_bucket")):
+    cols = {name: 6 + i for i, name in enumerate(searched())}
+    for name, col in cols.items():
         flag, value = "--" + name.replace("_", "-"), rows[0][col]
         if value == "-":
             assert flag not in run and f" {name}=" not in line
@@ -104,7 +107,7 @@ def test_ranks_strategies_and_prints_commands(capsys, counted, tmp_path):
     cells, filtered = sweep_cells(yaml.safe_load(snippet))
     assert len(cells) == 1 and not filtered and cells[0].spec.strategy == best
     opts = cells[0].spec.options  # the sweep's options: the best row's
-    assert [str(opts.get(n, "-")) for n in ("mlp_schedule", "kv_bucket")] == rows[0][6:8]
+    assert [str(opts.get(n, "-")) for n in cols] == [rows[0][c] for c in cols.values()]
 
 
 def test_json_best_7b_128k_on_8_mi300x_fits(capsys, counted, tmp_path):
@@ -365,3 +368,25 @@ def test_plan_check_compares_each_analytic_peak_with_the_same_step(counted, tmp_
     text = check.check([str(summary)], f"{ref}/calibration/cpu-2c.json",
                            f"{ref}/projected-7b/memory.csv", cache=str(tmp_path))  # fmt: skip
     assert "steady state median 0.0%, max 0.0%; first step median 0.0%, max 0.0%" in text
+
+
+def test_the_best_plan_is_weighed_against_another_strategy_over_the_rate_ranges(
+    capsys, counted, tmp_path
+):
+    """The best plan's margin over the best plan of another strategy, at the nominal rates and
+    at both ends of the preset's rate_ranges: a tie where the order flips, said in the text."""
+    from tspbench.projection import costmodel as cm
+
+    rc, out, _ = plan_cli(capsys, "--model", "7b", "--hardware", "h100", "--seq-len", 65536,
+                          "--gpus", 8, "--cache", tmp_path, "--json")  # fmt: skip
+    got = json.loads(out)["best"]["contest"]
+    assert (
+        rc == 0 and got["rival"] and got["rival"].split()[0] != json.loads(out)["best"]["strategy"]
+    )
+    lo, hi = got["margin_range"]
+    assert lo <= got["margin"] <= hi and got["tie"] == (lo <= 0)
+    fast, slow = cm.corners(cm.load_preset("h100"))
+    assert fast["attention_efficiency"] == 0.35 and slow["op_overhead_s"] == 4.9e-05
+    rc, out, _ = plan_cli(capsys, "--model", "7b", "--hardware", "h100", "--seq-len", 65536,
+                          "--gpus", 8, "--cache", tmp_path)  # fmt: skip
+    assert f"against {got['rival']}: {got['margin']:+.1%} projected" in out

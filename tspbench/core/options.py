@@ -121,8 +121,10 @@ CP_COMM = Option(
     "sequence and heads (heads and kv_heads divisible by D), or ring: K/V chunks passed "
     "point-to-point round the ring behind each chunk's attention (Megatron-Core's p2p)",
     choices=("all_gather", "a2a", "ring"),
+    searched=True,  # the planner weighs TSP against the best exchange, not only the all-gather
     tag="-cp-{value}",
     label=" ({value})",
+    short="cp",
 )
 
 

@@ -88,19 +88,27 @@ def check_sweep(i: int, sweep: dict) -> None:
 def check_options(i: int, sweep: dict) -> None:
     """A sweep's ``options`` are strategy options (tspbench/core/options.py) that one of its
     strategies declares, each with a value the option takes."""
+    values = {k: [v] for k, v in sweep.get("options", {}).items()}
+    check_option_values(f"sweeps[{i}].options", values, sweep["strategies"])
+
+
+def check_option_values(where: str, options: dict[str, list], strategies: list[str]) -> None:
+    """Each of ``options`` (name: its values) is declared by one of ``strategies`` and takes
+    each value: one ConfigError naming ``where``, the option and the rule otherwise."""
     known = all_options()
-    for name, value in sweep.get("options", {}).items():
-        where = f"sweeps[{i}].options.{name}"
+    for name, values in options.items():
+        at = f"{where}.{name}"
         if name not in known:
-            raise ConfigError(f"{where}: no strategy has this option (options: {', '.join(known)})")
-        if not set(takers(name)) & set(sweep["strategies"]):
+            raise ConfigError(f"{at}: no strategy has this option (options: {', '.join(known)})")
+        if not set(takers(name)) & set(strategies):
             raise ConfigError(
-                f"{where}: none of the sweep's strategies takes it (only {', '.join(takers(name))})"
+                f"{at}: none of the strategies given takes it (only {', '.join(takers(name))})"
             )
-        try:
-            known[name].check(value)
-        except ConfigError as e:
-            raise ConfigError(f"{where}: {e}") from None
+        for value in values:
+            try:
+                known[name].check(value)
+            except ConfigError as e:
+                raise ConfigError(f"{at}: {e}") from None
 
 
 def _check_local(i: int, sweep: dict, launcher: str) -> None:

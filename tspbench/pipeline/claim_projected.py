@@ -95,6 +95,20 @@ def memory_ratio_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
     ]
 
 
+def _ratio_ends(t, subject: str, best) -> str:
+    """The subject's throughput over the best other layout's with every rate at either end of
+    its stated range (both layouts at the same end: ``step_time_low_s`` and ``_high_s``)."""
+    if "step_time_low_s" not in t.columns:  # a table from before the ranges
+        return "(not in this table)"
+    at = t.set_index(["seq_len", "strategy"])
+    out = []
+    for S, other in best.items():
+        r = [at.loc[(S, other), k] / at.loc[(S, subject), k]
+             for k in ("step_time_low_s", "step_time_high_s")]  # fmt: skip
+        out.append(f"{int(S) // 1024}K {min(r):.2f}-{max(r):.2f}")
+    return ", ".join(out)
+
+
 def competitive_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
     """The subject's throughput per GPU against the best of every other layout at the same GPU
     count (the claim names TP+SP; the question a reader asks is the best alternative)."""
@@ -104,6 +118,7 @@ def competitive_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
     others = [k for k in d.columns if k != c["subject"]]
     best = d[others].idxmax(axis=1)
     ratio = {int(S): round(float(d.loc[S, c["subject"]] / d.loc[S, best[S]]), 2) for S in d.index}
+    ends = _ratio_ends(t, c["subject"], best)
     named = d[[k for k in others if k.split()[0] == c["versus"]]].max(axis=1)
     vs_named = {int(S): round(float(d.loc[S, c["subject"]] / named[S]), 2) for S in d.index}
     rising = list(ratio.values()) == sorted(ratio.values())
@@ -115,6 +130,7 @@ def competitive_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
             "competitive with TP+SP; better with S and D",
             "TSP / the best other layout, tokens/s per GPU, forward, MI300X (PROJECTED): "
             + ", ".join(f"{S // 1024}K {r} ({best[S]})" for S, r in ratio.items())
+            + f"; over the rates' stated ranges {ends}"
             + f"; TSP / best TP+SP: {vs_named}; D not judged (one D in these tables)",
             judged,
             "cost-model projection, 1.2-1.5x fast against published H100 runs and 0.0-25% "

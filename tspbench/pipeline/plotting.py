@@ -8,6 +8,7 @@ and PNG + PDF written atomically (``save``).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
@@ -25,6 +26,7 @@ from matplotlib.lines import Line2D  # noqa: E402
 
 from tspbench.pipeline.labels import ORDER, display  # noqa: E402
 from tspbench.pipeline.tables import MARK, label_order  # noqa: E402
+from tspbench.runtime.registry import strategies  # noqa: E402
 
 __all__ = [
     "compact",
@@ -39,7 +41,8 @@ __all__ = [
     "styles",
 ]
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "h", "p", "H", "d", "8")  # one per strategy
-VARIANT_MARKERS = ("*", "<", ">", "1")  # a strategy's variants (factorisations, schedules)
+# a strategy's variants (factorisations, options): none of the strategies' own markers
+VARIANT_MARKERS = ("*", "<", ">", "1", "2", "3", "4", "+", "x", "|", "_", "8", "p", "h", "H", "d")
 DASHES = ("-", "--", "-.", ":", (0, (5, 1)), (0, (3, 1, 1, 1)), (0, (1, 1)), (0, (6, 2, 1, 2)))
 
 
@@ -52,18 +55,32 @@ def _strategy(label: str) -> tuple[int, str]:
 
 def _variant_no(variant: str) -> int:
     """0 for the plain strategy; a factorisation ``(TxS)`` by its place among all power-of-two
-    factorisations (2x4 and 4x2 differ, 2x2 and 2x4 too); a named variant by a stable hash of
-    its name: the same number in every figure and run."""
+    factorisations (2x4 and 4x2 differ, 2x2 and 2x4 too); an option's label by its place among
+    the labels the registry's options give (``(a2a)``, ``(ring)``, ``(broadcast MLP)``...),
+    any other by a stable hash of its name: the same number in every figure and run."""
     if not variant:
         return 0
     m = re.fullmatch(r"\((\d+)x(\d+)\)", variant)
     if m and int(m[1]) in POW2 and int(m[2]) in POW2:
         return 1 + FACTORISATIONS.index((int(m[1]), int(m[2])))
+    known = _option_labels()
+    if variant in known:
+        return 1 + len(FACTORISATIONS) + known.index(variant)
     return (
         1
         + len(FACTORISATIONS)
+        + len(known)
         + int(hashlib.blake2b(variant.encode(), digest_size=2).hexdigest(), 16) % 40
     )
+
+
+@functools.cache
+def _option_labels() -> list[str]:
+    """Every label a strategy option's value other than its default adds (sorted)."""
+    return sorted(
+        {o.label.format(value=o.text(v)).strip() for s in strategies().values()
+         for o in s.options if o.label for v in o.values() if v != o.default}
+    )  # fmt: skip
 
 
 POW2 = [2**k for k in range(11)]
@@ -97,7 +114,8 @@ def styles(labels) -> dict[str, tuple[str, object]]:
     for k in label_order(labels):
         i, variant = _strategy(k)
         v = _variant_no(variant)
-        mark = VARIANT_MARKERS[v % len(VARIANT_MARKERS)] if v else MARKERS[i % len(MARKERS)]
+        pick = (v + 2 * i) % len(VARIANT_MARKERS)  # two strategies' same variant differ
+        mark = VARIANT_MARKERS[pick] if v else MARKERS[i % len(MARKERS)]
         out[k] = (mark, DASHES[(i + v) % len(DASHES)])
     return out
 

@@ -9,6 +9,7 @@ analytic memory deciding which micro-batches fit.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,7 +35,7 @@ from tspbench.pipeline.plotting import (
 )
 from tspbench.pipeline.projected_decode import write_decode_report
 from tspbench.projection.analytic import memory
-from tspbench.projection.costmodel import load_preset, project, usable_memory
+from tspbench.projection.costmodel import load_preset, project, project_range, usable_memory
 from tspbench.runtime.record import write_atomic
 from tspbench.runtime.registry import get_strategy, names, preset_chosen
 from tspbench.runtime.spec import RunSpec
@@ -68,8 +69,9 @@ def layouts(cfg: dict, strategies: list[str]) -> list[tuple[str, Layout]]:
 
 
 def _spec(
-    cfg: dict, strategy: str, layout: Layout, S: int, *, dp=1, batch=1, mode="train", rc="none"
-) -> RunSpec:
+    cfg: dict, strategy: str, layout: Layout, S: int, *, dp=1, batch=1, mode="train", rc="none",
+    options: dict | None = None,
+) -> RunSpec:  # fmt: skip
     """A replica of ``batch`` sequences per rank's worth of work (DP: one per rank)."""
     lay = replace(layout, dp=dp)
     return RunSpec(
@@ -81,7 +83,17 @@ def _spec(
         mode=mode,
         dtype=cfg["dtype"],
         recompute=rc,
+        options=options or {},
     )
+
+
+def variants(cfg: dict, strategy: str) -> list[dict]:
+    """The option settings a strategy is projected at: every combination of the values the
+    config's ``throughput.options`` lists for options it declares (none: its defaults)."""
+    declared = {o.name for o in get_strategy(strategy).options}
+    axes = [[(k, v) for v in vs] for k, vs in cfg["throughput"].get("options", {}).items()
+            if k in declared]  # fmt: skip
+    return [dict(combo) for combo in itertools.product(*axes)]
 
 
 def memory_cells(cfg: dict) -> list[Cell]:
@@ -113,10 +125,11 @@ def memory_table(cfg: dict, estimates: Path) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _row(c: RunSpec, hw: str) -> dict[str, object]:
-    """A row's hardware, strategy (one label on every preset) and the options presets choose."""
+def _row(c: RunSpec, hw: str, label: str) -> dict[str, object]:
+    """A row's hardware, strategy (one label on every preset: its variant's, not what a preset
+    chooses) and the options presets choose."""
     chosen = {k: c.options.get(k) for k in preset_chosen()}  # None: the strategy has none
-    return {"hardware": hw, "strategy": c.impl.label(c.layout), **chosen}
+    return {"hardware": hw, "strategy": label, **chosen}
 
 
 def throughput_tables(cfg: dict) -> dict[str, pd.DataFrame]:
@@ -131,18 +144,23 @@ def throughput_tables(cfg: dict) -> dict[str, pd.DataFrame]:
         def spec(*args, preset=preset, **kw) -> RunSpec:  # TSP: the preset's MLP schedule
             return _spec(cfg, *args, **kw).preset_options(preset)
 
-        for s, lay in layouts(cfg, t["strategies"]):
+        rows = [(s, lay, o) for s, lay in layouts(cfg, t["strategies"]) for o in variants(cfg, s)]
+        for s, lay, opts in rows:
+            label = _spec(cfg, s, lay, t["seq_lens"][0], options=opts).label
             for mode in ("train", "infer"):
                 for S in t["seq_lens"]:
-                    c = spec(s, lay, S, mode=mode, rc=t["recompute"])
+                    c = spec(s, lay, S, mode=mode, rc=t["recompute"], options=opts)
                     p, m = project(c, preset), memory(c)
+                    lo, hi = project_range(c, preset, ops=p.get("ops_per_step"))
                     by_seq.append(
                         {
-                            **_row(c, hw),
+                            **_row(c, hw, label),
                             "mode": mode,
                             "seq_len": S,
                             "tokens_per_s_per_gpu": p["tokens_per_s"] / c.degree,
                             "step_time_s": p["step_time_s"],
+                            "step_time_low_s": lo,
+                            "step_time_high_s": hi,
                             "mfu": p["mfu"],
                             "peak_gib_analytic": m["peak"] / GiB,
                             "fits": m["peak"] <= cap,
@@ -150,11 +168,11 @@ def throughput_tables(cfg: dict) -> dict[str, pd.DataFrame]:
                     )
             for gpus in t["gpus"]:
                 for S in t["scaling_seq_lens"]:
-                    c = spec(s, lay, S, dp=gpus // cfg["degree"], mode="infer")
+                    c = spec(s, lay, S, dp=gpus // cfg["degree"], mode="infer", options=opts)
                     p = project(c, preset)
                     scaling.append(
                         {
-                            **_row(c, hw),
+                            **_row(c, hw, label),
                             "gpus": gpus,
                             "seq_len": S,
                             "tokens_per_s": p["tokens_per_s"],
@@ -163,11 +181,11 @@ def throughput_tables(cfg: dict) -> dict[str, pd.DataFrame]:
                     )
             for B in t["batches"]:
                 S, dp = t["batch_seq_len"], t["batch_gpus"] // 8
-                c = spec(s, lay, S, dp=dp, batch=B, rc=t["recompute"])
+                c = spec(s, lay, S, dp=dp, batch=B, rc=t["recompute"], options=opts)
                 p, m = project(c, preset), memory(c)
                 batches.append(
                     {
-                        **_row(c, hw),
+                        **_row(c, hw, label),
                         "batch": B,
                         "tokens_per_s": p["tokens_per_s"],
                         "peak_gib_analytic": m["peak"] / GiB,
@@ -188,6 +206,16 @@ def _lines(ax, d: pd.DataFrame, x: str, y: str, colors: dict, marks: dict) -> bo
     oom = d[~d.fits.astype(bool)]
     ax.scatter(oom[x], oom[y], marker="x", color="red", s=70, linewidths=2, zorder=30)
     return len(oom) > 0
+
+
+def _ranges(ax, d: pd.DataFrame, colors: dict) -> None:
+    """Each point's range over the preset's stated rate uncertainty (``rate_ranges``), as a
+    shaded band per strategy: tokens/s at the slowest and at the fastest corner."""
+    for label, g in d.groupby("strategy"):
+        g = g.sort_values("seq_len")
+        tokens = g.tokens_per_s_per_gpu * g.step_time_s  # per step and GPU
+        ax.fill_between(g.seq_len, tokens / g.step_time_high_s, tokens / g.step_time_low_s,
+                        color=colors[label], alpha=0.12, linewidth=0, zorder=1)  # fmt: skip
 
 
 def _legend(ax, d: pd.DataFrame, oom: bool, fontsize: float = 8) -> None:
@@ -238,7 +266,8 @@ def write_report(cfg: dict, estimates: Path, out: Path, plots: Path, command: st
         write_atomic(out / f"{name}.md", _md(df, name.replace("_", " "), note))
 
     sns.set_theme(style="whitegrid", context="paper")
-    labels = label_order(mem.strategy)
+    # every label any table shows (the throughput tables add the exchanges' variants)
+    labels = label_order(pd.concat([mem.strategy, *(t.strategy for t in tables.values())]))
     colors, marks = palette(labels), styles(labels)
     _plot_memory(cfg, mem, plots, colors, marks)
     _plot_throughput(cfg, tables["throughput_vs_seq"], plots, colors, marks)
@@ -314,6 +343,7 @@ def _plot_throughput(cfg: dict, ts: pd.DataFrame, plots: Path, colors: dict, mar
         for ax, hw in zip(np.atleast_1d(axes), cfg["hardware"]):
             d = ts[(ts.hardware == hw) & (ts["mode"] == "train")]
             oom |= _lines(ax, d, "seq_len", "tokens_per_s_per_gpu", colors, marks)
+            _ranges(ax, d, colors)
             chosen = (f"{k} {'/'.join(map(str, d[k].dropna().unique()))}" for k in preset_chosen())
             ax.set(xlabel="sequence length", ylabel="tokens/s per GPU")
             ax.set_title(f"{hw.upper()} (projected; {'; '.join(chosen)})")
@@ -321,7 +351,7 @@ def _plot_throughput(cfg: dict, ts: pd.DataFrame, plots: Path, colors: dict, mar
         _legend(np.atleast_1d(axes)[-1], ts, oom)
         fig.suptitle(
             f"PROJECTED training throughput, {cfg['model']}, one node (D={cfg['degree']}); "
-            "red x: would not fit (analytic memory)"
+            "bands: the rates' stated ranges; red x: would not fit (analytic memory)"
         )
 
 
@@ -369,11 +399,13 @@ def _plot_microbatch(cfg: dict, mb: pd.DataFrame, plots: Path, colors: dict, mar
 def load(path: str) -> dict[str, Any]:
     """The projection config, checked against its schema before any value reaches the estimate
     rule's shell line or the report (one-line ConfigError), the fit cap filled in."""
-    from tspbench.pipeline.cells import check_schema, read_yaml
+    from tspbench.pipeline.cells import check_option_values, check_schema, read_yaml
 
     cfg = read_yaml(path, "projected config")
     check_schema(
         cfg, "projected.schema.yaml", f"projected config {str(path)!r}", strategies=names()
     )
+    t = cfg["throughput"]
+    check_option_values("throughput.options", t.get("options", {}), t["strategies"])
     usable = usable_memory(load_preset(cfg["hardware"][0])) / GiB  # as every fit decision uses
     return {"device_memory_gib": round(usable, 1), **cfg}

@@ -247,6 +247,31 @@ def project(c: RunSpec, preset: dict, ops: int | None = None) -> dict[str, Any]:
     return recharge(base, ops)
 
 
+# which end of a rate's stated range makes a step faster: efficiencies and bandwidths high,
+# overheads and latencies low (``rate_ranges`` in hardware.json)
+_FAST_HIGH = ("efficiency", "bandwidth", "flops")
+
+
+def corners(preset: dict) -> tuple[dict, dict]:
+    """(fast, slow): ``preset`` with every rate its ``rate_ranges`` bound at the end that makes
+    a step fastest, and at the other. A preset without ranges (a calibrated one) is its own
+    two corners: its rates are measurements, not assumptions."""
+    ranges = preset.get("rate_ranges", {})
+    fast, slow = dict(preset), dict(preset)
+    for name, (lo, hi) in ranges.items():
+        high_is_fast = any(name.endswith(k) for k in _FAST_HIGH)
+        fast[name], slow[name] = (hi, lo) if high_is_fast else (lo, hi)
+    return fast, slow
+
+
+def project_range(c: RunSpec, preset: dict, ops: int | None = None) -> tuple[float, float]:
+    """(fastest, slowest) step time of ``c`` over the preset's stated rate ranges (each rate at
+    its bound; the step time moves one way with each rate, so the corners bound it)."""
+    ops = count_ops(c) if ops is None else ops
+    fast, slow = corners(preset)
+    return project(c, fast, ops)["step_time_s"], project(c, slow, ops)["step_time_s"]
+
+
 def serial_dispatch(preset: dict) -> bool:
     """Whether the host's issue time adds to the step: on a CPU (a calibrated ``cpu`` preset)
     the same cores dispatch and compute; a GPU runs a queue the host fills ahead of it."""

@@ -12,7 +12,7 @@ from typing import Any
 from tspbench.core.config import ModelConfig
 from tspbench.projection.costmodel import usable_memory
 from tspbench.projection.plan.launch import pipeline_config, run_lines
-from tspbench.projection.plan.search import binding, limit
+from tspbench.projection.plan.search import binding, contest, limit
 from tspbench.projection.plan.types import Candidate, Plan, Request, node_size
 from tspbench.runtime.registry import searched, strategies
 
@@ -98,8 +98,21 @@ def to_json(plan: Plan) -> dict[str, Any]:
         out["best"] = candidate_dict(best.cand, req) | {
             "limit": limit(best, req),
             **run_lines(req, best.cand.run),
+            "contest": contest(plan),
         }
     return out
+
+
+def _contest_line(plan: Plan) -> list[str]:
+    """The best plan's margin over the best other strategy, with its range (a tie if the
+    order flips within the rates' stated ranges)."""
+    got = contest(plan)
+    if got is None:
+        return []
+    lo, hi = got["margin_range"]
+    verdict = "a TIE within the rates' ranges" if got["tie"] else "ahead at both ends"
+    return [f"  against {got['rival']}: {got['margin']:+.1%} projected, {lo:+.1%} to {hi:+.1%} "
+            f"over the preset's rate_ranges (hardware.json): {verdict}"]  # fmt: skip
 
 
 def filtered_lines(plan: Plan) -> list[str]:
@@ -251,6 +264,7 @@ def render(plan: Plan, models: list[str] | None = None) -> str:
         f"{c.peak_bytes / GiB:.1f} GiB per GPU ({c.peak_source}, headroom "
         f"{(req.memory_cap - c.peak_bytes) / GiB:.1f} GiB of the {cap:.1f} GiB cap), "
         f"{c.tokens_per_s:,.0f} tokens/s projected",
+        *_contest_line(plan),
         f"  {lines['run']}",
         f"  {lines['srun']}",
         "",

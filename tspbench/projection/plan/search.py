@@ -353,3 +353,28 @@ def binding(c: Candidate, req: Request) -> str | None:
     if c.spec is None:
         return c.reason
     return None if c.fits else "memory"
+
+
+def contest(plan: Plan) -> dict | None:
+    """The best plan against the best plan of another strategy, at the preset's nominal rates
+    and at both ends of their stated ranges (``rate_ranges``; :func:`costmodel.corners`): a
+    **tie** where the order flips within them. Both strategies see the same rates, so their
+    ratio moves far less than either step time. None: no rival fits, or a serving plan."""
+    best = plan.best
+    if best is None or best.cand.run.decoding or best.cand.proj is None:
+        return None
+    rival = next((r for r in plan.rows if r.fits and r.cand.strategy != best.cand.strategy
+                  and r.cand.proj is not None), None)  # fmt: skip
+    if rival is None:
+        return None
+    ops = [row.cand.proj["ops_per_step"] for row in (best, rival) if row.cand.proj]
+    ratios = []
+    for preset in (plan.request.hardware, *costmodel.corners(plan.request.hardware)):
+        b, r = (costmodel.project(row.cand.run, preset, n) for row, n in zip((best, rival), ops))
+        ratios.append(b["tokens_per_s"] / r["tokens_per_s"])
+    return {
+        "rival": rival.config.label,
+        "margin": ratios[0] - 1,
+        "margin_range": [min(ratios) - 1, max(ratios) - 1],
+        "tie": min(ratios) <= 1,
+    }
