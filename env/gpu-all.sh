@@ -26,15 +26,19 @@ trap pack EXIT
   "$PY" -c 'import sys, torch; print(sys.version); print(torch.__version__, torch.version.cuda or torch.version.hip)'
   "$PY" -m pip list 2>/dev/null
 } >"$work/env.txt" 2>&1
-timeout "$(($(left) - 200))" bash "$here/env/gpu-check.sh" "$work/check"
-echo "gpu-check: rc $? at $((SECONDS - t0)) s"
+t=$(($(left) - 200))            # the check first: the kernels and validation want 200 s after it
+[ "$t" -ge 60 ] || t=$(($(left) - 20))
+if [ "$t" -ge 30 ]; then
+  timeout -k 10 "$t" bash "$here/env/gpu-check.sh" "$work/check"
+  echo "gpu-check: rc $? at $((SECONDS - t0)) s"
+fi
 if [ "$(left)" -gt 150 ]; then
-  PYTHONPATH="$here" timeout $(($(left) - 100)) "$PY" "$here/env/gpu_kernels.py" \
+  PYTHONPATH="$here" timeout -k 10 $(($(left) - 100)) "$PY" "$here/env/gpu_kernels.py" \
     "$work/kernels-and-probes.json" >"$work/kernels.log" 2>&1
   echo "gpu_kernels: rc $? at $((SECONDS - t0)) s"
 fi
-b=$(($(left) - 40))
-if [ "$b" -gt 20 ]; then
-  timeout $((b + 30)) bash "$here/env/gpu-validate.sh" "$work/validate" "$b"
+b=$(($(left) - 160)) # gpu-validate starts no run after b s, and one run takes at most 120 s
+if [ "$b" -gt 0 ]; then
+  timeout -k 10 $(($(left) - 20)) bash "$here/env/gpu-validate.sh" "$work/validate" "$b"
   echo "gpu-validate: rc $? at $((SECONDS - t0)) s"
 fi

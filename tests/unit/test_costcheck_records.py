@@ -38,3 +38,26 @@ def test_bad_records_are_refused_in_one_line(tmp_path, capsys):
     decode = str(H200 / "gpu-check/run-decode.json")  # nothing to project: decode only
     assert main(["project-check", "--records", decode, "--hardware", "h200"]) == 2
     assert "no ok training or forward record" in capsys.readouterr().err
+
+
+def test_records_the_schema_passes_but_a_projection_cannot_use_are_refused(tmp_path, capsys):
+    """model_config or recompute missing, a model field missing (it would be projected at a toy
+    default) or unknown, a folder: one line each, exit 2, never a traceback."""
+    rec = json.loads((H200 / "validate-torch_flash/val-train-S4096.json").read_text())
+    cases = {
+        "no-model": {k: v for k, v in rec.items() if k != "model_config"},
+        "no-recompute": {k: v for k, v in rec.items() if k != "recompute"},
+        "no-ffn": rec
+        | {
+            "model_config": {k: v for k, v in rec["model_config"].items() if k != "ffn"}
+        },  # fmt: skip
+        "extra": rec | {"model_config": rec["model_config"] | {"experts": 8}},
+    }
+    for name, bad in cases.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(bad))
+        assert main(["project-check", "--records", str(path), "--hardware", "h200"]) == 2, name
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "record" in err and "Traceback" not in err, err
+    assert main(["project-check", "--records", str(tmp_path), "--hardware", "h200"]) == 2
+    assert "not a file" in capsys.readouterr().err

@@ -259,7 +259,7 @@ def test_tables_follow_the_strategy_registry_order(paper):
         assert ranks == sorted(ranks) and rows[0] == "tsp", (name, rows)
 
 
-def _fake_project(spec, preset) -> dict:
+def _fake_project(spec, preset, ops=None) -> dict:
     """A stand-in for the cost model (seconds of fake-tensor op counting per layout): TSP and
     FSDP+CP coincide exactly, the case where TSP must stay visible on top."""
     slower = 1.0 if spec.strategy in ("tsp", "fsdp_cp") else 1.2

@@ -50,6 +50,29 @@ def test_the_environment_names_the_kernel(monkeypatch, tmp_path):
     assert not list(tmp_path.iterdir())  # refused before anything is written
 
 
+@pytest.mark.parametrize("name, device, dtype, why", [
+    ("torch_flash", "cpu", torch.bfloat16, "needs a GPU"),
+    ("flash_attn", "cpu", torch.float32, "needs a GPU"),
+    ("torch_flash", "cuda", torch.float32, "takes fp16 and bf16 only"),
+    ("cpu_flash", "cuda", torch.bfloat16, "runs on a CPU only"),
+])  # fmt: skip
+def test_a_named_kernel_that_cannot_run_here_is_refused_before_the_run(
+    monkeypatch, tmp_path, name, device, dtype, why
+):
+    """Not at the first attention call, which would write an error record after the start."""
+    monkeypatch.setenv("TSPBENCH_ATTENTION", name)
+    assert why in attention.env_backend_problem(device, dtype)
+    monkeypatch.setenv("TSPBENCH_ATTENTION", "sdpa")
+    assert attention.env_backend_problem(device, dtype) is None
+    if device == "cpu":
+        from tspbench.cli import main
+
+        monkeypatch.chdir(tmp_path)
+        monkeypatch.setenv("TSPBENCH_ATTENTION", name)
+        argv = ["run", "--strategy", "single", "--seq-len", "64", "--out", "x.json"]
+        assert main(argv) == 2 and not list(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("lq, lk, causal", [(8, 24, True), (8, 8, True), (8, 8, False)])
 def test_torch_flash_calls_the_op_and_its_backward_as_torch_declares_them(lq, lk, causal):
     """PyTorch's FlashAttention-2 op and its backward, on meta tensors (their declared shapes

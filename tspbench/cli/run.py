@@ -17,14 +17,23 @@ from tspbench.runtime.spec import RunSpec
 
 def _checked(args: argparse.Namespace) -> RunSpec:
     """The spec, the output path and the host's memory checked before anything starts."""
+    import torch
+
     from tspbench.core import attention
     from tspbench.core.compat import require_torch
+    from tspbench.core.config import ConfigError
+    from tspbench.core.dtypes import DTYPES
     from tspbench.runtime.launch import check_device, check_host_memory
 
     require_torch()
     check_device(args.device)
     attention.env_backend()  # a kernel named in the environment: one the suite has
     spec = RunSpec.from_args(args)
+    gpu = args.device == "cuda" or args.device == "auto" and torch.cuda.is_available()
+    where = "cuda" if gpu else "cpu"
+    problem = attention.env_backend_problem(where, DTYPES[spec.dtype])
+    if problem:  # ... and one that runs on this device and dtype
+        raise ConfigError(problem)
     check_out(args.out, args.cell)
     local = 1
     if args.launch == "local":

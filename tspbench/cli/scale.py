@@ -92,7 +92,8 @@ def cmd_project_check(args: argparse.Namespace) -> int:
         raise ConfigError(f"--hardware: required with {what} (the machine's preset)")
     for path in args.records or args.summary:
         if not Path(path).is_file():
-            raise ConfigError(f"{what}={path}: no such file")
+            why = "not a file" if Path(path).exists() else "no such file"
+            raise ConfigError(f"{what}={path}: {why}")
     preset = load_preset(args.hardware)
     if args.records:
         table = check_records(args.records, preset)

@@ -138,6 +138,28 @@ def env_backend() -> str | None:
     return name
 
 
+def env_backend_problem(device_type: str, dtype: torch.dtype) -> str | None:
+    """Why the kernel ``$TSPBENCH_ATTENTION`` names cannot run here (None: it can, or none is
+    named): checked before a run starts, not at its first attention call."""
+    name = env_backend()
+    if name is None or name == "sdpa":
+        return None
+    where = f"{ENV}={name!r}"
+    if name == "cpu_flash":
+        return None if device_type == "cpu" else f"{where}: runs on a CPU only"
+    if device_type != "cuda":
+        return f"{where}: needs a GPU (this run is on the {device_type})"
+    if dtype not in FLASH_DTYPES:
+        run = str(dtype).removeprefix("torch.")
+        return f"{where}: takes fp16 and bf16 only (this run is {run})"
+    problem = (
+        flash_attn_problem()
+        if name == "flash_attn"
+        else torch_flash_problem(torch.device("cuda", 0))
+    )
+    return f"{where}: {problem}" if problem else None
+
+
 def backend_for(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
     """The kernel this module uses on ``device`` for ``dtype`` (``$TSPBENCH_ATTENTION`` first,
     then the best this device has)."""

@@ -95,18 +95,17 @@ def memory_ratio_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
     ]
 
 
-def _ratio_ends(t, subject: str, best) -> str:
-    """The subject's throughput over the best other layout's with every rate at either end of
-    its stated range (both layouts at the same end: ``step_time_low_s`` and ``_high_s``)."""
-    if "step_time_low_s" not in t.columns:  # a table from before the ranges
+def _ratio_ends(t, subject: str) -> str:
+    """The subject's throughput over the fastest other layout's, lowest and highest over every
+    corner of the preset's stated rate ranges (the fastest may change from corner to corner;
+    the projected tables' ``ratio_to_best_low`` and ``_high``)."""
+    if "ratio_to_best_low" not in t.columns:  # a table from before the ranges
         return "(not in this table)"
-    at = t.set_index(["seq_len", "strategy"])
-    out = []
-    for S, other in best.items():
-        r = [at.loc[(S, other), k] / at.loc[(S, subject), k]
-             for k in ("step_time_low_s", "step_time_high_s")]  # fmt: skip
-        out.append(f"{int(S) // 1024}K {min(r):.2f}-{max(r):.2f}")
-    return ", ".join(out)
+    mine = t[t.strategy == subject].sort_values("seq_len")
+    return ", ".join(
+        f"{int(r.seq_len) // 1024}K {r.ratio_to_best_low:.2f}-{r.ratio_to_best_high:.2f}"
+        for r in mine.itertuples()
+    )
 
 
 def competitive_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
@@ -118,7 +117,7 @@ def competitive_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
     others = [k for k in d.columns if k != c["subject"]]
     best = d[others].idxmax(axis=1)
     ratio = {int(S): round(float(d.loc[S, c["subject"]] / d.loc[S, best[S]]), 2) for S in d.index}
-    ends = _ratio_ends(t, c["subject"], best)
+    ends = _ratio_ends(t, c["subject"])
     named = d[[k for k in others if k.split()[0] == c["versus"]]].max(axis=1)
     vs_named = {int(S): round(float(d.loc[S, c["subject"]] / named[S]), 2) for S in d.index}
     rising = list(ratio.values()) == sorted(ratio.values())
@@ -130,7 +129,7 @@ def competitive_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
             "competitive with TP+SP; better with S and D",
             "TSP / the best other layout, tokens/s per GPU, forward, MI300X (PROJECTED): "
             + ", ".join(f"{S // 1024}K {r} ({best[S]})" for S, r in ratio.items())
-            + f"; over the rates' stated ranges {ends}"
+            + f"; over every corner of the rates' stated ranges {ends}"
             + f"; TSP / best TP+SP: {vs_named}; D not judged (one D in these tables)",
             judged,
             "cost-model projection, 1.2-1.5x fast against published H100 runs and 0.0-25% "

@@ -41,7 +41,8 @@ __all__ = [
     "styles",
 ]
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "h", "p", "H", "d", "8")  # one per strategy
-# a strategy's variants (factorisations, options): none of the strategies' own markers
+# a strategy's variants (factorisations, options); the last five are also strategies' markers
+# (MARKERS[7:]), free while the registry holds at most seven strategies
 VARIANT_MARKERS = ("*", "<", ">", "1", "2", "3", "4", "+", "x", "|", "_", "8", "p", "h", "H", "d")
 DASHES = ("-", "--", "-.", ":", (0, (5, 1)), (0, (3, 1, 1, 1)), (0, (1, 1)), (0, (6, 2, 1, 2)))
 

@@ -35,7 +35,13 @@ from tspbench.pipeline.plotting import (
 )
 from tspbench.pipeline.projected_decode import write_decode_report
 from tspbench.projection.analytic import memory
-from tspbench.projection.costmodel import load_preset, project, project_range, usable_memory
+from tspbench.projection.costmodel import (
+    all_corners,
+    load_preset,
+    project,
+    project_range,
+    usable_memory,
+)
 from tspbench.runtime.record import write_atomic
 from tspbench.runtime.registry import get_strategy, names, preset_chosen
 from tspbench.runtime.spec import RunSpec
@@ -125,6 +131,19 @@ def memory_table(cfg: dict, estimates: Path) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _ratio_columns(rows: list[dict], group: list[tuple[int, RunSpec, int]], preset: dict) -> None:
+    """Each row's tokens/s over the fastest other row of its group (same preset, mode and S),
+    lowest and highest over every corner of the preset's rate ranges (the fastest other row
+    may change from corner to corner: :func:`~tspbench.projection.costmodel.ratio_range`)."""
+    if len(group) < 2:
+        return
+    tokens = [[project(c, corner, ops=n)["tokens_per_s"] for _, c, n in group]
+              for corner in all_corners(preset)]  # fmt: skip
+    for j, (i, _, _) in enumerate(group):
+        r = [t[j] / max(x for k, x in enumerate(t) if k != j) for t in tokens]
+        rows[i] |= {"ratio_to_best_low": min(r), "ratio_to_best_high": max(r)}
+
+
 def _row(c: RunSpec, hw: str, label: str) -> dict[str, object]:
     """A row's hardware, strategy (one label on every preset: its variant's, not what a preset
     chooses) and the options presets choose."""
@@ -136,14 +155,18 @@ def throughput_tables(cfg: dict) -> dict[str, pd.DataFrame]:
     """The cost model's tables on every preset, TSP with the preset's MLP schedule, as
     ``tspbench project`` and the planner take it."""
     t = cfg["throughput"]
-    by_seq, scaling, batches = [], [], []
+    by_seq: list[dict] = []
+    scaling: list[dict] = []
+    batches: list[dict] = []
     for hw in cfg["hardware"]:
         preset = load_preset(hw)
         cap = usable_memory(preset)
 
-        def spec(*args, preset=preset, **kw) -> RunSpec:  # TSP: the preset's MLP schedule
-            return _spec(cfg, *args, **kw).preset_options(preset)
+        def spec(*args, preset=preset, **kw) -> RunSpec:  # TSP: the preset's MLP schedule,
+            c = _spec(cfg, *args, **kw)  # but never over an option the config lists
+            return c.preset_options(preset, named=list(kw.get("options") or {}))
 
+        cases: dict[tuple, list] = {}  # (mode, S): (row index, case, operations) of each layout
         rows = [(s, lay, o) for s, lay in layouts(cfg, t["strategies"]) for o in variants(cfg, s)]
         for s, lay, opts in rows:
             label = _spec(cfg, s, lay, t["seq_lens"][0], options=opts).label
@@ -152,6 +175,7 @@ def throughput_tables(cfg: dict) -> dict[str, pd.DataFrame]:
                     c = spec(s, lay, S, mode=mode, rc=t["recompute"], options=opts)
                     p, m = project(c, preset), memory(c)
                     lo, hi = project_range(c, preset, ops=p.get("ops_per_step"))
+                    cases.setdefault((mode, S), []).append((len(by_seq), c, p.get("ops_per_step")))
                     by_seq.append(
                         {
                             **_row(c, hw, label),
@@ -192,6 +216,8 @@ def throughput_tables(cfg: dict) -> dict[str, pd.DataFrame]:
                         "fits": m["peak"] <= cap,
                     }
                 )
+        for group in cases.values():
+            _ratio_columns(by_seq, group, preset)
     return {
         "throughput_vs_seq": pd.DataFrame(by_seq),
         "scaling": pd.DataFrame(scaling),
@@ -213,7 +239,7 @@ def _ranges(ax, d: pd.DataFrame, colors: dict) -> None:
     best other layout (the highest mean tokens/s of the panel), as shaded bands: tokens/s at
     the slowest and at the fastest corner (ten overlapping bands would hide each other)."""
     means = d.groupby("strategy").tokens_per_s_per_gpu.mean()
-    first = label_order(d.strategy)[0]  # TSP
+    first = "tsp" if "tsp" in set(d.strategy) else label_order(d.strategy)[0]
     shown = [first, means.drop(first).idxmax()] if len(means) > 1 else [first]
     for label, g in d[d.strategy.isin(shown)].groupby("strategy"):
         g = g.sort_values("seq_len")

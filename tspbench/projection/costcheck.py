@@ -4,9 +4,10 @@ this judges it)."""
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
-from tspbench.core.config import read_csv_input
+from tspbench.core.config import ConfigError, ModelConfig, read_csv_input
 from tspbench.projection.costmodel import case_of_row, project
 from tspbench.runtime.registry import strategies
 from tspbench.runtime.spec import RunSpec
@@ -48,7 +49,6 @@ def check_records(paths: list[str], preset: dict):
     run: no range. Records are checked against their schema first (ConfigError naming one)."""
     import pandas as pd
 
-    from tspbench.core.config import ModelConfig
     from tspbench.runtime.record import check_record
 
     rows = []
@@ -59,13 +59,36 @@ def check_records(paths: list[str], preset: dict):
         impl = strategies()[rec["strategy"]]
         options = {o.name: rec[o.name] for o in impl.options if rec.get(o.name) is not None}
         c = RunSpec.make(
-            rec["strategy"], ModelConfig(**rec["model_config"]), degree=rec["degree"],
+            rec["strategy"], _model(rec, path), degree=rec["degree"],
             tp=rec.get("tp") or 1, sp=rec.get("sp") or 1, dp=rec["dp"], seq_len=rec["seq_len"],
             batch=rec["batch"], mode=rec["mode"], dtype=rec["dtype"],
-            recompute=rec["recompute"], **options,
+            recompute=_field(rec, path, "recompute"), **options,
         )  # fmt: skip
         rows.append(_row(c, c.label, [rec["step_time_s"]], preset))
     return pd.DataFrame(rows)
+
+
+def _field(rec: dict, path: str, key: str):
+    """A key a projection needs that the record schema does not require (one line if absent)."""
+    if key not in rec:
+        raise ConfigError(f"record {path!r}: {key}: missing; a run record states it")
+    return rec[key]
+
+
+def _model(rec: dict, path: str) -> ModelConfig:
+    """The record's model, from its ``model_config``, which must name every field: a field left
+    out would be projected at a toy default (ConfigError naming the record otherwise)."""
+    mc, need = _field(rec, path, "model_config"), {f.name for f in dataclasses.fields(ModelConfig)}
+    if not isinstance(mc, dict) or set(mc) != need:
+        got = sorted(mc) if isinstance(mc, dict) else type(mc).__name__
+        raise ConfigError(
+            f"record {path!r}: model_config: must hold exactly the fields {sorted(need)} to be "
+            f"projected (got {got})"
+        )
+    try:
+        return ModelConfig(**mc)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"record {path!r}: model_config: {e}") from None
 
 
 def _row(c: RunSpec, label: str, times: list[float], preset: dict) -> dict:

@@ -33,6 +33,7 @@ Presets: :data:`PRESETS` (datasheets, with sources) or a file written by ``tspbe
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 from dataclasses import replace
@@ -262,6 +263,31 @@ def corners(preset: dict) -> tuple[dict, dict]:
         high_is_fast = any(name.endswith(k) for k in _FAST_HIGH)
         fast[name], slow[name] = (hi, lo) if high_is_fast else (lo, hi)
     return fast, slow
+
+
+def all_corners(preset: dict) -> list[dict]:
+    """``preset`` at every combination of its rates' range ends (2^k presets for k ranged
+    rates; itself where it states none): a ratio of two layouts, unlike a step time, can be
+    extreme at any of them."""
+    ranges = list(preset.get("rate_ranges", {}).items())
+    out = []
+    for ends in itertools.product(*(bounds for _, bounds in ranges)):
+        out.append(preset | {name: v for (name, _), v in zip(ranges, ends)})
+    return out
+
+
+def ratio_range(
+    subject: tuple[RunSpec, int], others: list[tuple[RunSpec, int]], preset: dict
+) -> tuple[float, float]:
+    """(lowest, highest) of the subject's tokens/s over the fastest of ``others`` (each
+    (case, operations per step)), over every corner of the preset's rate ranges: the rival
+    may change from corner to corner, as it would on a machine whose rates are those."""
+    ratios = []
+    for corner in all_corners(preset):
+        mine = project(subject[0], corner, subject[1])["tokens_per_s"]
+        best = max(project(c, corner, n)["tokens_per_s"] for c, n in others)
+        ratios.append(mine / best)
+    return min(ratios), max(ratios)
 
 
 def project_range(c: RunSpec, preset: dict, ops: int | None = None) -> tuple[float, float]:

@@ -110,9 +110,10 @@ def _contest_line(plan: Plan) -> list[str]:
     if got is None:
         return []
     lo, hi = got["margin_range"]
-    verdict = "a TIE within the rates' ranges" if got["tie"] else "ahead at both ends"
+    verdict = "a TIE within the rates' ranges" if got["tie"] else "ahead at every corner"
     return [f"  against {got['rival']}: {got['margin']:+.1%} projected, {lo:+.1%} to {hi:+.1%} "
-            f"over the preset's rate_ranges (hardware.json): {verdict}"]  # fmt: skip
+            f"over every corner of the preset's rate_ranges (hardware.json), against the "
+            f"fastest other strategy there: {verdict}"]  # fmt: skip
 
 
 def filtered_lines(plan: Plan) -> list[str]:

@@ -356,25 +356,29 @@ def binding(c: Candidate, req: Request) -> str | None:
 
 
 def contest(plan: Plan) -> dict | None:
-    """The best plan against the best plan of another strategy, at the preset's nominal rates
-    and at both ends of their stated ranges (``rate_ranges``; :func:`costmodel.corners`): a
-    **tie** where the order flips within them. Both strategies see the same rates, so their
-    ratio moves far less than either step time. None: no rival fits, or a serving plan."""
+    """The best plan against the best plan of each other strategy, at the preset's nominal
+    rates and at every corner of their stated ranges (``rate_ranges``;
+    :func:`costmodel.ratio_range`: the fastest rival at each corner): a **tie** where another
+    strategy is as fast at some corner. Both see the same rates, so the ratio moves far less
+    than either step time. None: no rival fits, or a serving plan."""
     best = plan.best
     if best is None or best.cand.run.decoding or best.cand.proj is None:
         return None
-    rival = next((r for r in plan.rows if r.fits and r.cand.strategy != best.cand.strategy
-                  and r.cand.proj is not None), None)  # fmt: skip
-    if rival is None:
+    rivals: dict[str, Row] = {}
+    for r in plan.rows:  # ranked: each other strategy's first fitting, counted row
+        name = r.cand.strategy
+        if r.fits and r.cand.proj is not None and name != best.cand.strategy:
+            rivals.setdefault(name, r)
+    if not rivals:
         return None
-    ops = [row.cand.proj["ops_per_step"] for row in (best, rival) if row.cand.proj]
-    ratios = []
-    for preset in (plan.request.hardware, *costmodel.corners(plan.request.hardware)):
-        b, r = (costmodel.project(row.cand.run, preset, n) for row, n in zip((best, rival), ops))
-        ratios.append(b["tokens_per_s"] / r["tokens_per_s"])
+    first = next(iter(rivals.values()))
+    mine = (best.cand.run, best.cand.proj["ops_per_step"])
+    theirs = [(r.cand.run, r.cand.proj["ops_per_step"]) for r in rivals.values() if r.cand.proj]
+    lo, hi = costmodel.ratio_range(mine, theirs, plan.request.hardware)
+    margin = best.cand.speed / first.cand.speed
     return {
-        "rival": rival.config.label,
-        "margin": ratios[0] - 1,
-        "margin_range": [min(ratios) - 1, max(ratios) - 1],
-        "tie": min(ratios) <= 1,
+        "rival": first.config.label,
+        "margin": margin - 1,
+        "margin_range": [min(lo, margin) - 1, max(hi, margin) - 1],
+        "tie": min(lo, margin) <= 1,
     }
