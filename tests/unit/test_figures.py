@@ -296,6 +296,7 @@ def projected(tmp_path_factory):
     mp.setattr(projected, "save", keep)
     mp.setattr(projected, "project", _fake_project)
     mp.setattr(projected, "project_range", _fake_range)
+    mp.setattr(projected, "ratio_ranges", lambda cases, preset: [(1.0, 1.0)] * len(cases))
     try:
         write_report(cfg, ROOT / "results/reference/projected-7b/estimates", tmp, tmp, "test")
     finally:

@@ -36,10 +36,10 @@ from tspbench.pipeline.plotting import (
 from tspbench.pipeline.projected_decode import write_decode_report
 from tspbench.projection.analytic import memory
 from tspbench.projection.costmodel import (
-    all_corners,
     load_preset,
     project,
     project_range,
+    ratio_ranges,
     usable_memory,
 )
 from tspbench.runtime.record import write_atomic
@@ -133,15 +133,13 @@ def memory_table(cfg: dict, estimates: Path) -> pd.DataFrame:
 
 def _ratio_columns(rows: list[dict], group: list[tuple[int, RunSpec, int]], preset: dict) -> None:
     """Each row's tokens/s over the fastest other row of its group (same preset, mode and S),
-    lowest and highest over every corner of the preset's rate ranges (the fastest other row
-    may change from corner to corner: :func:`~tspbench.projection.costmodel.ratio_range`)."""
+    lowest and highest over every corner of the preset's rate ranges
+    (:func:`~tspbench.projection.costmodel.ratio_ranges`)."""
     if len(group) < 2:
         return
-    tokens = [[project(c, corner, ops=n)["tokens_per_s"] for _, c, n in group]
-              for corner in all_corners(preset)]  # fmt: skip
-    for j, (i, _, _) in enumerate(group):
-        r = [t[j] / max(x for k, x in enumerate(t) if k != j) for t in tokens]
-        rows[i] |= {"ratio_to_best_low": min(r), "ratio_to_best_high": max(r)}
+    ranges = ratio_ranges([(c, n) for _, c, n in group], preset)
+    for (i, _, _), (lo, hi) in zip(group, ranges):
+        rows[i] |= {"ratio_to_best_low": lo, "ratio_to_best_high": hi}
 
 
 def _row(c: RunSpec, hw: str, label: str) -> dict[str, object]:

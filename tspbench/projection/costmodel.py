@@ -276,18 +276,18 @@ def all_corners(preset: dict) -> list[dict]:
     return out
 
 
-def ratio_range(
-    subject: tuple[RunSpec, int], others: list[tuple[RunSpec, int]], preset: dict
-) -> tuple[float, float]:
-    """(lowest, highest) of the subject's tokens/s over the fastest of ``others`` (each
-    (case, operations per step)), over every corner of the preset's rate ranges: the rival
-    may change from corner to corner, as it would on a machine whose rates are those."""
-    ratios = []
-    for corner in all_corners(preset):
-        mine = project(subject[0], corner, subject[1])["tokens_per_s"]
-        best = max(project(c, corner, n)["tokens_per_s"] for c, n in others)
-        ratios.append(mine / best)
-    return min(ratios), max(ratios)
+def ratio_ranges(cases: list[tuple[RunSpec, int]], preset: dict) -> list[tuple[float, float]]:
+    """For each of ``cases`` (case, operations per step): the (lowest, highest) of its tokens/s
+    over the fastest of the others, over every corner of the preset's rate ranges, each case
+    projected once per corner; the fastest other may change from corner to corner, as it would
+    on a machine whose rates are those."""
+    tokens = [[project(c, corner, n)["tokens_per_s"] for c, n in cases]
+              for corner in all_corners(preset)]  # fmt: skip
+    out = []
+    for j in range(len(cases)):
+        r = [t[j] / max(x for k, x in enumerate(t) if k != j) for t in tokens]
+        out.append((min(r), max(r)))
+    return out
 
 
 def project_range(c: RunSpec, preset: dict, ops: int | None = None) -> tuple[float, float]:

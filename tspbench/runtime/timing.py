@@ -23,17 +23,8 @@ def sync(device: torch.device) -> None:
 
 def timed(fn: Callable[[], T], device: torch.device) -> tuple[T, float]:
     """(``fn()``, its seconds), the device synchronized before and after."""
-    sync(device)
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = fn()
-        end.record()
-        sync(device)
-        return out, start.elapsed_time(end) / 1e3
-    t0 = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - t0
+    out, seconds, _ = timed_issue(fn, device)
+    return out, seconds
 
 
 def timed_issue(fn: Callable[[], T], device: torch.device) -> tuple[T, float, float]:

@@ -358,7 +358,7 @@ def binding(c: Candidate, req: Request) -> str | None:
 def contest(plan: Plan) -> dict | None:
     """The best plan against the best plan of each other strategy, at the preset's nominal
     rates and at every corner of their stated ranges (``rate_ranges``;
-    :func:`costmodel.ratio_range`: the fastest rival at each corner): a **tie** where another
+    :func:`costmodel.ratio_ranges`: the fastest rival at each corner): a **tie** where another
     strategy is as fast at some corner. Both see the same rates, so the ratio moves far less
     than either step time. None: no rival fits, or a serving plan."""
     best = plan.best
@@ -374,7 +374,7 @@ def contest(plan: Plan) -> dict | None:
     first = next(iter(rivals.values()))
     mine = (best.cand.run, best.cand.proj["ops_per_step"])
     theirs = [(r.cand.run, r.cand.proj["ops_per_step"]) for r in rivals.values() if r.cand.proj]
-    lo, hi = costmodel.ratio_range(mine, theirs, plan.request.hardware)
+    lo, hi = costmodel.ratio_ranges([mine, *theirs], plan.request.hardware)[0]
     margin = best.cand.speed / first.cand.speed
     return {
         "rival": first.config.label,
