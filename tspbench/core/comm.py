@@ -285,6 +285,27 @@ class Comm:
             compat.reduce_scatter_flat, (out, stacked), lambda: out, async_op, flat=True
         )
 
+    def all_gather_into(self, out: torch.Tensor, t: torch.Tensor) -> None:
+        """Every rank's 1-D ``t`` into the 1-D ``out`` in group-rank order, waited for: the
+        buffers a library allocated itself (FSDP2's custom all-gather, whose ``t`` is a view of
+        ``out``), counted as :meth:`all_gather` counts."""
+        if not self._start("all_gather_into", "all_gather", t, out):
+            if self.size > 1:
+                out.zero_()
+            else:
+                out.copy_(t)
+            return
+        self._issue(compat.all_gather_flat, (out, t), lambda: out, False)
+
+    def reduce_scatter_into(self, out: torch.Tensor, t: torch.Tensor) -> None:
+        """Sum of every rank's 1-D ``t``, block ``rank`` of ``size`` equal blocks into the 1-D
+        ``out``, waited for: a library's buffers (FSDP2's custom reduce-scatter), counted as
+        :meth:`reduce_scatter` counts."""
+        if not self._start("reduce_scatter_into", "reduce_scatter", t, t):
+            out.copy_(t.view(self.size, -1)[self.rank] if self.size > 1 else t)
+            return
+        self._issue(compat.reduce_scatter_flat, (out, t), lambda: out, False)
+
     def all_to_all(self, t: torch.Tensor, async_op: bool = False):
         """Block j of ``size`` equal blocks of ``t`` along dim 0 goes to group-rank j; block j
         of the result came from group-rank j (DeepSpeed-Ulysses' exchange). Counted as
@@ -318,6 +339,10 @@ class Comm:
         t = torch.zeros(shape, dtype=dtype, device=self.counter_device)
         if method == "ring_exchange":
             self.ring_exchange(t, torch.empty_like(t), **kw)
+        elif method == "all_gather_into":
+            self.all_gather_into(t.new_zeros(t.numel() * self.size), t)
+        elif method == "reduce_scatter_into":
+            self.reduce_scatter_into(t.new_zeros(t.numel() // self.size), t)
         else:
             getattr(self, method)(t, **kw)
 

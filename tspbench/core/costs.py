@@ -336,6 +336,41 @@ def backward_transients(c: Spec, T: int) -> tuple[int, int]:
     return 2 * logits, layer_t
 
 
+# -- fully sharded units (FSDP+CP, FSDP2+CP) --------------------------------------------------
+def gathered_unit_working_set(
+    c: Spec, base: tuple[int, int], units: tuple[int, int, int], prefetch: bool
+) -> tuple[int, int]:
+    """``base`` (layer, loss) working sets of a forward-only step, plus the gathered unit in use
+    (a layer: one layer's weights; the loss: the final norm and the LM head) and, with
+    ``prefetch``, the next unit's gather in flight beside a layer (the top layer's: the head
+    unit). ``units``: the gathered (padded) bytes of the embedding, a layer, the head unit."""
+    cfg, e = c.cfg, c.e
+    layer, loss = base
+    _, ul, un = units
+    layer += layer_numel(cfg) * e + (max(ul, un) if prefetch else 0)
+    return layer, loss + (cfg.vocab * cfg.hidden + cfg.hidden) * e
+
+
+def gathered_unit_transients(
+    c: Spec, base: tuple[int, int, int], units: tuple[int, int, int], prefetch: bool,
+    saved_per_layer: int,
+) -> tuple[int, int, int]:  # fmt: skip
+    """``base`` backward transients (loss, layer, end) plus, with ``prefetch``, a layer's
+    backward's prefetched gather of the layer below and the gradient of the unit above still
+    reduce-scattering (its shard, then in flight, is the gradient it would hold already). At the
+    top layer that unit is the head; below, a layer, once the layer above's saved tensors (under
+    recomputation its input) are freed."""
+    loss_t, layer_t, end_t = base
+    if prefetch and c.cfg.layers > 1:
+        _, ul, un = units
+        act = c.tokens * c.cfg.hidden * c.e  # a layer's input
+        freed = act if c.rc else saved_per_layer
+        layer_t += ul + max(un, ul - freed)
+    elif prefetch:
+        layer_t += units[2]
+    return loss_t, layer_t, end_t
+
+
 class Costs(ABC):
     """A strategy's closed forms per rank: what the analytic and cost models ask of it (its
     ``costs``), never instantiated with state. The defaults are a plain autograd model (the

@@ -2,8 +2,11 @@
 
 Every tensor an op returns is recorded by its storage (views share one), and forgotten when that
 storage is freed, so ``peak`` is the high-water mark of live storage bytes created under the
-mode plus what was registered with :meth:`track`. With ``limit`` set, exceeding it raises
-:class:`TrackedOOM`: a testable stand-in for a device OOM on CPU.
+mode plus what was registered with :meth:`track`. A recorded storage that is resized in place
+(``UntypedStorage.resize_``, which no dispatch mode sees: FSDP2 frees a gathered parameter by
+resizing its storage to 0 and re-allocates it the same way) counts at its new size. With
+``limit`` set, exceeding it raises :class:`TrackedOOM`: a testable stand-in for a device OOM on
+CPU.
 """
 
 from __future__ import annotations
@@ -20,24 +23,42 @@ class TrackedOOM(torch.OutOfMemoryError):
     """Raised when tracked live bytes exceed the tracker's limit."""
 
 
+_active: list[MemoryTracker] = []  # entered trackers, which storage resizes are reported to
+_resize = torch.UntypedStorage.resize_
+
+
+def _resize_seen(storage: torch.UntypedStorage, size: int):
+    """``UntypedStorage.resize_``, reported to every entered tracker that records ``storage``."""
+    out = _resize(storage, size)
+    for tracker in _active:
+        tracker._resized(storage)
+    return out
+
+
 class MemoryTracker(TorchDispatchMode):
     def __init__(self, limit: int | None = None) -> None:
         super().__init__()
         self.limit = limit
         self.live = 0
         self.peak = 0
-        self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> [its bytes]
 
-    def _free(self, n: int) -> None:
-        self.live -= n
+    def __enter__(self) -> MemoryTracker:
+        if not _active:
+            torch.UntypedStorage.resize_ = _resize_seen  # type: ignore[method-assign,assignment]
+        _active.append(self)
+        return super().__enter__()
 
-    def _add(self, t: torch.Tensor) -> None:
-        st = t.untyped_storage()
-        if st in self._seen:
-            return
-        n = st.nbytes()
-        self._seen[st] = n
-        weakref.finalize(st, self._free, n)
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        _active.remove(self)
+        if not _active:
+            torch.UntypedStorage.resize_ = _resize  # type: ignore[method-assign]
+
+    def _free(self, size: list[int]) -> None:
+        self.live -= size[0]
+
+    def _grow(self, n: int) -> None:
         self.live += n
         if self.live > self.peak:
             self.peak = self.live
@@ -45,6 +66,21 @@ class MemoryTracker(TorchDispatchMode):
             raise TrackedOOM(
                 f"tracked live tensor bytes {self.live} exceed the budget {self.limit}"
             )
+
+    def _add(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        if st in self._seen:
+            return
+        size = [st.nbytes()]
+        self._seen[st] = size
+        weakref.finalize(st, self._free, size)
+        self._grow(size[0])
+
+    def _resized(self, st: torch.UntypedStorage) -> None:
+        size = self._seen.get(st)
+        if size is not None:
+            n, size[0] = size[0], st.nbytes()
+            self._grow(size[0] - n)
 
     def track(self, *objs: object) -> None:
         """Register tensors created outside the mode (parameters, inputs)."""

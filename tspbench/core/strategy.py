@@ -65,6 +65,9 @@ class Strategy(ABC):
     reference: ClassVar[bool] = False  # the single-device reference the others are checked on
     factored: ClassVar[bool] = False  # takes a sweep's T x Sigma factor list (its `tpsp` key)
     options: ClassVar[tuple[Option, ...]] = ()  # its own settings (tspbench/core/options.py)
+    # another strategy's layout in another library's code (PyTorch's FSDP2 for FSDP+CP): measured
+    # beside it, never planned or projected apart from it (the planner chooses layouts)
+    implements: ClassVar[str | None] = None
 
     def __init_subclass__(cls, **kw: Any) -> None:
         """Refuse a concrete strategy that lacks a part, at its definition (import) time: a

@@ -26,6 +26,7 @@ STRATEGIES = (
     "baselines.fsdp_cp:FSDPCP",
     "baselines.dp:DP",
     "baselines.dp:Single",
+    "baselines.fsdp2_cp:FSDP2CP",
 )
 PLUGINS = "TSPBENCH_STRATEGIES"  # environment: more "module:Class" entries, comma-separated
 
@@ -58,6 +59,12 @@ def _registered(plugins: str) -> dict[str, type[Strategy]]:
 def strategies() -> dict[str, type[Strategy]]:
     """Every strategy by name, in the order tables and figures show them (TSP first)."""
     return _registered(os.environ.get(PLUGINS, ""))
+
+
+def planned() -> dict[str, type[Strategy]]:
+    """The strategies the planner weighs: each layout once, not again in another library's code
+    (a strategy that ``implements`` another's layout is measured beside it, not planned)."""
+    return {n: s for n, s in strategies().items() if s.implements is None}
 
 
 def get_strategy(name: str) -> type[Strategy]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from tspbench.runtime.registry import strategies
+from tspbench.runtime.registry import planned
 
 
 def flat_in_gpus(table) -> bool:
@@ -80,7 +80,7 @@ def _winner_figure(table, cells, cfg: dict, what: str, out: Path) -> None:
     from matplotlib.patches import Patch
 
     S, G = cfg["seq_lens"], cfg["gpus"]
-    names = list(strategies())
+    names = list(planned())
     colors = dict(zip(names, sns.color_palette("deep", len(names))))
     fig, ax = plt.subplots(figsize=(1.25 * len(S) + 2.2, 0.62 * len(G) + 1.6))
     idx = np.full((len(G), len(S)), np.nan)
@@ -120,7 +120,7 @@ def _feasible_figure(table, cfg: dict, what: str, out: Path) -> None:
     from matplotlib.colors import LogNorm
 
     S, G = cfg["seq_lens"], cfg["gpus"]
-    names = list(strategies())
+    names = list(planned())
     n = len(names)
     cols = min(4, n)
     rows_n = math.ceil(n / cols)

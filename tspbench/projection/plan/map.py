@@ -14,7 +14,7 @@ from tspbench.core.configfile import check_schema, read_yaml
 from tspbench.projection.plan import search
 from tspbench.projection.plan.cache import OpsCache, cache_dir
 from tspbench.projection.plan.types import Plan, Request, Row
-from tspbench.runtime.registry import names, schema, searched, strategies
+from tspbench.runtime.registry import names, planned, schema, searched
 
 GiB = 2**30
 
@@ -78,7 +78,7 @@ def cell_rows(p: Plan, focus: str) -> list[dict]:
         margin = fit[focus] / other
     best = p.best
     out = []
-    for name in strategies():
+    for name in planned():
         row = first.get(name)
         c = row.cand if row else None
         res = (c.result or {}) if c else {}

@@ -56,7 +56,7 @@ from tspbench.projection.plan.types import (
     Row,
     divisors,
 )
-from tspbench.runtime.registry import searched, strategies
+from tspbench.runtime.registry import planned, searched
 from tspbench.runtime.spec import RunSpec
 
 GiB = 2**30
@@ -135,7 +135,7 @@ def enumerate_configs(req: Request) -> tuple[list[Config], list[dict]]:
     degrees = [d for d in divisors(req.gpus) if d <= req.max_degree]
     factors = [[t, d // t] for d in degrees for t in divisors(d)]
     configs = []
-    for name, impl in strategies().items():
+    for name, impl in planned().items():
         single = one_rank_only(impl)
         for lay in impl.sweep_layouts(degrees, factors):
             if lay.degree == 1 and not single:
@@ -179,7 +179,7 @@ def _skipped_degrees(req: Request) -> list[dict]:
     for d in divisors(req.gpus):
         if d <= req.max_degree:
             continue
-        for name, impl in strategies().items():
+        for name, impl in planned().items():
             for lay in impl.sweep_layouts([d], [[t, d // t] for t in divisors(d)]):
                 if lay.degree != d:  # a one-rank strategy's group
                     continue
