@@ -57,27 +57,19 @@ class FSDPCPCosts(costs.Costs):
     def inference_working_set(self, spec: costs.Spec) -> tuple[int, int]:
         """The plain model's, and the gathered unit in use; with ``overlap`` a layer also has the
         next unit's gather in flight (the top layer's: the head unit)."""
-        layer, loss = super().inference_working_set(spec)
-        cfg, e = spec.cfg, spec.e
-        _, ul, un = self.unit_bytes(spec)
-        layer += costs.layer_numel(cfg) * e + (max(ul, un) if spec.options["overlap"] else 0)
-        return layer, loss + (cfg.vocab * cfg.hidden + cfg.hidden) * e
+        base = super().inference_working_set(spec)
+        return costs.gathered_unit_working_set(
+            spec, base, self.unit_bytes(spec), spec.options["overlap"]
+        )
 
     def backward_transients(self, spec: costs.Spec) -> tuple[int, int, int]:
         """The plain model's; with ``overlap``, a layer's backward also has the layer below's
-        gather in flight and the gradient of the unit above still reduce-scattering (its shard,
-        then in flight, is the gradient it would hold already). At the top layer that unit is the
-        head; below, a layer, once the layer above's saved tensors (under recomputation its
-        input) are freed."""
-        loss_t, layer_t, end_t = super().backward_transients(spec)
-        if spec.options["overlap"] and spec.cfg.layers > 1:
-            _, ul, un = self.unit_bytes(spec)
-            act = spec.tokens * spec.cfg.hidden * spec.e  # a layer's input
-            freed = act if spec.rc else self.saved_per_layer(spec)
-            layer_t += ul + max(un, ul - freed)
-        elif spec.options["overlap"]:
-            layer_t += self.unit_bytes(spec)[2]
-        return loss_t, layer_t, end_t
+        gather in flight and the gradient of the unit above still reduce-scattering
+        (:func:`tspbench.core.costs.gathered_unit_transients`)."""
+        base = super().backward_transients(spec)
+        return costs.gathered_unit_transients(
+            spec, base, self.unit_bytes(spec), spec.options["overlap"], self.saved_per_layer(spec)
+        )
 
     def metric_reductions(self, layout: Layout, train: bool) -> tuple[int, int]:
         return layout.degree, layout.degree if train else 1

@@ -86,3 +86,29 @@ def test_training_traffic_table_states_both_crossovers(tmp_path):
         "recompute full: B x S > 1,346" in caption
         and "per forward pass when B x S > 414" in caption
     )
+
+
+def test_an_implementation_is_tabled_beside_the_layout_it_implements():
+    """A strategy that ``implements`` another's layout gets a table of the cells both ran, with
+    theirs / ours ratios; a cell only one of them ran is left out, and a failed one too."""
+    from tspbench.pipeline.tables import specs
+    from tspbench.runtime.registry import strategies
+
+    theirs = next(n for n, s in strategies().items() if s.implements)
+    ours = strategies()[theirs].implements
+    rows = []
+    for s, peak, sent, rate in ((ours, 2e6, 1e6, 100.0), (theirs, 3e6, 1.5e6, 50.0)):
+        for S, status in ((256, "ok"), (512, "ok" if s == ours else "error"), (1024, "ok")):
+            if (s, S) == (theirs, 1024):
+                continue  # only ours ran it
+            rows.append({
+                "cell": f"{s}.{S}", "sweep": "seq", "label": s, "strategy": s, "seq_len": S,
+                "gpus": 4, "degree": 4, "batch": 1, "mode": "train", "dtype": "fp32",
+                "cp_comm": "all_gather", "status": status, "peak_mem_bytes": peak * S / 256,
+                "comm_bytes_total": sent, "tokens_per_s": rate,
+            })  # fmt: skip
+    tables = {name: t for name, _, t in specs(pd.DataFrame(rows))}
+    table = tables[f"implementations_{theirs}"]
+    assert list(table.index) == ["seq_len=256 degree=4 batch=1 cp_comm=all_gather"]
+    ratios = table.loc[table.index[0], [c for c in table.columns if c.endswith("ratio")]]
+    assert list(ratios) == ["1.500", "1.500", "0.500"]  # peak, bytes, tokens/s

@@ -32,6 +32,7 @@ from tspbench.pipeline.labels import (
     pivot,
 )
 from tspbench.runtime.record import write_atomic
+from tspbench.runtime.registry import strategies
 
 __all__ = [
     "GPU_NAME",
@@ -214,7 +215,49 @@ def specs(df: pd.DataFrame) -> list[tuple[str, str, pd.DataFrame]]:
                 pivot(part, "label", "degree", "peak", "{:.2f}"),
             )
         )
+    out += implementation_specs(df[df["mode"] == "train"], unit)
     return out + decode_specs(df, one, unit, scale)  # decode, generate (decode_tables)
+
+
+def implementation_specs(df: pd.DataFrame, unit: str) -> list[tuple[str, str, pd.DataFrame]]:
+    """Another library's implementation of a layout beside the suite's, on the cells both ran
+    (length, D, micro-batch, the layout's options): peak memory, bytes and tokens/s per rank,
+    and the ratio of theirs to ours (below 1: theirs leaner, or slower)."""
+    out = []
+    keys = ["seq_len", "degree", "batch"]
+    ok = df[df["status"] == "ok"].drop_duplicates("cell")
+    for name, impl in strategies().items():
+        if impl.implements is None:
+            continue
+        opts = [o.name for o in impl.options if o.name in ok]
+        cols = keys + opts
+        theirs = ok[ok["strategy"] == name].set_index(cols)
+        ours = ok[ok["strategy"] == impl.implements].set_index(cols)
+        both = theirs.index.intersection(ours.index)
+        if both.empty:
+            continue
+        t, o = theirs.loc[both], ours.loc[both]
+        us, them = strategies()[impl.implements].display, impl.display
+        table = pd.DataFrame(index=both)
+        for what, col, fmt in (
+            (f"peak ({unit})", "peak", "{:.2f}"),
+            ("kB sent", "kbytes", "{:.0f}"),
+            ("tokens/s", "tokens_per_s", "{:.0f}"),
+        ):
+            table[f"{what} {us}"] = o[col].map(fmt.format)
+            table[f"{what} {them}"] = t[col].map(fmt.format)
+            table[f"{what} ratio"] = (t[col] / o[col]).map("{:.3f}".format)
+        table.index = [" ".join(f"{k}={v}" for k, v in zip(cols, i)) for i in both]
+        table.index.name = "cell"
+        out.append(
+            (
+                f"implementations_{name}",
+                f"{them} against {us}, the same training cells (ratio: theirs / ours; below 1 "
+                "is leaner memory or bytes, or lower tokens/s)",
+                table,
+            )
+        )
+    return out
 
 
 def failures(df: pd.DataFrame) -> pd.DataFrame:
