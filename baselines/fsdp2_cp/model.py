@@ -137,11 +137,11 @@ class Model(nn.Module):
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of one of FSDP2's sharded DTensors (a parameter or its gradient)."""
+    """This rank's part of one of FSDP2's sharded DTensors (a parameter or its gradient), or
+    the tensor itself where no FSDP2 runs (one process, D = 1)."""
     from torch.distributed.tensor import DTensor
 
-    assert isinstance(t, DTensor), "FSDP2 keeps parameters and gradients as DTensors"
-    return t.to_local()
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _rows(n: int, D: int, r: int) -> slice:
@@ -181,10 +181,6 @@ class FSDP2CP(Strategy):
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, **kw) -> None:
         super().__init__(cfg, mesh, **kw)
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-        from torch.distributed.device_mesh import DeviceMesh
-
-        fully_shard = _fsdp2()[0]
         self.comm = mesh[Axis.MODEL]
         shapes = param_shapes(cfg)
         groups = [["embed"]]
@@ -197,18 +193,7 @@ class FSDP2CP(Strategy):
         ])  # fmt: skip
         self.units = self.model.units
         self.names = groups
-        with unset_fake_temporarily():  # the mesh's rank table is real even on fake tensors
-            device_mesh = DeviceMesh.from_group(self._group(), self.device.type)
-        gather, scatter = _counted(self.comm)
-        for unit in self.units:  # every block, then the root (torchtitan's order)
-            fully_shard(unit, mesh=device_mesh)
-        root = fully_shard(self.model, mesh=device_mesh)
-        for m in [*self.units, root]:
-            m.set_custom_all_gather(gather)
-            m.set_custom_reduce_scatter(scatter)
-            m.set_gradient_divide_factor(1.0)  # sums: the ranks share sequences
-            m.set_force_sum_reduction_for_comms(True)  # a plain sum, no pre/post-scaled op
-        self.root = root
+        self.root = self._fully_shard(self.model) if dist.is_initialized() else self.model
         self.model.to_empty(device=self.device)
         self._shards: list[tuple[nn.Parameter, nn.Parameter]] = []
         D, r = self.comm.size, self.comm.rank
@@ -219,13 +204,32 @@ class FSDP2CP(Strategy):
                     local.copy_(self.init_block(full, rows=_rows(shapes[full][0], D, r)))
                     self._shards.append((p, nn.Parameter(local)))
 
+    def _fully_shard(self, model: Model) -> nn.Module:
+        """``fully_shard`` every unit, then the root, over the model group, with the counted
+        collectives and plain sums; the root. (One process without a process group, D = 1,
+        keeps the plain modules: FSDP2 would shard them over one rank, moving nothing.)"""
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        from torch.distributed.device_mesh import DeviceMesh
+
+        fully_shard = _fsdp2()[0]
+        with unset_fake_temporarily():  # the mesh's rank table is real even on fake tensors
+            device_mesh = DeviceMesh.from_group(self._group(), self.device.type)
+        gather, scatter = _counted(self.comm)
+        for unit in model.units:  # every block, then the root (torchtitan's order)
+            fully_shard(unit, mesh=device_mesh)
+        root = fully_shard(model, mesh=device_mesh)
+        for m in [*model.units, root]:
+            m.set_custom_all_gather(gather)
+            m.set_custom_reduce_scatter(scatter)
+            m.set_gradient_divide_factor(1.0)  # sums: the ranks share sequences
+            m.set_force_sum_reduction_for_comms(True)  # a plain sum, no pre/post-scaled op
+        return root
+
     def _group(self) -> dist.ProcessGroup:
         """The model group's process group; for D = 1 a group of this rank alone (FSDP2 needs a
         mesh; every rank makes every singleton group, as group creation is collective)."""
         if self.comm.group is not None:
             return self.comm.group
-        if not dist.is_initialized():
-            raise ConfigError("strategy=fsdp2_cp: needs a process group (run it through tspbench)")
         mine, _ = dist.new_subgroups_by_enumeration([[i] for i in range(dist.get_world_size())])
         return mine
 
