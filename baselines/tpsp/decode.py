@@ -32,9 +32,14 @@ class TPSPDecoder(Decoder):
     @classmethod
     def validate(
         cls, strategy, cfg: ModelConfig, layout: Layout, prompt_len: int, new_tokens: int,
-        batch: int, **_,
+        batch: int, **options,
     ) -> None:  # fmt: skip
         super().validate(strategy, cfg, layout, prompt_len, new_tokens, batch)
+        if options.get("cp_comm", "all_gather") != "all_gather":
+            raise ConfigError(
+                f"cp_comm={options['cp_comm']}: TP+SP's decode prefill all-gathers K/V over "
+                "Sigma (only cp_comm=all_gather decodes)"
+            )
         if layout.tp * layout.sp != layout.degree:
             raise ConfigError(
                 f"tp={layout.tp} x sp={layout.sp} = {layout.tp * layout.sp}: must equal "

@@ -2,9 +2,12 @@
 parallelism across.
 
 Weights are split over the T ranks of a TP group as in Megatron and replicated over the Sigma
-groups; tokens are split zigzag over Sigma and replicated inside a TP group. Attention all-gathers
-K/V (of the group's local heads) over Sigma; projections all-reduce over T. Gradients are summed
-over Sigma after backward. Every factorisation T x Sigma of D is a separate configuration.
+groups; tokens are split zigzag over Sigma and replicated inside a TP group. Attention exchanges
+the group's local heads over Sigma by ``cp_comm``, as SP does over D: K/V all-gathered (the
+default), the Ulysses all-to-alls (``a2a``: H/T and kv heads/T split again over Sigma), or the
+ring (``ring``: Megatron-Core's TP + CP ``p2p``, its long-context default); projections
+all-reduce over T. Gradients are summed over Sigma after backward. Every factorisation
+T x Sigma of D is a separate configuration.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from tspbench.core.layers import rms_norm, transformer_layer
 from tspbench.core.megatron import gather_named, shard_dim
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.optim import grad_sq_sum
+from tspbench.core.options import CP_COMM, Value
 from tspbench.core.reference import LAYER_PARAMS, param_shapes
 from tspbench.core.strategy import Batch, Layout, Strategy
 from tspbench.core.vocab_parallel import cross_entropy_sum, embedding
@@ -33,6 +37,8 @@ class TPSP(Strategy):
     costs = TPSPCosts()
     decoder = TPSPDecoder
     factored = True
+    options = (CP_COMM,)  # over Sigma; the ring's hops always behind the attention
+    cp_comm: str
 
     @classmethod
     def make_layout(cls, degree: int | None, tp: int, sp: int, dp: int) -> Layout:
@@ -67,7 +73,9 @@ class TPSP(Strategy):
         return {Axis.DP: layout.dp, Axis.SP: layout.sp, Axis.TP: layout.tp}
 
     @classmethod
-    def validate(cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, **_) -> None:
+    def validate(
+        cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, **options: Value
+    ) -> None:
         super().validate(cfg, layout, seq_len, batch)
         if layout.tp * layout.sp != layout.degree:
             raise ConfigError(
@@ -77,6 +85,15 @@ class TPSP(Strategy):
         for field in ("heads", "kv_heads", "ffn", "vocab"):
             cls.require_divisible(f"model.{field}", getattr(cfg, field), layout.tp, "T (tp)")
         zigzag.check_divisible(seq_len, layout.sp)
+        if options.get("cp_comm") == "a2a" and layout.sp > 1:
+            for field in ("heads", "kv_heads"):
+                local = getattr(cfg, field) // layout.tp
+                if local % layout.sp:
+                    raise ConfigError(
+                        f"model.{field}={getattr(cfg, field)}: {field}/T = {local} must be "
+                        f"divisible by sp={layout.sp} for cp_comm=a2a (the all-to-all splits "
+                        "a TP rank's heads over Sigma)"
+                    )
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, **kw) -> None:
         super().__init__(cfg, mesh, **kw)
@@ -95,7 +112,7 @@ class TPSP(Strategy):
         S = batch.tokens.shape[1] * self.sp.size
         x = embedding(batch.tokens, p["embed"], self.tp)
         cos, sin, hooks = cp_tables(
-            self, S, self.sp, cfg, x,
+            self, S, self.sp, cfg, x, self.cp_comm,
             enter=lambda t: copy_to(t, self.tp), exit=lambda t: reduce_from(t, self.tp),
         )  # fmt: skip
         for i in range(cfg.layers):

@@ -165,13 +165,14 @@ def ring(c: Spec) -> bool:
     return cp_comm(c) == "ring"
 
 
-def ring_p2p(ev: Schedule, c: Spec, phase: str, axis: str, size: int) -> None:
+def ring_p2p(ev: Schedule, c: Spec, phase: str, axis: str, size: int, T: int = 1) -> None:
     """Ring attention in one phase (:mod:`tspbench.core.ring_attention`), per layer: forward
-    (and a recomputed forward), D-1 hops of this rank's packed K/V, each sent on before the
-    block it arrived for is computed (all hidden); backward, D-1 hops of K/V again and D of
-    the fp32 dK/dV sums, each issued before a block's compute but the last, which is waited
-    for at once (``overlap`` off: every hop is)."""
-    L, kv = c.cfg.layers, 2 * c.tokens * c.cfg.kv_dim
+    (and a recomputed forward), D-1 hops of this rank's packed K/V (of its kv heads: 1/T of
+    them under tensor parallelism), each sent on before the block it arrived for is computed
+    (all hidden); backward, D-1 hops of K/V again and D of the fp32 dK/dV sums, each issued
+    before a block's compute but the last, which is waited for at once (``overlap`` off: every
+    hop is)."""
+    L, kv = c.cfg.layers, 2 * c.tokens * c.cfg.kv_dim // T
     n, hide = (L if phase == "forward" or c.rc else 0), c.options.get("overlap", True)
     ev.add(phase, axis, "send_recv", size, kv * c.e, n * (size - 1), overlapped=hide)
     if phase == "backward":
@@ -180,12 +181,13 @@ def ring_p2p(ev: Schedule, c: Spec, phase: str, axis: str, size: int) -> None:
         ev.add(phase, axis, "send_recv", size, kv * FP32, L)
 
 
-def ulysses_a2a(ev: Schedule, c: Spec, phase: str, axis: str, size: int) -> None:
-    """Ulysses in one phase, per layer: Q, the packed K/V and the output each re-sharded by one
-    all-to-all of this rank's [t, ...] block (in forward, and again in a recomputed forward);
-    backward, the output's gradient, then K/V's and Q's, the other way."""
+def ulysses_a2a(ev: Schedule, c: Spec, phase: str, axis: str, size: int, T: int = 1) -> None:
+    """Ulysses in one phase, per layer: Q, the packed K/V and the output (of this rank's heads:
+    1/T of them under tensor parallelism) each re-sharded by one all-to-all of this rank's
+    [t, ...] block (in forward, and again in a recomputed forward); backward, the output's
+    gradient, then K/V's and Q's, the other way."""
     L, t, e = c.cfg.layers, c.tokens, c.e
-    q, kv = t * c.cfg.hidden * e, 2 * t * c.cfg.kv_dim * e
+    q, kv = t * c.cfg.hidden // T * e, 2 * t * c.cfg.kv_dim // T * e
     n = L if phase == "forward" or c.rc else 0
     for nbytes in (q, kv, q):  # q, k/v, out
         ev.add(phase, axis, "all_to_all", size, nbytes, n)
@@ -199,13 +201,19 @@ def context_parallel(c: Spec, axis: str, size: int) -> Schedule:
     or, with ``cp_comm=a2a``, the Ulysses all-to-alls; with ``cp_comm=ring``, the ring's hops."""
     ev = Schedule()
     for phase in phases(c):
-        if ulysses(c):
-            ulysses_a2a(ev, c, phase, axis, size)
-        elif ring(c):
-            ring_p2p(ev, c, phase, axis, size)
-        else:
-            kv_gather(ev, c, phase, axis, size, kv_bytes(c))
+        cp_exchange(ev, c, phase, axis, size)
     return ev
+
+
+def cp_exchange(ev: Schedule, c: Spec, phase: str, axis: str, size: int, T: int = 1) -> None:
+    """Context parallelism's exchange over ``size`` ranks in one phase, of the heads a rank
+    applies (1/T of them under tensor parallelism): the run's ``cp_comm``."""
+    if ulysses(c):
+        ulysses_a2a(ev, c, phase, axis, size, T)
+    elif ring(c):
+        ring_p2p(ev, c, phase, axis, size, T)
+    else:
+        kv_gather(ev, c, phase, axis, size, kv_bytes(c, T))
 
 
 def grads_all_reduce(ev: Schedule, c: Spec, axis: str, size: int, numel: int) -> None:
@@ -215,8 +223,9 @@ def grads_all_reduce(ev: Schedule, c: Spec, axis: str, size: int, numel: int) ->
 
 
 def megatron(c: Spec, T: int, axis: str, cp_axis: str | None = None, cp: int = 1) -> Schedule:
-    """Megatron tensor parallelism over the T ranks of ``axis`` (TP; TP+SP, whose K/V of the
-    local heads are also gathered over the ``cp`` ranks of ``cp_axis`` in every phase)."""
+    """Megatron tensor parallelism over the T ranks of ``axis`` (TP; TP+SP, whose local heads
+    are also exchanged over the ``cp`` ranks of ``cp_axis`` in every phase, by its
+    ``cp_comm``)."""
     L, act = c.cfg.layers, c.tokens * c.cfg.hidden * c.e  # one [t, h] activation
     ev = Schedule()
     ev.add("forward", axis, "all_reduce", T, act)  # embedding
@@ -227,7 +236,7 @@ def megatron(c: Spec, T: int, axis: str, cp_axis: str | None = None, cp: int = 1
         n = 2 * L if phase == "forward" else 2 * L + (L if c.rc else 0)
         ev.add(phase, axis, "all_reduce", T, act, n)
         if cp_axis is not None:
-            kv_gather(ev, c, phase, cp_axis, cp, kv_bytes(c, T))
+            cp_exchange(ev, c, phase, cp_axis, cp, T)
     ev.add("forward", axis, "all_reduce", T, c.tokens * FP32, 3)  # CE max, sum-exp, target
     if c.train:
         ev.add("backward", axis, "all_reduce", T, act)  # copy_to before the LM head
