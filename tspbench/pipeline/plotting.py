@@ -40,9 +40,10 @@ __all__ = [
     "seq_axis",
     "styles",
 ]
-MARKERS = ("o", "s", "^", "D", "v", "P", "X", "h", "p", "H", "d", "8")  # one per strategy
-# a strategy's variants (factorisations, options); the last five are also strategies' markers
-# (MARKERS[7:]), free while the registry holds at most seven strategies
+MARKERS: tuple[object, ...] = ("o", "s", "^", "D", "v", "P", "X", (8, 1, 0), "p", "H", "d", "8")
+# one per strategy (the eighth an eight-pointed star); a strategy's variants (factorisations,
+# options) take the ones below, whose last four are also strategies' markers (MARKERS[8:]), free
+# while the registry holds at most eight strategies
 VARIANT_MARKERS = ("*", "<", ">", "1", "2", "3", "4", "+", "x", "|", "_", "8", "p", "h", "H", "d")
 DASHES = ("-", "--", "-.", ":", (0, (5, 1)), (0, (3, 1, 1, 1)), (0, (1, 1)), (0, (6, 2, 1, 2)))
 
@@ -52,6 +53,15 @@ def _strategy(label: str) -> tuple[int, str]:
     schedule, '' for the plain strategy); an unknown label goes after every strategy."""
     name, _, variant = str(label).partition(" ")
     return (ORDER.index(name) if name in ORDER else len(ORDER)), variant
+
+
+def _combined(variant: str) -> tuple[int, int] | None:
+    """(factorisation number, option label number), both from 1, of a variant that is a
+    factorisation and an option's label (``(2x4) (a2a)``: TP+SP with its exchange); else None."""
+    m = re.fullmatch(r"\((\d+)x(\d+)\) (\(.+\))", variant)
+    if not m or (int(m[1]), int(m[2])) not in FACTORISATIONS or m[3] not in _option_labels():
+        return None
+    return 1 + FACTORISATIONS.index((int(m[1]), int(m[2]))), 1 + _option_labels().index(m[3])
 
 
 def _variant_no(variant: str) -> int:
@@ -107,13 +117,18 @@ def palette(labels) -> dict[str, tuple]:
     return out
 
 
-def styles(labels) -> dict[str, tuple[str, object]]:
+def styles(labels) -> dict[str, tuple[object, object]]:
     """(marker, dash style) per label, fixed like the colour: the strategy's own marker, and for
     a variant (factorisation, schedule) a marker, dash and shade by its number, so two lines
     that coincide still look different and a label looks the same in every figure."""
-    out: dict[str, tuple[str, object]] = {}
+    out: dict[str, tuple[object, object]] = {}
     for k in label_order(labels):
         i, variant = _strategy(k)
+        both = _combined(variant)
+        if both is not None:  # a polygon of its own: sides by the option, angle by the factors
+            f, o = both
+            out[k] = ((2 + o, 1 + f % 2, (15 * f + 7 * i) % 360), DASHES[(i + f + o) % len(DASHES)])
+            continue
         v = _variant_no(variant)
         pick = (v + 2 * i) % len(VARIANT_MARKERS)  # two strategies' same variant differ
         mark = VARIANT_MARKERS[pick] if v else MARKERS[i % len(MARKERS)]
