@@ -32,12 +32,12 @@ from baselines.fsdp2_cp.costs import FSDP2CPCosts
 from tspbench.core import zigzag
 from tspbench.core.comm import Comm
 from tspbench.core.config import ConfigError, ModelConfig
-from tspbench.core.context_parallel import check_a2a, cp_tables
+from tspbench.core.context_parallel import check_exchange, cp_tables
 from tspbench.core.layers import LayerHooks, rms_norm, transformer_layer
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.optim import grad_sq_sum
 from tspbench.core.options import CP_COMM, Value
-from tspbench.core.reference import LAYER_PARAMS, param_shapes
+from tspbench.core.reference import param_shapes, unit_names
 from tspbench.core.strategy import Batch, Layout, Strategy
 
 
@@ -175,17 +175,13 @@ class FSDP2CP(Strategy):
     ) -> None:
         super().validate(cfg, layout, seq_len, batch)
         _fsdp2()
-        zigzag.check_divisible(seq_len, layout.degree)
-        if options.get("cp_comm") == "a2a":
-            check_a2a(cfg, layout.degree)
+        check_exchange(cfg, seq_len, layout.degree, options.get("cp_comm"))
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, **kw) -> None:
         super().__init__(cfg, mesh, **kw)
         self.comm = mesh[Axis.MODEL]
         shapes = param_shapes(cfg)
-        groups = [["embed"]]
-        groups += [[f"layers.{i}.{k}" for k in LAYER_PARAMS] for i in range(cfg.layers)]
-        groups += [["norm", "head"]]
+        groups = unit_names(cfg)
         kinds = [Embed] + [Layer] * cfg.layers + [Head]
         self.model = Model([
             kind({n.rsplit(".", 1)[-1]: shapes[n] for n in names}, self.dtype)

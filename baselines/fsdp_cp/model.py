@@ -38,12 +38,12 @@ from baselines.fsdp_cp.costs import FSDPCPCosts
 from tspbench.core import zigzag
 from tspbench.core.comm import Pending
 from tspbench.core.config import ModelConfig
-from tspbench.core.context_parallel import check_a2a, cp_tables
+from tspbench.core.context_parallel import check_exchange, cp_tables
 from tspbench.core.layers import rms_norm, transformer_layer
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.optim import grad_sq_sum
 from tspbench.core.options import CP_COMM, OVERLAP, Value
-from tspbench.core.reference import LAYER_PARAMS, param_shapes
+from tspbench.core.reference import param_shapes, unit_names
 from tspbench.core.strategy import Batch, Layout, Strategy, tensor_of
 
 
@@ -109,19 +109,14 @@ class FSDPCP(Strategy):
         cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, **options: Value
     ) -> None:
         super().validate(cfg, layout, seq_len, batch)
-        zigzag.check_divisible(seq_len, layout.degree)
-        if options.get("cp_comm") == "a2a":
-            check_a2a(cfg, layout.degree)
+        check_exchange(cfg, seq_len, layout.degree, options.get("cp_comm"))
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, **kw) -> None:
         super().__init__(cfg, mesh, **kw)
         self.comm = mesh[Axis.MODEL]
         shapes = param_shapes(cfg)
-        groups = [["embed"]]
-        groups += [[f"layers.{i}.{k}" for k in LAYER_PARAMS] for i in range(cfg.layers)]
-        groups += [["norm", "head"]]
         self.units = []
-        for names in groups:
+        for names in unit_names(cfg):
             self.units.append(
                 Unit(names, [shapes[n] for n in names], self.to_param(self.shard(names)))
             )

@@ -16,7 +16,7 @@ from baselines.sp.costs import SPCosts
 from baselines.sp.decode import SPDecoder
 from tspbench.core import zigzag
 from tspbench.core.config import ModelConfig
-from tspbench.core.context_parallel import check_a2a, cp_tables
+from tspbench.core.context_parallel import check_exchange, cp_tables
 from tspbench.core.layers import rms_norm, transformer_layer
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.optim import grad_sq_sum
@@ -51,9 +51,7 @@ class SP(Strategy):
         cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, **options: Value
     ) -> None:
         super().validate(cfg, layout, seq_len, batch)
-        zigzag.check_divisible(seq_len, layout.degree)
-        if options.get("cp_comm") == "a2a":
-            check_a2a(cfg, layout.degree)
+        check_exchange(cfg, seq_len, layout.degree, options.get("cp_comm"))
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, **kw) -> None:
         super().__init__(cfg, mesh, **kw)

@@ -19,7 +19,7 @@ from baselines.tpsp.decode import TPSPDecoder
 from tspbench.core import zigzag
 from tspbench.core.collectives import copy_to, reduce_from
 from tspbench.core.config import ConfigError, ModelConfig
-from tspbench.core.context_parallel import cp_tables
+from tspbench.core.context_parallel import check_exchange, cp_tables
 from tspbench.core.decode import megatron_block
 from tspbench.core.layers import rms_norm, transformer_layer
 from tspbench.core.megatron import gather_named, shard_dim
@@ -84,16 +84,7 @@ class TPSP(Strategy):
             )
         for field in ("heads", "kv_heads", "ffn", "vocab"):
             cls.require_divisible(f"model.{field}", getattr(cfg, field), layout.tp, "T (tp)")
-        zigzag.check_divisible(seq_len, layout.sp)
-        if options.get("cp_comm") == "a2a" and layout.sp > 1:
-            for field in ("heads", "kv_heads"):
-                local = getattr(cfg, field) // layout.tp
-                if local % layout.sp:
-                    raise ConfigError(
-                        f"model.{field}={getattr(cfg, field)}: {field}/T = {local} must be "
-                        f"divisible by sp={layout.sp} for cp_comm=a2a (the all-to-all splits "
-                        "a TP rank's heads over Sigma)"
-                    )
+        check_exchange(cfg, seq_len, layout.sp, options.get("cp_comm"), layout.tp)
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, **kw) -> None:
         super().__init__(cfg, mesh, **kw)

@@ -27,14 +27,26 @@ def zigzag_rope(
     return cos.to(device), sin.to(device)
 
 
-def check_a2a(cfg: ModelConfig, degree: int) -> None:
-    """Refuse, in one line, heads the all-to-all cannot split over ``degree`` ranks."""
+def check_exchange(
+    cfg: ModelConfig, seq_len: int, ranks: int, cp_comm: object, tp: int = 1
+) -> None:
+    """Refuse, in one line, a sequence the zigzag chunks cannot split over ``ranks``, or, for
+    ``cp_comm=a2a``, heads the all-to-all cannot split over them: the heads a rank applies,
+    1/``tp`` of them under tensor parallelism (SP, FSDP+CP: all; TP+SP: H/T)."""
+    zigzag.check_divisible(seq_len, ranks)
+    if cp_comm != "a2a" or ranks == 1:
+        return
     for field in ("heads", "kv_heads"):
         value = getattr(cfg, field)
-        if value % degree:
+        if tp == 1 and value % ranks:
             raise ConfigError(
-                f"model.{field}={value}: must be divisible by D={degree} for cp_comm=a2a (the "
+                f"model.{field}={value}: must be divisible by D={ranks} for cp_comm=a2a (the "
                 "all-to-all gives each rank H/D query and kv heads)"
+            )
+        if (value // tp) % ranks:
+            raise ConfigError(
+                f"model.{field}={value}: {field}/T = {value // tp} must be divisible by "
+                f"sp={ranks} for cp_comm=a2a (the all-to-all splits a TP rank's heads over Sigma)"
             )
 
 
@@ -85,7 +97,7 @@ def ulysses_hooks(seq_len: int, comm: Comm, device: torch.device, **tp_hooks) ->
     zigzag tokens of every head to every token (global order) of H/D heads (one all-to-all
     each), causal attention over the whole sequence, the output back with one all-to-all;
     backward, the gradients the other way. Needs H and kv heads divisible by D
-    (:func:`check_a2a`)."""
+    (:func:`check_exchange`)."""
     to_g = zigzag.gathered_to_global(seq_len, comm.size).to(device)
     to_r = zigzag.global_to_gathered(seq_len, comm.size).to(device)
 

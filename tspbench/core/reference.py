@@ -16,6 +16,13 @@ from tspbench.core.layers import LayerHooks, cached, rms_norm, rope_on, transfor
 LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w1", "w3", "w2")
 
 
+def unit_names(cfg: ModelConfig) -> list[list[str]]:
+    """The parameters of each unit a fully sharded model gathers at once (FSDP+CP, FSDP2+CP):
+    the embedding; each layer; the final norm with the LM head."""
+    layers = [[f"layers.{i}.{k}" for k in LAYER_PARAMS] for i in range(cfg.layers)]
+    return [["embed"], *layers, ["norm", "head"]]
+
+
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Full parameter shapes by name; weights are [out, in] as in nn.Linear."""
     h, f, kv = cfg.hidden, cfg.ffn, cfg.kv_dim
