@@ -28,7 +28,7 @@ from tspbench.core.memory import MemoryTracker
 from tspbench.core.mesh import build_mesh
 from tspbench.core.optim import AdamW
 from tspbench.core.reference import make_batch
-from tspbench.runtime.faults import inject
+from tspbench.runtime.faults import inject, stretched
 from tspbench.runtime.flops import counter
 from tspbench.runtime.guard import process_age_s
 from tspbench.runtime.record_keys import RUN_SUMMARY, ordered
@@ -123,7 +123,8 @@ def measure_rank(spec: RunSpec, device: torch.device, beat=lambda: None) -> dict
         inject(dist.get_rank(), count[0], spec.seq_len, spec.strategy, strat.parameters())
         count[0] += 1
         beat()
-        loss, gnorm = one_step(strat, batch, opt)
+        with stretched(dist.get_rank(), spec.seq_len, spec.strategy):
+            loss, gnorm = one_step(strat, batch, opt)
         beat()
         return loss, gnorm
 
