@@ -91,4 +91,4 @@ def test_a_uniform_15_percent_and_one_strategy_40_percent_slower_fail(tmp_path):
 def test_a_cell_the_current_code_cannot_run_fails(tmp_path):
     r = ab(tmp_path, "tp", "error:step=3")
     assert r.returncode == 1, r.stdout + r.stderr
-    assert "| tp.D2.g2.S1024.B1.train | | | failed (current code) |" in r.stdout
+    assert "| tp.D2.g2.S1024.B1.train | | | | | failed (current code) |" in r.stdout

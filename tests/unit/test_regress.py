@@ -224,3 +224,18 @@ def test_committed_baseline_matches_the_ci_sweep_cells():
     cells = {c.id for c in sweep_cells(cfg)[0]}
     base = pd.read_csv(ROOT / "results/baselines/ci.csv")
     assert set(base["cell"]) == cells and set(base["status"]) == {"ok"}
+
+
+def test_the_ci_baseline_judges_exact_metrics_on_any_machine(tmp_path, monkeypatch, capsys):
+    """Another core count once found no baseline (cpu-4c.csv) and refused even the exact checks:
+    the one baseline serves every machine; one more FLOP in one cell fails."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    cur = pd.read_csv(ROOT / "results/baselines/ci.csv")
+    cur["tokens_per_s_per_gflops"] *= 0.5  # and a slow machine's timings
+    cur.to_csv(tmp_path / "same.csv", index=False)
+    cur.loc[3, "flops_per_step"] += 1
+    cur.to_csv(tmp_path / "more.csv", index=False)
+    assert main(["regress", "--current", str(tmp_path / "same.csv")]) == 0
+    assert main(["regress", "--current", str(tmp_path / "more.csv")]) == 1
+    assert f"| {cur.loc[3, 'cell']} | flops_per_step |" in capsys.readouterr().out

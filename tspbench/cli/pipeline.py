@@ -128,16 +128,13 @@ def cmd_regress_ab(args: argparse.Namespace) -> int:
             Path(tspbench.__file__).resolve().parents[1],
         )
         print(f"A/B: baseline {commit[:12]} against the code at {b.tree}", flush=True)
-        ratios, failed = ab.measure(
-            cells, config, a, b, rule["rounds"], work, rule["metric"], rule["worse"],
-            log=lambda line: print(line, flush=True),
-        )  # fmt: skip
-    level, bad = ab.judge(ratios, rule)
-    text = ab.report(ratios, failed, level, bad, rule)
+        trial = ab.Trial(config, a, b, work, log=lambda line: print(line, flush=True))
+        judged, level, bad = ab.check(trial, cells, rule)
+    text = ab.report(judged, trial.failed, level, bad, rule)
     print(text)
     if args.out:
         write_atomic(args.out, text)
-    return 1 if bad or failed or any(c.verdict == "regression" for c in ratios) else 0
+    return 1 if bad or trial.failed or any(c.verdict == "regression" for c in judged) else 0
 
 
 def cmd_claims(args: argparse.Namespace) -> int:
