@@ -8,6 +8,7 @@ clone (CI) A and B are the same code."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -39,7 +40,7 @@ sweeps:
 """
 
 
-def ab(tmp_path: Path, strategies: str, fault: str = "") -> subprocess.CompletedProcess:
+def ab(tmp_path: Path, strategies: str, fault: str = "", *more: str) -> subprocess.CompletedProcess:
     """regress-ab of ``strategies`` (one cell each) with the CI tolerances; HEAD as baseline."""
     head = subprocess.run(
         ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True
@@ -58,6 +59,7 @@ def ab(tmp_path: Path, strategies: str, fault: str = "") -> subprocess.Completed
         commit,
         "--out",
         tmp_path / "ab.md",
+        *more,
         cwd=ROOT,
         env={"TSPBENCH_FAULT": fault},
         timeout=900,
@@ -89,6 +91,8 @@ def test_a_uniform_15_percent_and_one_strategy_40_percent_slower_fail(tmp_path):
 
 
 def test_a_cell_the_current_code_cannot_run_fails(tmp_path):
-    r = ab(tmp_path, "tp", "error:step=3")
+    """(The records kept under a relative --work: the runs start in their own trees.)"""
+    r = ab(tmp_path, "tp", "error:step=3", "--work", os.path.relpath(tmp_path / "runs", ROOT))
     assert r.returncode == 1, r.stdout + r.stderr
     assert "| tp.D2.g2.S1024.B1.train | | | | | failed (current code) |" in r.stdout
+    assert (tmp_path / "runs/tp.D2.g2.S1024.B1.train.A0.json").is_file()

@@ -121,7 +121,7 @@ def cmd_regress_ab(args: argparse.Namespace) -> int:
     cells, config = ab.load_cells(args.config)
     commit = ab.read_commit(commit_file)
     with tempfile.TemporaryDirectory(prefix="tspbench-ab.") as tmp:
-        work = Path(args.work) if args.work else Path(tmp)
+        work = Path(args.work).resolve() if args.work else Path(tmp)  # runs start elsewhere
         work.mkdir(parents=True, exist_ok=True)
         a, b = ab.sides(
             ab.extract(root, commit, Path(tmp) / "baseline"),
