@@ -1,5 +1,6 @@
 """The pipeline's commands: ``aggregate``, ``tables``, ``figures``, ``check-config``,
-``check-record`` and ``regress``. Argument handling only; the work is in tspbench.pipeline."""
+``check-record``, ``regress`` and ``regress-ab``. Argument handling only; the work is in
+tspbench.pipeline."""
 
 from __future__ import annotations
 

@@ -73,9 +73,11 @@ def gemm_rate(device: torch.device, dtype: torch.dtype, n: int = 0, reps: int = 
     """GFLOP/s of a fixed square matmul, measured now on this rank (a few ms).
 
     The run samples it before every timed step, on every rank, under the same contention as the
-    steps; ``tokens_per_s / calib_gflops`` (medians) then cancels the machine's speed and load,
-    and is what the regression check compares instead of raw tokens/s. Its size (``n`` 0: the
-    device's): 384 on a CPU; 4096 on a GPU, where a small one would time the launches.
+    steps; ``tokens_per_s / calib_gflops`` (medians) then cancels much of the machine's speed
+    and load (not all: under another job's bursts it moved by up to 1.5x between runs of the
+    same code, so the regression check times code A/B on one machine instead, docs/pipeline.md).
+    Its size (``n`` 0: the device's): 384 on a CPU; 4096 on a GPU, where a small one would time
+    the launches.
     """
     n = n or (4096 if device.type == "cuda" else 384)
     a = torch.randn(n, n, device=device, dtype=dtype)
