@@ -18,7 +18,6 @@ from tspbench.pipeline.cells import (
     slurm_resources,
     sweep_cells,
 )
-from tspbench.pipeline.regress import hardware_id
 
 min_version("9.0")
 

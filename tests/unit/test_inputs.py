@@ -371,47 +371,46 @@ def regress(tmp_path: Path, capsys, current: pd.DataFrame | str | bytes, tol: di
     return code, out.out, out.err
 
 
-def with_rule(**rule) -> dict:
+def with_rule(section: str = "relative", **rule) -> dict:
     tol = json.loads(json.dumps(TOL))
-    tol["relative"]["tokens_per_s_per_gflops"].update(rule)
+    (tol["ab"] if section == "ab" else tol["relative"]["peak_mem_bytes"]).update(rule)
     return tol
 
 
 @pytest.mark.parametrize(
     "tol, needle",
     [
-        (with_rule(tolerance=math.nan), "tokens_per_s_per_gflops.tolerance: nan is not a finite"),
+        (with_rule(tolerance=math.nan), "peak_mem_bytes.tolerance: nan is not a finite"),
         (with_rule(tolerance=math.inf), "tolerance: inf is not a finite number"),
         (with_rule(tolerance=-0.1), "tolerance: -0.1 is less than the minimum of 0"),
-        (with_rule(median_tolerance=math.nan), "median_tolerance: nan is not a finite"),
+        (with_rule("ab", cell_tolerance=math.nan), "ab.cell_tolerance: nan is not a finite"),
+        (with_rule("ab", median_tolerance=-1), "median_tolerance: -1 is less than the minimum"),
         (with_rule(worse="sideways"), "worse: 'sideways' is not one of"),
-        ({**TOL, "relative": {"tokens_per_s_per_gflops": {"worse": "lower"}}}, "'tolerance' is a"),
+        ({**TOL, "relative": {"peak_mem_bytes": {"worse": "higher"}}}, "'tolerance' is a"),
         ("exact: &e [param_numel]\nrelative: {x: {tolerance: 1, worse: lower, y: *e}}\n", "alias"),
     ],
-    ids=["nan", "inf", "negative", "median-nan", "worse", "no-tolerance", "alias"],
+    ids=["nan", "inf", "negative", "ab-nan", "ab-negative", "worse", "no-tolerance", "alias"],
 )
 def test_unusable_tolerances_exit_2_instead_of_disabling_the_gate(tmp_path, capsys, tol, needle):
-    slower = table().assign(tokens_per_s_per_gflops=20.0)  # 50% slower everywhere
-    code, _, err = regress(tmp_path, capsys, slower, tol)
+    more = table().assign(peak_mem_bytes=2e6 + 1024)  # more memory everywhere
+    code, _, err = regress(tmp_path, capsys, more, tol)
     assert code == 2 and needle in err and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize("value", [math.inf, math.nan])
-def test_non_finite_throughput_is_corrupt_never_an_improvement(tmp_path, capsys, value):
+def test_non_finite_memory_is_corrupt_never_an_improvement(tmp_path, capsys, value):
     cur = table()
-    cur.loc[1, "tokens_per_s_per_gflops"] = value
+    cur.loc[1, "peak_mem_bytes"] = value
     code, out, _ = regress(tmp_path, capsys, cur)
     assert code == 1, out
-    assert re.search(
-        r"\| tsp.D2.g2.S1024.B1.train \| tokens_per_s_per_gflops \|.*\| corrupt \|", out
-    )
+    assert re.search(r"\| tsp.D2.g2.S1024.B1.train \| peak_mem_bytes \|.*\| corrupt \|", out)
     assert "improvement" not in out.split("\n", 1)[1]
 
 
 @pytest.mark.parametrize(
     "current, needle",
     [
-        (table().drop(columns="tokens_per_s_per_gflops"), "no tokens_per_s_per_gflops column"),
+        (table().drop(columns="peak_mem_bytes"), "no peak_mem_bytes column"),
         (table().assign(param_numel="many"), "column param_numel: 'many' is not a number"),
         ("cell,status\ntsp,ok,1,2\n", "rows with more fields than the header"),
         (b"\xff\xfe\x00\xc3garbage\n", "not a text file"),

@@ -1,5 +1,6 @@
 """The pipeline's commands: ``aggregate``, ``tables``, ``figures``, ``check-config``,
-``check-record`` and ``regress``. Argument handling only; the work is in tspbench.pipeline."""
+``check-record``, ``regress`` and ``regress-ab``. Argument handling only; the work is in
+tspbench.pipeline."""
 
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def _regress(args: argparse.Namespace) -> int:
     from tspbench.pipeline.baseline import update_baseline
     from tspbench.runtime.record import write_atomic
 
-    baseline = Path(args.baseline or f"results/baselines/{regress.hardware_id()}.csv")
+    baseline = Path(args.baseline)
     tol = regress.load_tolerances(args.tolerances)
     tables = [regress.read_table(c, "current", regress.metrics(tol)) for c in args.current]
     if args.update:
@@ -85,7 +86,7 @@ def _regress(args: argparse.Namespace) -> int:
         return 0
     if not baseline.exists():
         raise ConfigError(
-            f"--baseline={str(baseline)!r}: no baseline for this hardware; create one with "
+            f"--baseline={str(baseline)!r}: no such baseline; create one with "
             f"tspbench regress --update --current {args.current}"
         )
     if len(tables) != 1:
@@ -97,6 +98,44 @@ def _regress(args: argparse.Namespace) -> int:
     if args.out:
         write_atomic(args.out, text)
     return 1 if any(f.verdict in regress.BAD for f in findings) else 0
+
+
+def cmd_regress_ab(args: argparse.Namespace) -> int:
+    """Exit 0 clean, 1 regression, 2 unusable input (as ``regress``)."""
+    import tempfile
+
+    import tspbench
+    from tspbench.pipeline import ab, regress
+    from tspbench.runtime.record import write_atomic
+
+    commit_file = Path(args.commit_file)
+    top = ab.git(Path.cwd(), "rev-parse", "--show-toplevel")
+    if top.returncode:
+        raise ConfigError(f"{Path.cwd()}: not in a git clone: the baseline commit lives in one")
+    root = Path(top.stdout.decode().strip())
+    if args.update:
+        print(f"baseline commit: {ab.write_commit(root, commit_file)} ({commit_file})")
+        return 0
+    rule = regress.load_tolerances(args.tolerances).get("ab")
+    if rule is None:
+        raise ConfigError(f"--tolerances={args.tolerances!r}: no ab section")
+    cells, config = ab.load_cells(args.config)
+    commit = ab.read_commit(commit_file)
+    with tempfile.TemporaryDirectory(prefix="tspbench-ab.") as tmp:
+        work = Path(args.work).resolve() if args.work else Path(tmp)  # runs start elsewhere
+        work.mkdir(parents=True, exist_ok=True)
+        a, b = ab.sides(
+            ab.extract(root, commit, Path(tmp) / "baseline"),
+            Path(tspbench.__file__).resolve().parents[1],
+        )
+        print(f"A/B: baseline {commit[:12]} against the code at {b.tree}", flush=True)
+        trial = ab.Trial(config, a, b, work, log=lambda line: print(line, flush=True))
+        judged, level, bad = ab.check(trial, cells, rule)
+    text = ab.report(judged, trial.failed, level, bad, rule)
+    print(text)
+    if args.out:
+        write_atomic(args.out, text)
+    return 1 if bad or trial.failed or any(c.verdict == "regression" for c in judged) else 0
 
 
 def cmd_claims(args: argparse.Namespace) -> int:
@@ -173,8 +212,8 @@ def add_parsers(sub) -> None:
     )
     rg.add_argument(
         "--baseline",
-        default=None,
-        help="baseline CSV (default: results/baselines/<hardware id>.csv)",
+        default="results/baselines/ci.csv",
+        help="baseline CSV (default: the CI sweep's; the same on every machine)",
     )
     rg.add_argument("--tolerances", default="workflows/regress.yaml")
     rg.add_argument(
@@ -186,6 +225,26 @@ def add_parsers(sub) -> None:
         help="make --current the new baseline (per-cell median of several repeats)",
     )
     rg.set_defaults(func=cmd_regress)
+    ab = sub.add_parser(
+        "regress-ab",
+        help="time cells with the baseline commit's code and this code, interleaved; "
+        "exit 1 on a slowdown",
+    )
+    ab.add_argument("--config", default="workflows/config/ab.yaml", help="the cells (a sweep)")
+    ab.add_argument("--tolerances", default="workflows/regress.yaml", help="its ab section")
+    ab.add_argument(
+        "--commit-file",
+        default="results/baselines/ab.json",
+        help="names the baseline commit (in this git clone)",
+    )
+    ab.add_argument("--work", default=None, help="keep the runs' records here")
+    ab.add_argument(
+        "--out", type=out_file(), default=None, help="also write the Markdown report here"
+    )
+    ab.add_argument(
+        "--update", action="store_true", help="name HEAD as the baseline commit (code committed)"
+    )
+    ab.set_defaults(func=cmd_regress_ab)
     ag = sub.add_parser("aggregate", help="run records of a sweep -> one table (CSV, Parquet)")
     ag.add_argument("--config-json", required=True, help="the sweep config, as JSON")
     ag.add_argument("--runs", required=True, help="folder of <cell>.json records")

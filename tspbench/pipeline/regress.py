@@ -1,18 +1,13 @@
 """Compare a sweep's aggregate table with a committed baseline, cell by cell, metric by metric.
 
 Deterministic metrics (bytes per collective kind, parameter and optimizer elements, FLOPs) must
-match exactly. Measured peak memory may move within a small relative tolerance. Throughput is
-compared as ``tokens_per_s_per_gflops`` (tokens/s over a GEMM rate sampled before every timed
-step on the same ranks), each a median over the run's timed steps; the baseline is the per-cell
-median of several repeats, which also records each cell's spread.
-
-CI runs on a new machine each time, and a GEMM rate does not cancel every difference between two
-CPUs: the whole table moves together by a machine *level*. So timings are judged as ratios
-within one run: the level is the median of current/baseline over all cells (a uniform slowdown
-beyond ``median_tolerance`` fails); each strategy's median ratio and each cell's ratio are
-divided by the level before their tolerances apply (``strategy_median_tolerance``; per cell the
-larger of ``tolerance`` and ``spread_factor`` x its spread). A cell beyond ``notice_tolerance``
-but within its tolerance is reported as ``slower`` or ``faster`` without failing.
+match exactly. Measured metrics (the tracked peak memory) may move within a relative tolerance,
+widened to ``spread_factor`` x the cell's spread over the baseline's repeats (the baseline is the
+per-cell median of several repeats); beyond ``notice_tolerance`` but within its tolerance a cell
+is reported (``slower``, or an ``improvement``) without failing. None of them depends on the machine
+(the CI sweep runs on CPUs), so one baseline serves every machine. Timings are not compared with
+a table recorded elsewhere: :mod:`tspbench.pipeline.ab` times the baseline commit's code and
+this code side by side on one machine.
 A cell missing from the current table, or failing where it used to succeed, is a regression, and
 so is a NaN or infinite number in a cell that claims success (``corrupt``); a new cell is reported.
 Exit codes: 0 clean, 1 any regression, 2 unusable input (unreadable or malformed tables, missing
@@ -40,7 +35,7 @@ class Finding:
     metric: str
     baseline: object
     current: object
-    verdict: str  # regression|improvement|slower|faster|level|missing|new|failed|corrupt
+    verdict: str  # regression|improvement|slower|missing|new|failed|corrupt
 
     def row(self) -> str:
         def fmt(v: object) -> str:
@@ -146,8 +141,6 @@ def compare(base: pd.DataFrame, cur: pd.DataFrame, tol: dict) -> list[Finding]:
     if lost := [m for m in metrics(tol) if m in base.columns and m not in cur.columns]:
         raise ConfigError(f"--current: no {', '.join(lost)} column(s), which the baseline has")
     check_judged(base, tol, "baseline")
-    ratios = run_ratios(base, cur, tol)
-    levels = {m: float(r.median()) if len(r) else 1.0 for m, r in ratios.items()}
     out: list[Finding] = []
     for cell in base.index:
         b = base.loc[cell]
@@ -161,39 +154,19 @@ def compare(base: pd.DataFrame, cur: pd.DataFrame, tol: dict) -> list[Finding]:
             if b["status"] != c["status"]:
                 out.append(Finding(cell, "status", b["status"], c["status"], "improvement"))
         else:
-            out += cell_findings(cell, b, c, tol, levels)
+            out += cell_findings(cell, b, c, tol)
     out += [
         Finding(cell, "cell", "absent", "present", "new")
         for cell in cur.index
         if cell not in base.index
     ]
-    out += median_findings(base, ratios, tol)
     return out
 
 
-def run_ratios(base: pd.DataFrame, cur: pd.DataFrame, tol: dict) -> dict[str, pd.Series]:
-    """current/baseline per cell (succeeded in both, finite) of every metric judged within the
-    run (one with a ``median_tolerance``); their median is that metric's machine level."""
-    both = [
-        c
-        for c in base.index
-        if c in cur.index and base.loc[c, "status"] == "ok" and cur.loc[c, "status"] == "ok"
-    ]
-    out = {}
-    for metric, rule in tol["relative"].items():
-        if "median_tolerance" in rule and metric in base.columns:
-            r = cur.loc[both, metric].astype(float) / base.loc[both, metric].astype(float)
-            out[metric] = r[r.abs() < math.inf]  # NaN and inf: corrupt cells, flagged per cell
-    return out
-
-
-def cell_findings(
-    cell: str, b: pd.Series, c: pd.Series, tol: dict, levels: dict[str, float]
-) -> list[Finding]:
+def cell_findings(cell: str, b: pd.Series, c: pd.Series, tol: dict) -> list[Finding]:
     """One cell that succeeded in both tables, metric by metric: a NaN or infinite current value
-    is ``corrupt`` (never an improvement), exact metrics must match, measured ones (divided by
-    the run's level where they have one) stay within the larger of the tolerance and
-    ``spread_factor`` x the cell's own spread."""
+    is ``corrupt`` (never an improvement), exact metrics must match, measured ones stay within
+    the larger of the tolerance and ``spread_factor`` x the cell's own spread."""
     out = []
     for metric in (m for m in metrics(tol) if m in b.index):
         bv, cv = _num(b[metric]), _num(c[metric])
@@ -205,51 +178,19 @@ def cell_findings(
         elif bv is not None:
             assert cv is not None  # (a missing current value is corrupt, above)
             rule = tol["relative"][metric]
-            level = levels.get(metric, 1.0) or 1.0
-            change = (cv / level - bv) / abs(bv) if bv else 0.0
+            change = (cv - bv) / abs(bv) if bv else 0.0
             worse = change if rule["worse"] == "higher" else -change
             limit = rule["tolerance"]
             spread = _num(b.get(f"{metric}_spread"))
             if spread is not None and "spread_factor" in rule:  # this cell's own measured noise
                 limit = max(limit, rule["spread_factor"] * spread)
             notice = rule.get("notice_tolerance", rule["tolerance"])
-            name = metric if metric not in levels else f"{metric} (/ run level {level:.3f})"
             if worse > limit:
-                out.append(Finding(cell, name, bv, cv / level, "regression"))
+                out.append(Finding(cell, metric, bv, cv, "regression"))
             elif worse > notice:
-                out.append(Finding(cell, name, bv, cv / level, "slower"))
+                out.append(Finding(cell, metric, bv, cv, "slower"))
             elif worse < -notice:
-                faster = "improvement" if metric not in levels else "faster"
-                out.append(Finding(cell, name, bv, cv / level, faster))
-    return out
-
-
-def median_findings(base: pd.DataFrame, ratios: dict[str, pd.Series], tol: dict) -> list[Finding]:
-    """Per-cell noise averages out in medians over many cells, a real slowdown does not: the
-    median ratio over all cells (the level: a uniform slowdown) and each strategy's median
-    ratio divided by the level (one strategy slower than the others, measured in one run)."""
-    out = []
-    for metric, ratio in ratios.items():
-        rule = tol["relative"][metric]
-        if ratio.empty:
-            continue
-        level = float(ratio.median())
-        groups = {"(all cells)": (level, rule["median_tolerance"], "")}
-        if "strategy" in base.columns and "strategy_median_tolerance" in rule:
-            for s, idx in base.loc[ratio.index].groupby("strategy").groups.items():
-                r = ratio[ratio.index.isin(list(idx))]
-                groups[f"(strategy {s})"] = (
-                    float(r.median()) / level,
-                    rule["strategy_median_tolerance"],
-                    " / run level",
-                )
-        for name, (value, limit, how) in groups.items():
-            change = value - 1
-            worse = change if rule["worse"] == "higher" else -change
-            if worse > limit:
-                out.append(Finding(name, f"median {metric}{how}", 1.0, value, "regression"))
-            elif not how:  # the level itself, for the reader
-                out.append(Finding(name, f"median {metric} (run level)", 1.0, value, "level"))
+                out.append(Finding(cell, metric, bv, cv, "improvement"))
     return out
 
 
@@ -258,12 +199,11 @@ def report(findings: list[Finding], n_cells: int) -> str:
     head = (
         f"**Regression check**: {n_cells} baseline cells, {len(bad)} regression(s), "
         f"{sum(f.verdict == 'improvement' for f in findings)} improvement(s), "
-        f"{sum(f.verdict in ('slower', 'faster') for f in findings)} notice(s), "
+        f"{sum(f.verdict == 'slower' for f in findings)} notice(s), "
         f"{sum(f.verdict == 'new' for f in findings)} new cell(s)\n"
     )
-    if all(f.verdict == "level" for f in findings):
-        levels = "".join(f" {f.metric}: {f.current:.3f}." for f in findings)
-        return head + f"\nEvery cell matches the baseline within tolerance.{levels}\n"
+    if not findings:
+        return head + "\nEvery cell matches the baseline within tolerance.\n"
     rows = [
         "| cell | metric | baseline | current | change | verdict |",
         "|---|---|---|---|---|---|",
@@ -273,11 +213,7 @@ def report(findings: list[Finding], n_cells: int) -> str:
 
 
 def hardware_id() -> str:
-    """Which baseline this machine compares against: the GPU model, else the CPU count.
-
-    Coarse on purpose: throughput is compared normalised by the machine's own GEMM rate, so
-    machines of one kind share a baseline.
-    """
+    """Where a baseline was recorded (its provenance): the GPU model, else the CPU count."""
     import torch
 
     if torch.cuda.is_available():

@@ -28,7 +28,7 @@ from tspbench.core.memory import MemoryTracker
 from tspbench.core.mesh import build_mesh
 from tspbench.core.optim import AdamW
 from tspbench.core.reference import make_batch
-from tspbench.runtime.faults import inject
+from tspbench.runtime.faults import inject, stretched
 from tspbench.runtime.flops import counter
 from tspbench.runtime.guard import process_age_s
 from tspbench.runtime.record_keys import RUN_SUMMARY, ordered
@@ -73,9 +73,11 @@ def gemm_rate(device: torch.device, dtype: torch.dtype, n: int = 0, reps: int = 
     """GFLOP/s of a fixed square matmul, measured now on this rank (a few ms).
 
     The run samples it before every timed step, on every rank, under the same contention as the
-    steps; ``tokens_per_s / calib_gflops`` (medians) then cancels the machine's speed and load,
-    and is what the regression check compares instead of raw tokens/s. Its size (``n`` 0: the
-    device's): 384 on a CPU; 4096 on a GPU, where a small one would time the launches.
+    steps; ``tokens_per_s / calib_gflops`` (medians) then cancels much of the machine's speed
+    and load (not all: under another job's bursts it moved by up to 1.5x between runs of the
+    same code, so the regression check times code A/B on one machine instead, docs/pipeline.md).
+    Its size (``n`` 0: the device's): 384 on a CPU; 4096 on a GPU, where a small one would time
+    the launches.
     """
     n = n or (4096 if device.type == "cuda" else 384)
     a = torch.randn(n, n, device=device, dtype=dtype)
@@ -123,7 +125,8 @@ def measure_rank(spec: RunSpec, device: torch.device, beat=lambda: None) -> dict
         inject(dist.get_rank(), count[0], spec.seq_len, spec.strategy, strat.parameters())
         count[0] += 1
         beat()
-        loss, gnorm = one_step(strat, batch, opt)
+        with stretched(dist.get_rank(), spec.seq_len, spec.strategy):
+            loss, gnorm = one_step(strat, batch, opt)
         beat()
         return loss, gnorm
 
