@@ -164,12 +164,6 @@ class FSDP2CP(Strategy):
         return layout.degree
 
     @classmethod
-    def checked_options(cls) -> list[dict[str, Value]]:
-        """Only the default exchange: the others are the core's hooks, checked under FSDP+CP,
-        and independent of who shards the weights (what this strategy adds)."""
-        return []
-
-    @classmethod
     def validate(
         cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, **options: Value
     ) -> None:
@@ -199,6 +193,18 @@ class FSDP2CP(Strategy):
                     local = _local(p)
                     local.copy_(self.init_block(full, rows=_rows(shapes[full][0], D, r)))
                     self._shards.append((p, nn.Parameter(local)))
+        # after the root's lazy init, before the first unit runs (FSDP2's own hooks come first)
+        self.units[0].register_forward_pre_hook(lambda *_: self._follow_shards())
+
+    def _follow_shards(self) -> None:
+        """Point each optimizer alias at its parameter's local shard again: FSDP2's lazy init
+        (the first forward) re-homes a shard into a padded buffer of its own where it cannot
+        prove the storage is already that buffer (always on fake tensors, whose storages all
+        have address 0), and the alias would keep the old storage alive and stepped."""
+        for p, shard in self._shards:
+            local = _local(p)
+            if local.untyped_storage()._cdata != shard.untyped_storage()._cdata:
+                shard.data = local
 
     def _fully_shard(self, model: Model) -> nn.Module:
         """``fully_shard`` every unit, then the root, over the model group, with the counted

@@ -12,6 +12,7 @@ import pytest
 from tests.helpers.distributed import run_world
 from tspbench.core.strategy import Layout
 from tspbench.runtime.layout import rank_layout
+from tspbench.runtime.registry import strategies
 
 GQA = {"kv_heads": 4}
 # world 4 = dp 2 x model group 2; tiny dp buckets exercise several overlapped bucket all-reduces
@@ -26,7 +27,8 @@ CASES = [
         "model": GQA,
         "dp_bucket_mb": 0.02,
     }
-    for s in ("tsp", "tp", "sp", "fsdp_cp", "dp")
+    for s, impl in strategies().items()  # each one-axis model group (TP+SP: SLOW, below)
+    if not impl.reference and not impl.factored
 ] + [
     {"id": "single-dp4", "strategy": "single", "D": 1, "dp": 4, "S": 32, "B": 1},
     {

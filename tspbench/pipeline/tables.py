@@ -221,23 +221,30 @@ def specs(df: pd.DataFrame) -> list[tuple[str, str, pd.DataFrame]]:
 
 def implementation_specs(df: pd.DataFrame, unit: str) -> list[tuple[str, str, pd.DataFrame]]:
     """Another library's implementation of a layout beside the suite's, on the cells both ran
-    (length, D, micro-batch, the layout's options): peak memory, bytes and tokens/s per rank,
-    and the ratio of theirs to ours (below 1: theirs leaner, or slower)."""
+    alike (length, D, GPUs, micro-batch, dtype, recomputation, the options both take; the
+    suite's at its defaults of the options the other lacks): peak memory and bytes per rank,
+    tokens/s of all replicas, and the ratio of theirs to ours (below 1: theirs leaner, or
+    slower)."""
     out = []
-    keys = ["seq_len", "degree", "batch"]
     ok = df[df["status"] == "ok"].drop_duplicates("cell")
     for name, impl in strategies().items():
         if impl.implements is None:
             continue
-        opts = [o.name for o in impl.options if o.name in ok]
-        cols = keys + opts
-        theirs = ok[ok["strategy"] == name].set_index(cols)
-        ours = ok[ok["strategy"] == impl.implements].set_index(cols)
+        base = strategies()[impl.implements]
+        shared = [o.name for o in impl.options if o.name in {b.name for b in base.options}]
+        cols = [k for k in ("seq_len", "degree", "gpus", "batch", "dtype", "recompute", *shared)
+                if k in ok]  # fmt: skip
+        ours = ok[ok["strategy"] == impl.implements]
+        for o in base.options:  # the suite's options the other implementation does not have
+            if o.name not in shared and o.name in ours:
+                ours = ours[ours[o.name].isna() | (ours[o.name] == o.default)]
+        theirs = ok[ok["strategy"] == name].drop_duplicates(cols).set_index(cols)
+        ours = ours.drop_duplicates(cols).set_index(cols)
         both = theirs.index.intersection(ours.index)
         if both.empty:
             continue
         t, o = theirs.loc[both], ours.loc[both]
-        us, them = strategies()[impl.implements].display, impl.display
+        us, them = base.display, impl.display
         table = pd.DataFrame(index=both)
         for what, col, fmt in (
             (f"peak ({unit})", "peak", "{:.2f}"),
