@@ -20,6 +20,7 @@ from tspbench.core import zigzag
 from tspbench.core.collectives import copy_to, reduce_from
 from tspbench.core.config import ConfigError, ModelConfig
 from tspbench.core.context_parallel import check_exchange, cp_tables
+from tspbench.core.costs import Spec
 from tspbench.core.decode import megatron_block
 from tspbench.core.layers import rms_norm, transformer_layer
 from tspbench.core.megatron import gather_named, shard_dim
@@ -67,6 +68,15 @@ class TPSP(Strategy):
     @classmethod
     def context_parallel(cls, layout: Layout) -> int:
         return layout.sp
+
+    @classmethod
+    def searched_values(cls, spec: Spec | None) -> dict[str, tuple[Value, ...]]:
+        """Each exchange where it changes the run: over Sigma = 1 the three are one run, and a
+        decode prefills by all-gather only."""
+        out = super().searched_values(spec)
+        if spec is not None and (spec.cp == 1 or getattr(spec, "decoding", False)):
+            out[CP_COMM.name] = (CP_COMM.default,)
+        return out
 
     @classmethod
     def mesh_dims(cls, layout: Layout) -> dict[str, int]:

@@ -146,6 +146,16 @@ def test_memory_tracker_follows_storage_resizes():
     assert m.live == 2000
     del a
     assert m.live == 0
+    freed = torch.zeros(100)
+    freed.untyped_storage().resize_(0)
+    with MemoryTracker(limit=1000) as late:  # a storage freed before the tracker, re-allocated
+        freed.untyped_storage().resize_(400)
+        assert late.live == 400
+        with pytest.raises(TrackedOOM):
+            freed.untyped_storage().resize_(2000)
+        with pytest.raises(RuntimeError, match="entered once"), late:
+            pass
+    assert torch.UntypedStorage.resize_ is memory._resize
 
 
 BAD = [

@@ -28,10 +28,13 @@ _resize = torch.UntypedStorage.resize_
 
 
 def _resize_seen(storage: torch.UntypedStorage, size: int):
-    """``UntypedStorage.resize_``, reported to every entered tracker that records ``storage``."""
+    """``UntypedStorage.resize_``, reported to every entered tracker (each is told before any
+    raises over its budget)."""
+    before = storage.nbytes()
     out = _resize(storage, size)
-    for tracker in _active:
-        tracker._resized(storage)
+    over = [t for t in _active if t._resized(storage, before)]
+    if over:
+        over[0]._raise()
     return out
 
 
@@ -44,43 +47,57 @@ class MemoryTracker(TorchDispatchMode):
         self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> [its bytes]
 
     def __enter__(self) -> MemoryTracker:
+        if self in _active:
+            raise RuntimeError("a MemoryTracker is entered once at a time (resizes count once)")
+        out = super().__enter__()
         if not _active:
             torch.UntypedStorage.resize_ = _resize_seen  # type: ignore[method-assign,assignment]
         _active.append(self)
-        return super().__enter__()
+        return out
 
     def __exit__(self, *exc: object) -> None:
-        super().__exit__(*exc)
-        _active.remove(self)
-        if not _active:
-            torch.UntypedStorage.resize_ = _resize  # type: ignore[method-assign]
+        try:
+            super().__exit__(*exc)
+        finally:
+            _active.remove(self)
+            if not _active:
+                torch.UntypedStorage.resize_ = _resize  # type: ignore[method-assign]
 
     def _free(self, size: list[int]) -> None:
         self.live -= size[0]
 
-    def _grow(self, n: int) -> None:
+    def _grow(self, n: int) -> bool:
+        """Count ``n`` more live bytes; True where that exceeds the budget."""
         self.live += n
         if self.live > self.peak:
             self.peak = self.live
-        if self.limit is not None and self.live > self.limit:
-            raise TrackedOOM(
-                f"tracked live tensor bytes {self.live} exceed the budget {self.limit}"
-            )
+        return self.limit is not None and self.live > self.limit
+
+    def _raise(self) -> None:
+        raise TrackedOOM(f"tracked live tensor bytes {self.live} exceed the budget {self.limit}")
 
     def _add(self, t: torch.Tensor) -> None:
         st = t.untyped_storage()
         if st in self._seen:
             return
-        size = [st.nbytes()]
+        if self._record(st, st.nbytes()):
+            self._raise()
+
+    def _record(self, st: torch.UntypedStorage, n: int) -> bool:
+        size = [n]
         self._seen[st] = size
         weakref.finalize(st, self._free, size)
-        self._grow(size[0])
+        return self._grow(n)
 
-    def _resized(self, st: torch.UntypedStorage) -> None:
+    def _resized(self, st: torch.UntypedStorage, before: int) -> bool:
+        """Count a resize of ``st``: a recorded storage at its new size; one made before this
+        tracker once it is allocated again from nothing (FSDP2 re-gathering a parameter it
+        freed before the tracker began); True where that exceeds the budget."""
         size = self._seen.get(st)
-        if size is not None:
-            n, size[0] = size[0], st.nbytes()
-            self._grow(size[0] - n)
+        if size is None:
+            return before == 0 and st.nbytes() > 0 and self._record(st, st.nbytes())
+        n, size[0] = size[0], st.nbytes()
+        return self._grow(size[0] - n)
 
     def track(self, *objs: object) -> None:
         """Register tensors created outside the mode (parameters, inputs)."""
