@@ -17,8 +17,12 @@ D3 = [s for s, impl in strategies().items() if any(o.name == "cp_comm" for o in 
 def _cases() -> list[dict]:
     cases = []
     for s in D3:
+        impl = strategies()[s]
+        # the group of 3 that splits the sequence 3 ways (TP+SP: T = 1 x Sigma = 3)
+        lay = next(x for x in impl.sweep_layouts([3], [[1, 3]]) if impl.context_parallel(x) == 3)
+        factors = {k: v for k, v in impl.factors(lay).items() if v is not None}
         for comm in ("all_gather", "ring"):
-            base = {"strategy": s, "D": 3, "B": 2, "cp_comm": comm}
+            base = {"strategy": s, "D": 3, "B": 2, "cp_comm": comm, **factors}
             cases += [
                 {**base, "id": f"{s}-{comm}-mha-S30", "S": 30},
                 {**base, "id": f"{s}-{comm}-gqa-S30", "S": 30, "model": {"kv_heads": 4}},
