@@ -42,7 +42,7 @@ def test_all_to_all_counts_d_minus_1_over_d_of_its_tensor():
     assert torch.equal(alone.all_to_all(t), t) and not alone.counter.bytes
 
 
-@pytest.mark.parametrize("name", ["sp", "fsdp_cp"])
+@pytest.mark.parametrize("name", ["sp", "fsdp_cp", "fsdp2_cp"])
 @pytest.mark.parametrize(
     "model, needle",
     [
@@ -58,3 +58,12 @@ def test_a2a_refuses_heads_it_cannot_split(name, model, needle):
         impl.validate(cfg, Layout(degree=4), 32, 2, cp_comm="a2a")
     assert needle in str(e.value) and "\n" not in str(e.value)
     impl.validate(cfg, Layout(degree=4), 32, 2, cp_comm="all_gather")
+
+
+def test_tpsp_a2a_refuses_heads_it_cannot_split_over_sigma():
+    """TP+SP's all-to-all splits a TP rank's H/T heads over Sigma: one line naming the rule."""
+    cfg, impl, lay = get_config("tiny", kv_heads=2), get_strategy("tpsp"), Layout(4, tp=2, sp=2)
+    with pytest.raises(ConfigError) as e:
+        impl.validate(cfg, lay, 32, 2, cp_comm="a2a")
+    assert "model.kv_heads=2: kv_heads/T = 1 must be divisible by sp=2" in str(e.value)
+    impl.validate(cfg, lay, 32, 2, cp_comm="all_gather")
