@@ -33,12 +33,13 @@ from tspbench.core import zigzag
 from tspbench.core.comm import Comm
 from tspbench.core.config import ConfigError, ModelConfig
 from tspbench.core.context_parallel import check_exchange, cp_tables
+from tspbench.core.init import chunk_slice
 from tspbench.core.layers import LayerHooks, rms_norm, transformer_layer
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.optim import grad_sq_sum
 from tspbench.core.options import CP_COMM, Value
 from tspbench.core.reference import param_shapes, unit_names
-from tspbench.core.strategy import Batch, Layout, Strategy
+from tspbench.core.strategy import Batch, Layout, Strategy, tensor_of
 
 
 def _fsdp2():
@@ -62,18 +63,16 @@ def _counted(comm: Comm):
     allocates, waited for when issued (FSDP2 on a GPU issues them on streams of its own)."""
     _, all_gather, reduce_scatter = _fsdp2()
 
-    class Gather(all_gather):  # type: ignore[misc,valid-type]
+    class Plain:  # buffers from the device's own allocator, as FSDP2's default
         def allocate(self, size, *, dtype, device):
             return torch.empty(size, dtype=dtype, device=device)
 
+    class Gather(Plain, all_gather):  # type: ignore[misc,valid-type]
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
             comm.all_gather_into(output_tensor, input_tensor)
             return None  # done: FSDP2 then waits for nothing
 
-    class Scatter(reduce_scatter):  # type: ignore[misc,valid-type]
-        def allocate(self, size, *, dtype, device):
-            return torch.empty(size, dtype=dtype, device=device)
-
+    class Scatter(Plain, reduce_scatter):  # type: ignore[misc,valid-type]
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
             if op != dist.ReduceOp.SUM:
                 raise RuntimeError(f"fsdp2_cp: FSDP2 asked for reduce op {op}, not a sum")
@@ -144,12 +143,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _rows(n: int, D: int, r: int) -> slice:
-    """The dim-0 rows FSDP2 gives rank ``r`` of ``D`` (``torch.chunk``'s split)."""
-    size = -(-n // D)
-    return slice(min(r * size, n), min((r + 1) * size, n))
-
-
 class FSDP2CP(Strategy):
     name = "fsdp2_cp"
     display = "FSDP2+CP (torch)"  # legends, titles and tables' captions
@@ -191,7 +184,7 @@ class FSDP2CP(Strategy):
             for unit, names in zip(self.units, self.names):
                 for full, (_, p) in zip(names, unit.named_parameters()):
                     local = _local(p)
-                    local.copy_(self.init_block(full, rows=_rows(shapes[full][0], D, r)))
+                    local.copy_(self.init_block(full, rows=chunk_slice(shapes[full][0], D, r)))
                     self._shards.append((p, nn.Parameter(local)))
         # after the root's lazy init, before the first unit runs (FSDP2's own hooks come first)
         self.units[0].register_forward_pre_hook(lambda *_: self._follow_shards())
@@ -277,14 +270,12 @@ class FSDP2CP(Strategy):
         return zigzag.unshard(list(self.comm.all_gather(h, dim=1).chunk(self.comm.size, dim=1)))
 
     def full_params(self, grads: bool = False) -> dict[str, torch.Tensor]:
-        out = {}
-        for unit, names in zip(self.units, self.names):
-            for full, (_, p) in zip(names, unit.named_parameters()):
-                shard = next(s for q, s in self._shards if q is p)
-                t = shard.grad if grads else shard
-                assert t is not None, "no gradient: gather grads after the backward"
-                out[full] = self._gather_rows(t.detach(), param_shapes(self.cfg)[full])
-        return out
+        shapes = param_shapes(self.cfg)
+        names = [n for unit in self.names for n in unit]  # the order _shards was built in
+        return {
+            n: self._gather_rows(tensor_of(shard, grads), shapes[n])
+            for n, (_, shard) in zip(names, self._shards)
+        }
 
     def _gather_rows(self, t: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
         """The whole tensor of FSDP2's uneven dim-0 shards (padded to gather, then cut)."""
