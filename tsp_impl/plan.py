@@ -52,7 +52,7 @@ class TSPPlan:
         save_kv: bool = False,
     ) -> TSPPlan:
         D, r = comm.size, comm.rank
-        cos, sin = rope_tables(zigzag.positions(seq_len, D, r), cfg.head_dim, cfg.rope_theta, dtype)
+        cos, sin = rope_tables(zigzag.positions(seq_len, D, r), cfg, dtype)
         to_global = zigzag.gathered_to_global(seq_len, D)
         # rows of the chunks' dK, dV at their keys' gathered positions g: K at 2g, V at 2g+1, in
         # the order [dK, dV of every chunk but the last; dK of the last] then [dV of the last]

@@ -21,3 +21,9 @@ MINI = {
         }
     ],
 }
+
+# Llama 3.1's RoPE scaling with an original context short enough that it changes the tiny
+# model's rotations at the test lengths (head dim 8: three of its four frequencies)
+LLAMA3_ROPE_TINY = (
+    "llama3,factor=8,low_freq_factor=1,high_freq_factor=4,original_max_position_embeddings=16"
+)

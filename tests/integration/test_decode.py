@@ -13,9 +13,15 @@ from __future__ import annotations
 
 import pytest
 
+from tests.helpers.configs import LLAMA3_ROPE_TINY
 from tests.helpers.distributed import run_world
 
-MODELS = {"mha": {}, "gqa": {"kv_heads": 4}, "kv2": {"kv_heads": 2}, "kv1": {"kv_heads": 1}}
+MODELS = {
+    "mha": {},
+    "gqa": {"kv_heads": 4, "rope_scaling": LLAMA3_ROPE_TINY},
+    "kv2": {"kv_heads": 2},
+    "kv1": {"kv_heads": 1},
+}
 LAYOUTS = {
     "single": ([{"D": 1}], ("mha", "gqa", "kv1")),
     "tp": ([{"D": 2}, {"D": 4}], ("mha", "gqa", "kv2", "kv1")),  # kv2, kv1 < 4: replicated

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import pytest
 
+from tests.helpers.configs import LLAMA3_ROPE_TINY
 from tests.helpers.distributed import run_world
 from tspbench.runtime.registry import strategies
 
-MODELS = {"mha": {}, "gqa": {"kv_heads": 4}}
+# GQA with Llama 3.1's RoPE scaling: the scaling lives in the shared tables, one model checks it
+MODELS = {"mha": {}, "gqa": {"kv_heads": 4, "rope_scaling": LLAMA3_ROPE_TINY}}
 
 
 def _layout(impl, lay) -> dict:

@@ -176,8 +176,8 @@ def test_refuses_what_the_model_cannot_express(capsys, tmp_path, change, key):
 def test_missing_key_and_sliding_window_null_accepted():
     with pytest.raises(ConfigError, match="hidden_size: missing"):
         hf_config({k: v for k, v in LLAMA3_8B.items() if k != "hidden_size"})
-    cfg, notes = hf_config({**LLAMA3_8B, "sliding_window": None, "rope_scaling": {"factor": 8.0}})
-    assert cfg.kv_heads == 8 and notes and "rope_scaling" in notes[0]
+    cfg, notes = hf_config({**LLAMA3_8B, "sliding_window": None, "rope_scaling": None})
+    assert cfg.kv_heads == 8 and cfg.rope_scaling == "" and not notes
     # null reads as Hugging Face reads it: no num_key_value_heads is MHA, no rope_theta 10000
     cfg, _ = hf_config({**LLAMA3_8B, "num_key_value_heads": None, "rope_theta": None})
     assert cfg.kv_heads == cfg.heads == 32 and cfg.rope_theta == 10000.0
@@ -390,3 +390,70 @@ def test_the_best_plan_is_weighed_against_another_strategy_over_the_rate_ranges(
     rc, out, _ = plan_cli(capsys, "--model", "7b", "--hardware", "h100", "--seq-len", 65536,
                           "--gpus", 8, "--cache", tmp_path)  # fmt: skip
     assert f"against {got['rival']}: {got['margin']:+.1%} projected" in out
+
+
+LLAMA31 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 8192}  # fmt: skip
+
+
+@pytest.mark.parametrize("key", ["rope_scaling", "rope_parameters"])
+def test_rope_scaling_is_read_as_transformers_4_and_5_write_it(key):
+    """transformers 4 writes ``rope_scaling`` (and ``type`` in older files), 5
+    ``rope_parameters`` with ``rope_theta`` inside: both give the same model, scaling modelled."""
+    extra = {"rope_theta": 5e5} if key == "rope_parameters" else {}
+    data = {k: v for k, v in LLAMA3_8B.items() if not (extra and k == "rope_theta")}
+    cfg, notes = hf_config({**data, key: {**LLAMA31, **extra}})
+    assert not notes and cfg.rope_theta == 5e5
+    assert cfg.rope_scaling == (
+        "llama3,factor=8,low_freq_factor=1,high_freq_factor=4,original_max_position_embeddings=8192"
+    )
+    cfg, _ = hf_config({**LLAMA3_8B, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    assert cfg.rope_scaling == "linear,factor=2"
+
+
+@pytest.mark.parametrize(
+    "scaling, needle",
+    [
+        ({"factor": 8.0}, "rope_scaling: factor: a parameter of no scaling (rope_type default)"),
+        ({"rope_type": "dynamic", "factor": 2.0}, "rope_type='dynamic': dynamic NTK scaling"),
+        ({"rope_type": "longrope"}, "rope_type='longrope': LongRoPE"),
+        (
+            {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 4096,
+                "mscale": 0.7,
+            },
+            "mscale=0.7: not modelled for rope_type yarn",
+        ),  # fmt: skip
+        ({**LLAMA31, "factor": 0.5}, "factor=0.5: must be >= 1"),
+        ({"rope_type": "llama3", "factor": 8.0}, "llama3 needs low_freq_factor"),
+        ({"rope_type": "linear", "factor": "2"}, "factor='2': must be a number"),
+        ({"rope_type": "wavy"}, "rope_type='wavy': unknown"),
+        ([1], "rope_scaling=[1]: must be an object"),
+    ],
+)
+def test_a_scaling_not_modelled_is_refused_naming_the_key(scaling, needle):
+    with pytest.raises(ConfigError) as e:
+        hf_config({**LLAMA3_8B, "rope_scaling": scaling})
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_published_model_files_plan(capsys, counted, tmp_path):
+    """Each committed config.json (workflows/models/, sources in its README) is read whole:
+    no key refused, its scaling modelled, the values as published."""
+    from pathlib import Path
+
+    from tspbench.core.config import read_hf_config
+
+    models = Path(__file__).parents[2] / "workflows" / "models"
+    got = {p.stem: read_hf_config(str(p)) for p in sorted(models.glob("*.json"))}
+    assert {"llama3.1-8b", "mistral-7b-v0.3"} <= set(got)
+    assert all(not notes for _, notes in got.values())
+    llama, _ = got["llama3.1-8b"]
+    assert (llama.hidden, llama.layers, llama.kv_heads, llama.ffn, llama.vocab) == (
+        4096, 32, 8, 14336, 128256)  # fmt: skip
+    assert llama.rope_scaling.startswith("llama3,factor=8,") and llama.rope_theta == 5e5
+    rc, out, _ = plan_cli(capsys, "--model", str(models / "llama3.1-8b.json"), "--hardware",
+                          "h100", "--seq-len", 32768, "--gpus", 8, "--cache", tmp_path)  # fmt: skip
+    assert rc == 0 and "best plan:" in out and "--set rope_scaling=llama3," in out

@@ -9,6 +9,8 @@ import stat
 from dataclasses import dataclass
 from typing import Any, TypedDict, Unpack, cast
 
+from tspbench.core import rope
+
 
 class ConfigError(ValueError):
     """Bad user input: the message names the field, the value and the rule (CLI exit code 2)."""
@@ -101,6 +103,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    rope_scaling: str = ""  # "kind,key=value,..." (tspbench/core/rope.py); "": none
 
     def __post_init__(self) -> None:
         for f, (lo, hi) in RANGES.items():
@@ -120,6 +123,12 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ConfigError(f"head dim hidden/heads={self.head_dim}: must be even for RoPE")
+        if not isinstance(self.rope_scaling, str):
+            raise ConfigError(f"model.rope_scaling={self.rope_scaling!r}: must be a string")
+        try:
+            rope.parse(self.rope_scaling)
+        except rope.RopeError as e:
+            raise ConfigError(f"model.rope_scaling={self.rope_scaling!r}: {e}") from None
 
     @property
     def head_dim(self) -> int:
@@ -168,12 +177,13 @@ class ModelOverrides(TypedDict, total=False):
     rope_theta: float
     norm_eps: float
     init_std: float
+    rope_scaling: str
 
 
 def parse_overrides(items: list[str] | None) -> ModelOverrides:
     """Parse ``field=value`` strings (from ``--set``) into typed overrides."""
     fields = {f.name: f.type for f in dataclasses.fields(ModelConfig)}
-    out: dict[str, int | float] = {}
+    out: dict[str, int | float | str] = {}
     for item in items or []:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected field=value, e.g. --set kv_heads=4")
@@ -185,7 +195,7 @@ def parse_overrides(items: list[str] | None) -> ModelOverrides:
             )
         kind = fields[key]
         try:
-            out[key] = float(raw) if kind == "float" else int(raw)
+            out[key] = float(raw) if kind == "float" else raw if kind == "str" else int(raw)
         except ValueError:
             raise ConfigError(f"--set {key}={raw!r}: must be a {kind}") from None
     return cast(ModelOverrides, out)  # keys checked against the fields, values typed by kind
@@ -228,13 +238,8 @@ def hf_config(data: object, where: str = "config.json") -> tuple[ModelConfig, li
     _hf_check_architecture(data, where)
     values = _hf_values(data, where)
     _hf_check_head_dim(data, where, values)
-    cfg = _hf_model(values, where)
-    notes = []
-    if data.get("rope_scaling"):
-        notes.append(
-            "rope_scaling read but not modelled (it changes positions, not shapes or costs)"
-        )
-    return cfg, notes
+    values["rope_scaling"] = _hf_rope(data, where, values)
+    return _hf_model(values, where), []
 
 
 def _hf_refuse(data: dict, where: str, key: str, why: str) -> ConfigError:
@@ -295,9 +300,9 @@ def _hf_check_architecture(data: dict, where: str) -> None:
         raise _hf_refuse(data, where, key, "the MLP here is SwiGLU (silu)")
 
 
-def _hf_values(data: dict, where: str) -> dict[str, int | float]:
+def _hf_values(data: dict, where: str) -> dict[str, int | float | str]:
     """The :data:`HF_FIELDS` of a ``config.json``, each checked against its range."""
-    values: dict[str, int | float] = {}
+    values: dict[str, int | float | str] = {}
     for field, (key, default) in HF_FIELDS.items():
         values[field] = _hf_value(data, where, field, key, default)
     return values
@@ -326,9 +331,28 @@ def _hf_value(
     return v if integral else float(v)
 
 
-def _hf_check_head_dim(data: dict, where: str, values: dict[str, int | float]) -> None:
+def _hf_rope(data: dict, where: str, values: dict[str, int | float | str]) -> str:
+    """The canonical RoPE scaling of ``rope_scaling`` (transformers 4) or ``rope_parameters``
+    (transformers 5, which also moves ``rope_theta`` into it: read from there when the top
+    level lacks it); ConfigError naming the key for a scaling not modelled."""
+    for key in ("rope_parameters", "rope_scaling"):
+        d = data.get(key)
+        if d is None:
+            continue
+        if not isinstance(d, dict):
+            raise _hf_refuse(data, where, key, "must be an object")
+        if "rope_theta" in d and data.get("rope_theta") is None:
+            values["rope_theta"] = _hf_value(d, f"{where}: {key}", "rope_theta", "rope_theta", None)
+        try:
+            return rope.from_hf(d)
+        except rope.RopeError as e:
+            raise ConfigError(f"{where}: {key}: {e}") from None
+    return ""
+
+
+def _hf_check_head_dim(data: dict, where: str, values: dict[str, int | float | str]) -> None:
     """Refuse a ``head_dim`` other than hidden_size/num_attention_heads."""
-    heads, hidden = values["heads"], values["hidden"]
+    heads, hidden = cast(int, values["heads"]), cast(int, values["hidden"])
     if "head_dim" in data and data["head_dim"] is not None and hidden % heads == 0:
         if data["head_dim"] != hidden // heads:
             raise _hf_refuse(
@@ -339,7 +363,7 @@ def _hf_check_head_dim(data: dict, where: str, values: dict[str, int | float]) -
             )
 
 
-def _hf_model(values: dict[str, int | float], where: str) -> ModelConfig:
+def _hf_model(values: dict[str, int | float | str], where: str) -> ModelConfig:
     """The :class:`ModelConfig` of the values read; a rule across fields is said with the
     file's keys."""
     try:

@@ -23,7 +23,7 @@ def zigzag_rope(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of this rank's zigzag tokens (global positions)."""
     pos = zigzag.positions(seq_len, comm.size, comm.rank)
-    cos, sin = rope_tables(pos, cfg.head_dim, cfg.rope_theta, dtype)
+    cos, sin = rope_tables(pos, cfg, dtype)
     return cos.to(device), sin.to(device)
 
 

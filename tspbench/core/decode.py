@@ -197,7 +197,7 @@ def split_attend(cache: KVCache, merge: Callable) -> Callable:
 
 def rope_at(cfg: ModelConfig, pos: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [1, d] of one position, dtype and device of ``like``."""
-    cos, sin = rope_tables(torch.tensor([pos]), cfg.head_dim, cfg.rope_theta, like.dtype)
+    cos, sin = rope_tables(torch.tensor([pos]), cfg, like.dtype)
     return cos.to(like.device), sin.to(like.device)
 
 

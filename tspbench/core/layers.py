@@ -9,16 +9,22 @@ from typing import TypeVar
 import torch
 import torch.nn.functional as F
 
+from tspbench.core import rope
+from tspbench.core.config import ModelConfig
+
 T = TypeVar("T")
 
 
 def rms_norm_fwd(
     x: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, rstd): y = x * rstd * weight computed in fp32 and cast to x's dtype, and the fp32
-    per-token rstd = 1/rms(x) [..., 1], all the backward needs besides x and the weight."""
-    rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
-    y = (x * rstd).mul_(weight.float())  # x * fp32 rstd promotes: no fp32 copy of x is kept
+    """(y, rstd): y = x * rstd * weight computed in fp32 (fp64 for fp64 inputs) and cast to
+    x's dtype, and the per-token rstd = 1/rms(x) [..., 1] in that precision, all the backward
+    needs besides x and the weight."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32  # not promote_types:
+    # that is a dispatched operation, one more per norm in every count
+    rstd = torch.rsqrt(x.to(acc).pow(2).mean(-1, keepdim=True) + eps)
+    y = (x * rstd).mul_(weight.to(acc))  # x * fp32 rstd promotes: no fp32 copy of x is kept
     return y.to(x.dtype), rstd
 
 
@@ -36,7 +42,7 @@ def rms_norm_bwd(
     dw = (dy * xhat).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype) if need_dw else None
     if not need_dx:
         return None, dw
-    gw = dy * weight.float()
+    gw = dy * weight.to(rstd.dtype)
     # dx = rstd * (gw - xhat * mean(gw * xhat)); xhat and gw are fp32 buffers of our own
     dx = gw.sub_(xhat.mul_((gw * xhat).mean(-1, keepdim=True))).mul_(rstd)
     return dx.to(x.dtype), dw
@@ -67,19 +73,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rope_tables(
-    pos: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+    pos: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [len(pos), head_dim] for the given *global* positions (rotate-half layout)."""
-    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    """cos/sin tables [len(pos), head_dim] for the given *global* positions (rotate-half
+    layout), with ``cfg``'s head dim, theta and RoPE scaling (tspbench/core/rope.py), in fp64."""
+    inv, attention = rope.inv_freq(cfg.rope_scaling, cfg.head_dim, cfg.rope_theta)
     ang = pos.to(torch.float64)[:, None] * inv[None, :]
     ang = torch.cat([ang, ang], dim=-1)
-    return ang.cos().to(dtype), ang.sin().to(dtype)
+    return (ang.cos() * attention).to(dtype), (ang.sin() * attention).to(dtype)
 
 
-def rope_on(pos: torch.Tensor, cfg, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`rope_tables` for ``pos`` (``cfg``'s head dim and theta) in ``like``'s dtype, on
-    its device."""
-    cos, sin = rope_tables(pos, cfg.head_dim, cfg.rope_theta, like.dtype)
+def rope_on(
+    pos: torch.Tensor, cfg: ModelConfig, like: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rope_tables` for ``pos`` in ``like``'s dtype, on its device."""
+    cos, sin = rope_tables(pos, cfg, like.dtype)
     return cos.to(like.device), sin.to(like.device)
 
 

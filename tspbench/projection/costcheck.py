@@ -75,10 +75,15 @@ def _field(rec: dict, path: str, key: str):
     return rec[key]
 
 
+LATER_FIELDS = {"rope_scaling": ""}  # model fields records before them lack
+
+
 def _model(rec: dict, path: str) -> ModelConfig:
     """The record's model, from its ``model_config``, which must name every field: a field left
     out would be projected at a toy default (ConfigError naming the record otherwise)."""
     mc, need = _field(rec, path, "model_config"), {f.name for f in dataclasses.fields(ModelConfig)}
+    if isinstance(mc, dict):  # a field added later: its default is the model older runs ran
+        mc = {**{k: v for k, v in LATER_FIELDS.items() if k not in mc}, **mc}
     if not isinstance(mc, dict) or set(mc) != need:
         got = sorted(mc) if isinstance(mc, dict) else type(mc).__name__
         raise ConfigError(
