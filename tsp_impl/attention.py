@@ -48,8 +48,10 @@ from tsp_impl.ops import accumulate
 from tsp_impl.overlap import OneInFlight, owner_shards
 from tsp_impl.plan import TSPPlan
 from tspbench.core.attention import causal_bwd, causal_fwd
+from tspbench.core.layers import rms_norm_bwd, rms_norm_fwd
 
 Keep = Callable[[int, torch.Tensor, torch.Tensor], None]  # (head group r, its local K, V)
+Norms = tuple[torch.Tensor, torch.Tensor] | None  # Qwen3's QK norm weights [d] each, or none
 
 
 def qkv_rows(plan: TSPPlan) -> int:
@@ -66,11 +68,46 @@ def rotate(t: torch.Tensor, table: torch.Tensor) -> None:
 
 
 def project(x: torch.Tensor, w: torch.Tensor, plan: TSPPlan) -> torch.Tensor:
-    """Local tokens' [Q | K | V] for one head group: [B, S/D, hq + 2 hkv, d], RoPE applied."""
+    """Local tokens' [Q | K | V] for one head group: [B, S/D, hq + 2 hkv, d], before RoPE
+    (and before the QK norms, where the model has them)."""
     B, n, h = x.shape
-    qkv = (x.view(B * n, h) @ w[: qkv_rows(plan)].T).view(B, n, -1, plan.cfg.head_dim)
-    rotate(qkv[:, :, : plan.hq + plan.hkv], plan.rot)
-    return qkv
+    return (x.view(B * n, h) @ w[: qkv_rows(plan)].T).view(B, n, -1, plan.cfg.head_dim)
+
+
+def qk_split(t: torch.Tensor, plan: TSPPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Q heads and the K heads of a packed [B, S/D, hq + 2 hkv, d] tensor (views)."""
+    return t[:, :, : plan.hq], t[:, :, plan.hq : plan.hq + plan.hkv]
+
+
+def position(qkv: torch.Tensor, norms: Norms, plan: TSPPlan):
+    """RoPE on the projection's Q and K heads: in place without QK norms (returns it); with them
+    each head normed into a new tensor first, the projection kept for backward (returns the new
+    one and the two norms' 1/rms)."""
+    if norms is None:
+        rotate(qkv[:, :, : plan.hq + plan.hkv], plan.rot)
+        return qkv, ()
+    out, eps = torch.empty_like(qkv), plan.cfg.norm_eps
+    rstds = []
+    for src, dst, w in zip(qk_split(qkv, plan), qk_split(out, plan), norms):
+        y, rstd = rms_norm_fwd(src, w, eps)
+        dst.copy_(y)
+        rstds.append(rstd)
+    out[:, :, plan.hq + plan.hkv :] = qkv[:, :, plan.hq + plan.hkv :]  # V as projected
+    rotate(out[:, :, : plan.hq + plan.hkv], plan.rot)
+    return out, tuple(rstds)
+
+
+def unnorm_grad(dqkv: torch.Tensor, raw: torch.Tensor, norms, rstds, plan: TSPPlan, dnorms):
+    """Through the QK norms' backward in place: dqkv's Q and K heads (grads of the normed heads,
+    RoPE already undone) become the projection's; each norm weight's gradient (this head
+    group's, over the local tokens) is added to ``dnorms``."""
+    for i, (dy, x, w, rstd) in enumerate(
+        zip(qk_split(dqkv, plan), qk_split(raw, plan), norms, rstds)
+    ):
+        dx, dw = rms_norm_bwd(dy, x, w, rstd)
+        assert dx is not None  # (need_dx)
+        dy.copy_(dx)
+        dnorms[i] = dw if dnorms[i] is None else dnorms[i].add_(dw)
 
 
 def heads(qkv: torch.Tensor, plan: TSPPlan, ks: slice):
@@ -130,17 +167,22 @@ def attention_forward(
     plan: TSPPlan,
     save: bool,
     keep: Keep | None = None,
+    norms: Norms = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor], int]:
     """The forward loop over head groups: (res + attention(x) [B, S/D, h] (attention(x) with
     ``res`` None), what backward needs per head group (empty unless ``save``), how many
     log-sum-exps each head group saves). ``keep(r, K_p, V_p)``, if given, sees head group r's
     local K/V ([B, hkv, S/D, d] views, RoPE applied) before they are gathered: decode's prefill
-    fills its cache with them."""
+    fills its cache with them. ``norms``: the QK norms' weights (Qwen3); backward then gets the
+    projection before them and recomputes them."""
     B, n, h = x.shape
     y, lses = None, list[torch.Tensor]()
     saved: list[torch.Tensor] = []
     for r, w in owner_shards(w_own, plan.comm, plan.overlap):
-        qkv = project(x, w, plan)
+        raw = project(x, w, plan)
+        qkv, _ = position(raw, norms, plan)
+        if not save:
+            del raw  # (with QK norms: the projection before them is not needed again)
         if keep is not None:
             keep(r, *heads(qkv, plan, slice(0, plan.hkv))[1:])
         parts, lses, kvs = [], [], []
@@ -159,7 +201,8 @@ def attention_forward(
             y, a.view(B * n, -1), w[qkv_rows(plan) :], None if res is None else res.view(B * n, h)
         )
         if save:
-            saved += [qkv, a, *lses, *kvs]
+            saved += [raw, a, *lses, *kvs]  # (raw is qkv without QK norms)
+            del raw
         del qkv, a, parts, kvs  # (not alive while the next head group's are computed)
     assert y is not None  # (D >= 1 head groups)
     return y.view(B, n, h), saved, len(lses)
@@ -172,17 +215,20 @@ def attention_backward(
     saved: list[torch.Tensor],
     n_lse: int,
     plan: TSPPlan,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    norms: Norms = None,
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor | None]]:
     """The backward loop over head groups, from :func:`attention_forward`'s ``saved`` (and
-    ``n_lse``): (dX [B, S/D, h], this rank's packed dW). Each head group's dW is reduced to its
-    owner while the next group computes."""
+    ``n_lse``): (dX [B, S/D, h], this rank's packed dW, the QK norms' gradients over the local
+    tokens). Each head group's dW is reduced to its owner while the next group computes."""
     B, n, h = x.shape
     kept = 2 * len(plan.buckets()) if plan.save_kv else 0  # saved K, V of each bucket
     per, n_chunks, rows = 2 + n_lse + kept, len(plan.chunks), qkv_rows(plan)
     dx, dw_own, reduces = None, None, OneInFlight(plan.comm)
+    dnorms: list[torch.Tensor | None] = [None, None]
     x2, dy2 = x.view(B * n, h), dy.reshape(B * n, h)
     for r, w in owner_shards(w_own, plan.comm, plan.overlap):
-        qkv, a, *rest = saved[r * per : (r + 1) * per]
+        raw, a, *rest = saved[r * per : (r + 1) * per]
+        qkv, rstds = position(raw, norms, plan) if norms is not None else (raw, ())
         lses, kvs = rest[:n_lse], rest[n_lse:]
         da = (dy2 @ w[rows:].T).view(a.shape)
         dqs, dks, dvs = [], [], []
@@ -206,8 +252,11 @@ def attention_backward(
             dvs.append(dkv[:, :, 1])
             del dq, dk, dv, dkv
         dqkv = torch.cat(dqs + dks + dvs, dim=2)  # [B, S/D, hq + 2 hkv, d]
-        del dqs, dks, dvs
+        del dqs, dks, dvs, qkv, q, k, v
         rotate(dqkv[:, :, : plan.hq + plan.hkv], plan.rot_inv)
+        if norms is not None:
+            unnorm_grad(dqkv, raw, norms, rstds, plan, dnorms)
+        del raw
         dqkv = dqkv.view(B * n, rows)
         dx = accumulate(dx, dqkv, w[:rows])
         dw = torch.empty_like(w_own)  # packed like W_r: written by its two GEMMs
@@ -218,7 +267,7 @@ def attention_backward(
             dw_own = dw
     reduces.drain()
     assert dx is not None and dw_own is not None  # (D >= 1 head groups, one this rank's)
-    return dx.view(B, n, h), dw_own
+    return dx.view(B, n, h), dw_own, dnorms
 
 
 class BroadcastAttention(torch.autograd.Function):
@@ -226,17 +275,22 @@ class BroadcastAttention(torch.autograd.Function):
     :func:`attention_backward`, the tensors they pass between them saved on ``ctx``."""
 
     @staticmethod
-    def forward(ctx, res, x: torch.Tensor, w_own: torch.Tensor, plan: TSPPlan, grad: bool):
-        """res + attention(x): the residual ``res`` starts the accumulation of Y."""
+    def forward(
+        ctx, res, x: torch.Tensor, w_own: torch.Tensor, plan: TSPPlan, grad: bool, qn=None, kn=None
+    ):
+        """res + attention(x): the residual ``res`` starts the accumulation of Y (``qn``,
+        ``kn``: the QK norms' weights, where the model has them)."""
         save = grad and any(ctx.needs_input_grad)  # (needs_input_grad ignores no_grad)
-        y, saved, ctx.n_lse = attention_forward(res, x, w_own, plan, save)
-        ctx.plan = plan
+        norms = None if qn is None else (qn, kn)
+        y, saved, ctx.n_lse = attention_forward(res, x, w_own, plan, save, norms=norms)
+        ctx.plan, ctx.normed = plan, norms is not None
         if save:
-            ctx.save_for_backward(x, w_own, *saved)
+            ctx.save_for_backward(x, w_own, *(norms or ()), *saved)
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, w_own, *saved = ctx.saved_tensors
-        dx, dw_own = attention_backward(dy, x, w_own, saved, ctx.n_lse, ctx.plan)
-        return dy, dx, dw_own, None, None
+        norms = (saved.pop(0), saved.pop(0)) if ctx.normed else None
+        dx, dw_own, (dqn, dkn) = attention_backward(dy, x, w_own, saved, ctx.n_lse, ctx.plan, norms)
+        return dy, dx, dw_own, None, None, dqn, dkn

@@ -139,7 +139,8 @@ def backward_transients(c: Spec) -> tuple[int, int, int]:
     dtype and two fp32 copies), and the head shard and its gradient in flight; at a layer: the
     MLP's SiLU backward with its slices in flight (:func:`mlp_t`), or the attention's: the
     gathered K/V of a head group, the chunks' dK/dV and dA, less the top layer's MLP saved
-    tensors (counted among the saved, freed by then). On CPU the longer chunk's kernel call is
+    tensors (counted among the saved, freed by then); with QK norms, the head group's normed
+    [Q K V], recomputed from its saved projection. On CPU the longer chunk's kernel call is
     split at the diagonal and its dK/dV concatenated: two more copies of its keys' K/V. At the
     end: the embedding gradient, one owner's [V/D, h] filling and one in flight, and a masked
     copy of dx."""
@@ -153,6 +154,8 @@ def backward_transients(c: Spec) -> tuple[int, int, int]:
         kv_unit if c.options["kv_backward"] == "save" else 0
     )  # kept among the saved, not gathered again
     attn_t = kv + t * h // D * e - 2 * t * cfg.ffn * e
+    if cfg.qk_norm:  # the group's [Q K V] normed again from the saved projection (attention.py)
+        attn_t += t * (h + 2 * cfg.kv_dim) // D * e
     layer_t = 2 * act + max(attn_t, mlp_t(c))
     return loss_t + tables, layer_t + tables, 2 * vl * h * e + act + tables
 

@@ -33,17 +33,23 @@ from tspbench.core.decode import FP32, PHASE, DecodeHooks, Decoder, greedy, run_
 from tspbench.core.kvcache import KVCache, Step, merge_scatter, partial_attention
 from tspbench.core.layers import rms_norm
 from tspbench.core.mesh import Axis
+from tspbench.core.reference import QK_NORMS
 from tspbench.core.vocab_parallel import embedding
 
 MLP = {"ring": RingMLP, "broadcast": BroadcastMLP}
 
 
 def attention_into_cache(
-    x: torch.Tensor, w_own: torch.Tensor, plan: TSPPlan, cache: KVCache, layer: int
+    x: torch.Tensor,
+    w_own: torch.Tensor,
+    plan: TSPPlan,
+    cache: KVCache,
+    layer: int,
+    lp_norms: dict[str, torch.Tensor],
 ) -> torch.Tensor:
     """The broadcast-schedule attention forward (:func:`tsp_impl.attention.attention_forward`,
     nothing saved, no residual), keeping each head group's local K/V in the cache (heads of
-    group r at [r hkv, (r+1) hkv))."""
+    group r at [r hkv, (r+1) hkv)); ``lp_norms``: the layer's QK norms, if it has them."""
     n = x.shape[1]
 
     def keep(r: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -51,7 +57,8 @@ def attention_into_cache(
         cache.k[layer][:, group, :n] = k
         cache.v[layer][:, group, :n] = v
 
-    return attention_forward(None, x, w_own, plan, False, keep)[0]
+    norms = (lp_norms["q_norm"], lp_norms["k_norm"]) if lp_norms else None
+    return attention_forward(None, x, w_own, plan, False, keep, norms)[0]
 
 
 def attend(cache: KVCache, comm: Comm):
@@ -83,6 +90,7 @@ def layer_views(lp: dict, cfg: ModelConfig, D: int) -> dict[str, torch.Tensor]:
     return {
         "attn_norm": lp["attn_norm"], "wq": wq, "wk": wk, "wv": wv, "wo": wo_t.T,
         "mlp_norm": lp["mlp_norm"], "w1": w1, "w3": w3, "w2": w2t.T,
+        **{k: lp[k] for k in QK_NORMS if k in lp},
     }  # fmt: skip
 
 
@@ -132,8 +140,9 @@ class TSPDecoder(Decoder):
         mlp = MLP[m.mlp_schedule]
         for i, lp in enumerate(m.layers):
             x = x + attention_into_cache(
-                rms_norm(x, lp["attn_norm"], eps), lp["attn"], plan, cache, i
-            )
+                rms_norm(x, lp["attn_norm"], eps), lp["attn"], plan, cache, i,
+                {k: lp[k] for k in QK_NORMS if k in lp},
+            )  # fmt: skip
             x = mlp.apply(x, rms_norm(x, lp["mlp_norm"], eps), lp["mlp"], comm, m.overlap, False)
         cache.start(P // D, P)
         last = x[:, -1].contiguous()  # position P-1 ends chunk 2D-1: rank 0's last local token

@@ -5,7 +5,8 @@ Parameters of rank r (nothing else is stored, so weights, grads and AdamW state 
     layers.i.attn      head group r packed [Wq_r; Wk_r; Wv_r; Wo_r^T] [(2n_h+2n_kv)d/D, h]
     layers.i.mlp       slice r packed [W1_r; W3_r; W2_r^T]         [3f/D, h]
                        (moved by the ring or the broadcast schedule: mlp_schedule)
-    norms              replicated (h elements each); grads all-reduced after backward
+    norms              replicated (h elements each; Qwen3's QK norms d each); grads
+                       all-reduced after backward
 Tokens: zigzag chunks r and 2D-1-r of every sequence; RoPE at the tokens' global positions.
 """
 
@@ -29,7 +30,7 @@ from tspbench.core.layers import rms_norm
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.optim import grad_sq_sum
 from tspbench.core.options import OVERLAP, Option, Value
-from tspbench.core.reference import param_shapes
+from tspbench.core.reference import QK_NORMS, param_shapes
 from tspbench.core.strategy import Batch, Layout, Strategy, tensor_of
 
 MLP = {"ring": RingMLP, "broadcast": BroadcastMLP}
@@ -148,6 +149,7 @@ class TSP(Strategy):
                     "attn": self.to_param(attn),
                     "mlp_norm": self.to_param(self.init_block(n + "mlp_norm")),
                     "mlp": self.to_param(mlp),
+                    **{k: self.to_param(self.init_block(n + k)) for k in self.qk_norms},
                 }
             )
         self._plans: dict[int, TSPPlan] = {}
@@ -174,8 +176,10 @@ class TSP(Strategy):
             grad = torch.is_grad_enabled()  # inference keeps nothing for a backward
             # residuals ride in the output GEMMs: x + attention(norm(x)), then x + MLP(norm(x))
             x = BroadcastAttention.apply(
-                x, rms_norm(x, lp["attn_norm"], eps), lp["attn"], plan, grad
-            )  # (the normed input is a temporary: inference frees it after the attention)
+                x, rms_norm(x, lp["attn_norm"], eps), lp["attn"], plan, grad,
+                *(lp[k] for k in self.qk_norms),
+            )  # fmt: skip
+            # (the normed input is a temporary: inference frees it after the attention)
             mlp_in = rms_norm(x, lp["mlp_norm"], eps)
             mlp = MLP[self.mlp_schedule]
             return mlp.apply(x, mlp_in, lp["mlp"], self.comm, self.overlap, grad, self.recomputing)
@@ -212,8 +216,14 @@ class TSP(Strategy):
         )
         return local, self.total_loss(local)
 
+    @property
+    def qk_norms(self) -> tuple[str, ...]:
+        """The QK norms' names where the model has them (Qwen3): replicated, as the others."""
+        return QK_NORMS if self.cfg.qk_norm else ()
+
     def replicated(self) -> list[torch.nn.Parameter]:
-        return [self.norm] + [lp[k] for lp in self.layers for k in ("attn_norm", "mlp_norm")]
+        names = ("attn_norm", "mlp_norm", *self.qk_norms)
+        return [self.norm] + [lp[k] for lp in self.layers for k in names]
 
     def sharded(self) -> list[torch.nn.Parameter]:
         return [self.embed, self.head] + [lp[k] for lp in self.layers for k in ("attn", "mlp")]
@@ -256,6 +266,6 @@ class TSP(Strategy):
             out[pre + "w1"] = torch.cat([p[0] for p in parts])
             out[pre + "w3"] = torch.cat([p[1] for p in parts])
             out[pre + "w2"] = torch.cat([p[2].T for p in parts], dim=1)
-            for k in ("attn_norm", "mlp_norm"):
+            for k in ("attn_norm", "mlp_norm", *self.qk_norms):
                 out[pre + k] = tensor_of(lp[k], grads)
         return out

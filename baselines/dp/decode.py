@@ -17,7 +17,7 @@ from tspbench.core.decode import (
 )
 from tspbench.core.kvcache import KVCache, Step
 from tspbench.core.layers import cached, rope_on
-from tspbench.core.reference import LAYER_PARAMS
+from tspbench.core.reference import layer_params
 from tspbench.core.strategy import Layout
 
 
@@ -32,7 +32,7 @@ class SingleDecoder(Decoder):
 
     def _layers(self) -> list[dict]:
         model, n = self.model.model, self.model.cfg.layers
-        return [{k: model.p(f"layers.{i}.{k}") for k in LAYER_PARAMS} for i in range(n)]
+        return [{k: model.p(f"layers.{i}.{k}") for k in layer_params(model.cfg)} for i in range(n)]
 
     def _step(self, x: torch.Tensor) -> Step:
         model, eps = self.model.model, self.model.cfg.norm_eps

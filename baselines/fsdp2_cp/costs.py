@@ -8,7 +8,7 @@ from tspbench.core import costs
 from tspbench.core.config import ModelConfig
 from tspbench.core.layout import Layout
 from tspbench.core.mesh import Axis
-from tspbench.core.reference import LAYER_PARAMS, param_shapes
+from tspbench.core.reference import layer_params, param_shapes
 
 
 def padded_rows(shape: tuple[int, ...], D: int) -> int:
@@ -26,7 +26,7 @@ class FSDP2CPCosts(costs.Costs):
         """Elements of one rank's padded shard of each unit: the embedding; one layer; final
         norm + LM head."""
         s = param_shapes(cfg)
-        layer = sum(padded_rows(s[f"layers.0.{k}"], D) for k in LAYER_PARAMS)
+        layer = sum(padded_rows(s[f"layers.0.{k}"], D) for k in layer_params(cfg))
         return (
             padded_rows(s["embed"], D),
             layer,

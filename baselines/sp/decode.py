@@ -44,7 +44,7 @@ class SPDecoder(Decoder):
         return ev
 
     def _layers(self) -> list[dict]:
-        return named_layers(self.model.params, self.model.cfg.layers)
+        return named_layers(self.model.params, self.model.cfg)
 
     def _step(self, x: torch.Tensor) -> Step:
         p = self.model.params

@@ -21,7 +21,7 @@ from tspbench.core.layers import rms_norm, transformer_layer
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.optim import grad_sq_sum
 from tspbench.core.options import CP_COMM, OVERLAP, Value
-from tspbench.core.reference import LAYER_PARAMS, param_shapes
+from tspbench.core.reference import layer_params, param_shapes
 from tspbench.core.strategy import Batch, Layout, Strategy, tensor_of
 
 
@@ -67,7 +67,7 @@ class SP(Strategy):
         x = F.embedding(batch.tokens, p["embed"])
         cos, sin, hooks = cp_tables(self, S, self.comm, cfg, x, self.cp_comm, self.overlap)
         for i in range(cfg.layers):
-            lp = {k: p[f"layers.{i}.{k}"] for k in LAYER_PARAMS}
+            lp = {k: p[f"layers.{i}.{k}"] for k in layer_params(cfg)}
             x = self.checkpointed(
                 transformer_layer, x, lp, cfg.norm_eps, cfg.head_dim, cos, sin, hooks
             )

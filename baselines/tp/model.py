@@ -17,10 +17,10 @@ from tspbench.core.collectives import copy_to, reduce_from
 from tspbench.core.config import ModelConfig
 from tspbench.core.decode import megatron_block
 from tspbench.core.layers import LayerHooks, cached, rms_norm, rope_on, transformer_layer
-from tspbench.core.megatron import gather_named, shard_dim
+from tspbench.core.megatron import gather_named, head_partial, shard_dim
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.optim import grad_sq_sum
-from tspbench.core.reference import LAYER_PARAMS, param_shapes
+from tspbench.core.reference import layer_params, param_shapes
 from tspbench.core.strategy import Batch, Layout, Strategy
 from tspbench.core.vocab_parallel import cross_entropy_sum, embedding
 
@@ -64,7 +64,7 @@ class TP(Strategy):
         L = batch.tokens.shape[1]
         cos, sin = cached(self, ("rope", L, x.dtype), lambda: rope_on(torch.arange(L), cfg, x))
         for i in range(cfg.layers):
-            lp = {k: p[f"layers.{i}.{k}"] for k in LAYER_PARAMS}
+            lp = {k: p[f"layers.{i}.{k}"] for k in layer_params(cfg)}
             x = self.checkpointed(
                 transformer_layer, x, lp, cfg.norm_eps, cfg.head_dim, cos, sin, self.hooks
             )
@@ -77,6 +77,10 @@ class TP(Strategy):
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return list(self.params.values())
+
+    def finish_grads(self) -> None:
+        super().finish_grads()
+        self.all_reduce_grads(head_partial(self.params), self.comm)
 
     def grad_sq_norm(self) -> torch.Tensor:
         sharded = [p for n, p in self.params.items() if shard_dim(n) is not None]

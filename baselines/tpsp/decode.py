@@ -62,7 +62,7 @@ class TPSPDecoder(Decoder):
         return ev
 
     def _layers(self) -> list[dict]:
-        return named_layers(self.model.params, self.model.cfg.layers)
+        return named_layers(self.model.params, self.model.cfg)
 
     def _step(self, x: torch.Tensor) -> Step:
         m = self.model

@@ -23,11 +23,11 @@ from tspbench.core.context_parallel import check_exchange, cp_tables
 from tspbench.core.costs import Spec
 from tspbench.core.decode import megatron_block
 from tspbench.core.layers import rms_norm, transformer_layer
-from tspbench.core.megatron import gather_named, shard_dim
+from tspbench.core.megatron import gather_named, head_partial, shard_dim
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.optim import grad_sq_sum
 from tspbench.core.options import CP_COMM, Value
-from tspbench.core.reference import LAYER_PARAMS, param_shapes
+from tspbench.core.reference import layer_params, param_shapes
 from tspbench.core.strategy import Batch, Layout, Strategy
 from tspbench.core.vocab_parallel import cross_entropy_sum, embedding
 
@@ -117,7 +117,7 @@ class TPSP(Strategy):
             enter=lambda t: copy_to(t, self.tp), exit=lambda t: reduce_from(t, self.tp),
         )  # fmt: skip
         for i in range(cfg.layers):
-            lp = {k: p[f"layers.{i}.{k}"] for k in LAYER_PARAMS}
+            lp = {k: p[f"layers.{i}.{k}"] for k in layer_params(cfg)}
             x = self.checkpointed(
                 transformer_layer, x, lp, cfg.norm_eps, cfg.head_dim, cos, sin, hooks
             )
@@ -134,6 +134,7 @@ class TPSP(Strategy):
     def finish_grads(self) -> None:
         super().finish_grads()
         self.all_reduce_grads(self.parameters(), self.sp)
+        self.all_reduce_grads(head_partial(self.params), self.tp)
 
     def grad_sq_norm(self) -> torch.Tensor:
         sharded = [p for n, p in self.params.items() if shard_dim(n) is not None]

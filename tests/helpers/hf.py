@@ -24,8 +24,11 @@ LAYER_NAMES = {
     "w1": "mlp.gate_proj",
     "w3": "mlp.up_proj",
     "w2": "mlp.down_proj",
+    "q_norm": "self_attn.q_norm",
+    "k_norm": "self_attn.k_norm",
 }
-FAMILIES = ("llama", "mistral")
+FAMILIES = ("llama", "mistral", "qwen3")
+QK_NORM_FAMILIES = ("qwen3",)
 
 
 def hf_name(name: str) -> str:
@@ -74,6 +77,14 @@ def hf_model(cfg: ModelConfig, family: str, dtype: torch.dtype):
     )
     if family == "mistral":
         kwargs.update(sliding_window=None, head_dim=cfg.head_dim)
+    if family == "qwen3":
+        assert cfg.qk_norm, "a Qwen3 model has QK norms"
+        kwargs.update(
+            head_dim=cfg.head_dim,
+            attention_bias=False,
+            use_sliding_window=False,
+            sliding_window=None,
+        )
     config_cls = getattr(transformers, f"{family.capitalize()}Config")
     model_cls = getattr(transformers, f"{family.capitalize()}ForCausalLM")
     return model_cls(config_cls(**kwargs)).to(dtype)

@@ -18,7 +18,8 @@ from tests.helpers.distributed import run_world
 
 MODELS = {
     "mha": {},
-    "gqa": {"kv_heads": 4, "rope_scaling": LLAMA3_ROPE_TINY},
+    # with Llama 3.1's RoPE scaling and Qwen3's QK norms
+    "gqa": {"kv_heads": 4, "rope_scaling": LLAMA3_ROPE_TINY, "qk_norm": True},
     "kv2": {"kv_heads": 2},
     "kv1": {"kv_heads": 1},
 }

@@ -16,8 +16,9 @@ from tests.helpers.configs import LLAMA3_ROPE_TINY
 from tests.helpers.distributed import run_world
 from tspbench.runtime.registry import strategies
 
-# GQA with Llama 3.1's RoPE scaling: the scaling lives in the shared tables, one model checks it
-MODELS = {"mha": {}, "gqa": {"kv_heads": 4, "rope_scaling": LLAMA3_ROPE_TINY}}
+# GQA with Llama 3.1's RoPE scaling and Qwen3's QK norms (the scaling lives in the shared
+# tables; the norms in each strategy's attention and gradient handling)
+MODELS = {"mha": {}, "gqa": {"kv_heads": 4, "rope_scaling": LLAMA3_ROPE_TINY, "qk_norm": True}}
 
 
 def _layout(impl, lay) -> dict:

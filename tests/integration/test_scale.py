@@ -21,7 +21,7 @@ from tspbench.projection.estimate import estimate_rank
 from tspbench.runtime.registry import strategies
 from tspbench.runtime.spec import RunSpec
 
-GQA = {"kv_heads": 2}
+GQA = {"kv_heads": 2, "qk_norm": True}  # with Qwen3's QK norms: their bytes, FLOPs, memory
 REF = ROOT / "results" / "reference" / "calibration"
 
 

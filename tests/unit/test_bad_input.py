@@ -56,7 +56,7 @@ BAD = [
     ("run", ["--seq-len", "36", "--degree", "4"], {}, "seq_len=36: must be divisible by 2*D=8"),
     ("run", ["--strategy", "zero"], {}, "argument --strategy: invalid choice: 'zero'"),
     ("run", ["--model", "13b"], {}, "model='13b': unknown preset"),
-    ("run", ["--model", "tiny; rm -rf /"], {}, "model='tiny; rm -rf /': unknown preset"),
+    ("run", ["--model", "tiny; rm -rf /"], {}, "model='tiny; rm -rf /': no such config.json"),
     ("run", ["--set", "bogus=1"], {}, "--set 'bogus': unknown model field"),
     ("run", ["--set", "heads=x"], {}, "--set heads='x': must be a int"),
     ("run", ["--set", "heads"], {}, "--set 'heads': expected field=value"),

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers.hf import FAMILIES, hf_name, in_fp64, paired
+from tests.helpers.hf import FAMILIES, QK_NORM_FAMILIES, hf_name, in_fp64, paired
 from tspbench.core.config import ModelConfig
 from tspbench.core.layers import rope_tables
 from tspbench.core.reference import make_batch
@@ -30,10 +30,10 @@ SCALINGS = {
 }
 
 
-def _cfg(scaling: str) -> ModelConfig:
+def _cfg(scaling: str, family: str = "llama") -> ModelConfig:
     return ModelConfig(
         vocab=96, hidden=48, layers=2, heads=6, kv_heads=2, ffn=80, rope_theta=500.0,
-        norm_eps=1e-5, init_std=0.2, rope_scaling=scaling,
+        norm_eps=1e-5, init_std=0.2, rope_scaling=scaling, qk_norm=family in QK_NORM_FAMILIES,
     )  # fmt: skip
 
 
@@ -64,7 +64,7 @@ def _close(a, b, tol: float) -> None:
 @pytest.mark.parametrize("scaling", SCALINGS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_reference_equals_hf_fp64(family, scaling):
-    cfg = _cfg(SCALINGS[scaling])
+    cfg = _cfg(SCALINGS[scaling], family)
     ours, theirs = paired(cfg, family, torch.float64)
     in_fp64(theirs, cfg)
     tokens, labels = make_batch(cfg, 2, 24, seed=1)
@@ -75,7 +75,7 @@ def test_reference_equals_hf_fp64(family, scaling):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_reference_equals_hf_fp32_with_hf_rope(family, scaling):
     """HF's own RoPE (fp32 tables) end to end: fp32 tight."""
-    cfg = _cfg(SCALINGS[scaling])
+    cfg = _cfg(SCALINGS[scaling], family)
     ours, theirs = paired(cfg, family, torch.float32)
     tokens, labels = make_batch(cfg, 2, 24, seed=2)
     _close(*_step(ours, theirs, tokens, labels), tol=2e-5)
@@ -104,7 +104,7 @@ def test_rope_tables_equal_hf(scaling):
 def test_greedy_generation_equals_hf_generate(family):
     """HF's generate (its KV-cache path) and greedy argmax over the reference's full forward
     give the same tokens, with Llama 3's scaling."""
-    cfg = _cfg(SCALINGS["llama3"])
+    cfg = _cfg(SCALINGS["llama3"], family)
     ours, theirs = paired(cfg, family, torch.float64)
     in_fp64(theirs, cfg)
     prompt, _ = make_batch(cfg, 2, 12, seed=3)

@@ -204,7 +204,7 @@ def test_gqa_explains_why_tsp_is_filtered_at_d16(capsys, counted, tmp_path):
         (["--hardware", "h100", "--memory-cap", "-1"], "--memory-cap"),
         (["--gpus", "0"], "--gpus"),
         (["--seq-len", "2e5"], "--seq-len"),
-        (["--model", "missing/config.json"], "no such file"),
+        (["--model", "missing/config.json"], "no such config.json file"),
         (["--model", "70b"], "--model='70b'"),
     ],
 )
@@ -439,6 +439,10 @@ def test_a_scaling_not_modelled_is_refused_naming_the_key(scaling, needle):
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
+def llama_or_mistral_qk(got: dict) -> bool:
+    return any(cfg.qk_norm for name, (cfg, _) in got.items() if not name.startswith("qwen3"))
+
+
 def test_published_model_files_plan(capsys, counted, tmp_path):
     """Each committed config.json (workflows/models/, sources in its README) is read whole:
     no key refused, its scaling modelled, the values as published."""
@@ -448,8 +452,11 @@ def test_published_model_files_plan(capsys, counted, tmp_path):
 
     models = Path(__file__).parents[2] / "workflows" / "models"
     got = {p.stem: read_hf_config(str(p)) for p in sorted(models.glob("*.json"))}
-    assert {"llama3.1-8b", "mistral-7b-v0.3"} <= set(got)
+    assert {"llama3.1-8b", "mistral-7b-v0.3", "qwen3-8b"} <= set(got)
     assert all(not notes for _, notes in got.values())
+    qwen, _ = got["qwen3-8b"]
+    assert qwen.qk_norm and not llama_or_mistral_qk(got)
+    assert round(qwen.n_params() / 1e9, 2) == 8.19  # "Number of Parameters: 8.2B" (model card)
     llama, _ = got["llama3.1-8b"]
     assert (llama.hidden, llama.layers, llama.kv_heads, llama.ffn, llama.vocab) == (
         4096, 32, 8, 14336, 128256)  # fmt: skip

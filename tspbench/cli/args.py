@@ -142,7 +142,12 @@ def add_run_args(p: argparse.ArgumentParser, strategy: str | None = None) -> Non
     p.add_argument(
         "--strategy", required=strategy is None, default=strategy, choices=sorted(strategies())
     )
-    p.add_argument("--model", default="tiny", help="preset: tiny, small, 7b, llama3-8b, llama2-13b")
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help="preset (tiny, small, 7b, llama3-8b, llama2-13b) or a Hugging Face config.json "
+        "(docs/models.md; workflows/models/ has published ones)",
+    )
     p.add_argument(
         "--set",
         action="append",

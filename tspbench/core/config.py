@@ -104,6 +104,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     init_std: float = 0.02
     rope_scaling: str = ""  # "kind,key=value,..." (tspbench/core/rope.py); "": none
+    qk_norm: bool = False  # RMSNorm over each head's Q and K before RoPE (Qwen3)
 
     def __post_init__(self) -> None:
         for f, (lo, hi) in RANGES.items():
@@ -123,6 +124,8 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ConfigError(f"head dim hidden/heads={self.head_dim}: must be even for RoPE")
+        if not isinstance(self.qk_norm, bool):
+            raise ConfigError(f"model.qk_norm={self.qk_norm!r}: must be true or false")
         if not isinstance(self.rope_scaling, str):
             raise ConfigError(f"model.rope_scaling={self.rope_scaling!r}: must be a string")
         try:
@@ -143,6 +146,7 @@ class ModelConfig:
         """Total parameter count (embedding and LM head are untied)."""
         h, f = self.hidden, self.ffn
         per_layer = 2 * h * h + 2 * h * self.kv_dim + 3 * h * f + 2 * h
+        per_layer += 2 * self.head_dim if self.qk_norm else 0
         return self.layers * per_layer + h + (2 * self.vocab * h if embeddings else 0)
 
 
@@ -178,12 +182,16 @@ class ModelOverrides(TypedDict, total=False):
     norm_eps: float
     init_std: float
     rope_scaling: str
+    qk_norm: bool
+
+
+BOOLS = {"true": True, "false": False, "1": True, "0": False}
 
 
 def parse_overrides(items: list[str] | None) -> ModelOverrides:
     """Parse ``field=value`` strings (from ``--set``) into typed overrides."""
     fields = {f.name: f.type for f in dataclasses.fields(ModelConfig)}
-    out: dict[str, int | float | str] = {}
+    out: dict[str, int | float | str | bool] = {}
     for item in items or []:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected field=value, e.g. --set kv_heads=4")
@@ -194,6 +202,11 @@ def parse_overrides(items: list[str] | None) -> ModelOverrides:
                 f"--set {key!r}: unknown model field; known: {', '.join(sorted(fields))}"
             )
         kind = fields[key]
+        if kind == "bool":
+            if raw.strip().lower() not in BOOLS:
+                raise ConfigError(f"--set {key}={raw!r}: must be true or false")
+            out[key] = BOOLS[raw.strip().lower()]
+            continue
         try:
             out[key] = float(raw) if kind == "float" else raw if kind == "str" else int(raw)
         except ValueError:
@@ -221,8 +234,10 @@ HF_FIELDS = {  # ModelConfig field <- config.json key (and the key's default, No
     "rope_theta": ("rope_theta", 10000.0),
     "norm_eps": ("rms_norm_eps", 1e-6),
 }
-HF_MODEL_TYPES = ("llama", "mistral")  # dense pre-norm RMSNorm/RoPE/GQA/SwiGLU decoders
-HF_ARCHS = tuple(f"{n}{h}" for n in ("Llama", "Mistral") for h in ("ForCausalLM", "Model"))
+# dense pre-norm RMSNorm/RoPE/GQA/SwiGLU decoders (docs/models.md); Qwen3 adds QK norms
+HF_MODEL_TYPES = ("llama", "mistral", "qwen3")
+HF_ARCHS = tuple(f"{n}{h}" for n in ("Llama", "Mistral", "Qwen3") for h in ("ForCausalLM", "Model"))
+QK_NORM_TYPES = ("qwen3",)
 HF_MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "n_shared_experts",
                "num_experts_per_tok", "moe_intermediate_size", "moe_layer_freq",
                "shared_expert_intermediate_size", "decoder_sparse_step")  # fmt: skip
@@ -239,6 +254,11 @@ def hf_config(data: object, where: str = "config.json") -> tuple[ModelConfig, li
     values = _hf_values(data, where)
     _hf_check_head_dim(data, where, values)
     values["rope_scaling"] = _hf_rope(data, where, values)
+    archs = data.get("architectures") or []
+    family = data.get("model_type") or (
+        archs[0].removesuffix("ForCausalLM").lower() if archs else ""
+    )
+    values["qk_norm"] = family.removesuffix("model") in QK_NORM_TYPES
     return _hf_model(values, where), []
 
 
@@ -300,9 +320,9 @@ def _hf_check_architecture(data: dict, where: str) -> None:
         raise _hf_refuse(data, where, key, "the MLP here is SwiGLU (silu)")
 
 
-def _hf_values(data: dict, where: str) -> dict[str, int | float | str]:
+def _hf_values(data: dict, where: str) -> dict[str, int | float | str | bool]:
     """The :data:`HF_FIELDS` of a ``config.json``, each checked against its range."""
-    values: dict[str, int | float | str] = {}
+    values: dict[str, int | float | str | bool] = {}
     for field, (key, default) in HF_FIELDS.items():
         values[field] = _hf_value(data, where, field, key, default)
     return values
@@ -331,7 +351,7 @@ def _hf_value(
     return v if integral else float(v)
 
 
-def _hf_rope(data: dict, where: str, values: dict[str, int | float | str]) -> str:
+def _hf_rope(data: dict, where: str, values: dict[str, int | float | str | bool]) -> str:
     """The canonical RoPE scaling of ``rope_scaling`` (transformers 4) or ``rope_parameters``
     (transformers 5, which also moves ``rope_theta`` into it: read from there when the top
     level lacks it); ConfigError naming the key for a scaling not modelled."""
@@ -350,7 +370,7 @@ def _hf_rope(data: dict, where: str, values: dict[str, int | float | str]) -> st
     return ""
 
 
-def _hf_check_head_dim(data: dict, where: str, values: dict[str, int | float | str]) -> None:
+def _hf_check_head_dim(data: dict, where: str, values: dict[str, int | float | str | bool]) -> None:
     """Refuse a ``head_dim`` other than hidden_size/num_attention_heads."""
     heads, hidden = cast(int, values["heads"]), cast(int, values["hidden"])
     if "head_dim" in data and data["head_dim"] is not None and hidden % heads == 0:
@@ -363,7 +383,7 @@ def _hf_check_head_dim(data: dict, where: str, values: dict[str, int | float | s
             )
 
 
-def _hf_model(values: dict[str, int | float | str], where: str) -> ModelConfig:
+def _hf_model(values: dict[str, int | float | str | bool], where: str) -> ModelConfig:
     """The :class:`ModelConfig` of the values read; a rule across fields is said with the
     file's keys."""
     try:
@@ -383,17 +403,34 @@ def read_hf_config(path: str) -> tuple[ModelConfig, list[str]]:
     if p.is_dir():
         p = p / "config.json"
     if not p.exists():
-        raise ConfigError(f"--model={path}: no such file")
+        raise ConfigError(
+            f"--model={path!r}: no such config.json file, and not a preset ({', '.join(PRESETS)})"
+        )
     data = read_json_input(p, "--model")  # a config.json is a few kB
     return hf_config(data, str(p))
 
 
+def is_model_path(name: str) -> bool:
+    """Whether ``--model`` names a ``config.json`` (a path) rather than a preset."""
+    return name.endswith(".json") or "/" in name or name.startswith(".")
+
+
 def load_model(name_or_path: str) -> tuple[ModelConfig, list[str]]:
-    """A preset by name, or the model of a Hugging Face ``config.json`` (path or folder)."""
+    """A preset by name, or the model of a Hugging Face ``config.json`` (path or folder),
+    named by the path as given: a rank process or a record reads the same file again."""
     if name_or_path in PRESETS:
         return PRESETS[name_or_path], []
-    if name_or_path.endswith(".json") or "/" in name_or_path or name_or_path.startswith("."):
-        return read_hf_config(name_or_path)
+    if is_model_path(name_or_path):
+        cfg, notes = read_hf_config(name_or_path)
+        return dataclasses.replace(cfg, name=name_or_path), notes
     raise ConfigError(
-        f"--model={name_or_path!r}: not a preset ({', '.join(PRESETS)}) nor a config.json path"
+        f"--model={name_or_path!r}: unknown preset (known: {', '.join(PRESETS)}) and not a "
+        f"config.json path"
     )
+
+
+def model_with_overrides(name_or_path: str, items: list[str] | None) -> ModelConfig:
+    """``--model`` (a preset or a ``config.json``) with ``--set`` overrides on top."""
+    cfg, _ = load_model(name_or_path)
+    overrides = parse_overrides(items)
+    return dataclasses.replace(cfg, **overrides) if overrides else cfg

@@ -108,15 +108,22 @@ def phases(c: Spec) -> tuple[str, ...]:
 
 
 # -- parameters -------------------------------------------------------------------------------
+def qk_norm_numel(cfg: ModelConfig) -> int:
+    """Elements of one layer's QK norms (Qwen3: [d] each), else 0."""
+    return 2 * cfg.head_dim if cfg.qk_norm else 0
+
+
 def layer_numel(cfg: ModelConfig) -> int:
-    """Elements of one transformer layer: two norms, Wq/Wo, Wk/Wv, W1/W3/W2."""
+    """Elements of one transformer layer: two norms (four with QK norms), Wq/Wo, Wk/Wv,
+    W1/W3/W2."""
     h, kv, f = cfg.hidden, cfg.kv_dim, cfg.ffn
-    return 2 * h + 2 * h * h + 2 * h * kv + 3 * h * f
+    return 2 * h + 2 * h * h + 2 * h * kv + 3 * h * f + qk_norm_numel(cfg)
 
 
 def norm_numel(cfg: ModelConfig) -> int:
-    """Elements of the RMSNorm weights (two per layer and the final one): never split."""
-    return (2 * cfg.layers + 1) * cfg.hidden
+    """Elements of the RMSNorm weights (two per layer, their QK norms, and the final one):
+    never split."""
+    return (2 * cfg.layers + 1) * cfg.hidden + cfg.layers * qk_norm_numel(cfg)
 
 
 def full_numel(cfg: ModelConfig) -> int:
@@ -240,6 +247,10 @@ def megatron(c: Spec, T: int, axis: str, cp_axis: str | None = None, cp: int = 1
     ev.add("forward", axis, "all_reduce", T, c.tokens * FP32, 3)  # CE max, sum-exp, target
     if c.train:
         ev.add("backward", axis, "all_reduce", T, act)  # copy_to before the LM head
+        # QK norms: each rank's gradient sums over its heads only (Megatron-Core all-reduces
+        # them over TP as well)
+        if c.cfg.qk_norm:
+            ev.add("backward", axis, "all_reduce", T, c.cfg.layers * qk_norm_numel(c.cfg) * c.e)
     return ev
 
 
@@ -275,6 +286,8 @@ def saved_per_layer(c: Spec, T: int) -> int:
     # heads is a view)
     o_copy = c.cp > 1 and not ring(c)
     attn = (2 + o_copy) * t * nh * cfg.head_dim * e + 4 * t * nh + kv
+    if cfg.qk_norm:  # each QK norm keeps its input (the projection) and its fp32 1/rms
+        attn += t * (nh * cfg.head_dim + kvl) * e + 4 * t * (nh + kvl // cfg.head_dim)
     return norms_saved(c) + attn + 4 * t * fl * e  # MLP: h1, silu(h1), h3, their product
 
 

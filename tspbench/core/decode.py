@@ -21,8 +21,8 @@ from tspbench.core.comm import Comm
 from tspbench.core.config import ConfigError, ModelConfig
 from tspbench.core.init import Index, chunk_slice
 from tspbench.core.kvcache import KVCache, Step, partial_attention
-from tspbench.core.layers import LayerHooks, apply_rope, rms_norm, rope_tables, transformer_layer
-from tspbench.core.reference import LAYER_PARAMS, param_shapes
+from tspbench.core.layers import LayerHooks, rms_norm, rope_tables, rotate_qk, transformer_layer
+from tspbench.core.reference import layer_params, param_shapes
 
 FP32 = 4
 
@@ -165,8 +165,7 @@ def decode_layer(
         return t.view(B, -1, head_dim)
 
     a = rms_norm(x, p["attn_norm"], eps)
-    q = apply_rope(heads(a @ p["wq"].T), cos, sin)
-    k = apply_rope(heads(a @ p["wk"].T), cos, sin)
+    q, k = rotate_qk(heads(a @ p["wq"].T), heads(a @ p["wk"].T), p, eps, cos, sin)
     o = hooks.attend(i, q, k, heads(a @ p["wv"].T)).to(x.dtype)
     x = x + hooks.exit(o.flatten(1) @ p["wo"].T)
     m = rms_norm(x, p["mlp_norm"], eps)
@@ -235,9 +234,10 @@ def prefill_layers(
 
 
 # -- greedy choice --------------------------------------------------------------------------------
-def named_layers(params: dict[str, torch.Tensor], n_layers: int) -> list[dict]:
+def named_layers(params: dict[str, torch.Tensor], cfg: ModelConfig) -> list[dict]:
     """Per layer, its reference-named parameters without the ``layers.i.`` prefix."""
-    return [{k: params[f"layers.{i}.{k}"] for k in LAYER_PARAMS} for i in range(n_layers)]
+    names = layer_params(cfg)
+    return [{k: params[f"layers.{i}.{k}"] for k in names} for i in range(cfg.layers)]
 
 
 def head_step(

@@ -126,6 +126,21 @@ def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Ten
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
+def rotate_qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    p: dict[str, torch.Tensor],
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on the heads of q and k (any layout with the head dim last), each head normed first
+    where the layer has ``q_norm`` and ``k_norm`` (Qwen3)."""
+    if "q_norm" in p:
+        q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
 @dataclass
 class LayerHooks:
     """Where a parallel strategy plugs its communication into :func:`transformer_layer`.
@@ -153,7 +168,8 @@ def transformer_layer(
     sin: torch.Tensor,
     hooks: LayerHooks,
 ) -> torch.Tensor:
-    """One pre-norm Llama block on x [B, L, h] with (possibly sharded) weights ``p``.
+    """One pre-norm Llama block on x [B, L, h] with (possibly sharded) weights ``p`` (with
+    ``q_norm`` and ``k_norm``: Qwen3's, each head's Q and K normed before RoPE).
 
     Head counts follow from the weight shapes, so a TP shard of Wq simply yields fewer heads.
     """
@@ -163,8 +179,7 @@ def transformer_layer(
         return t.view(B, L, -1, head_dim).transpose(1, 2)
 
     a = hooks.enter(rms_norm(x, p["attn_norm"], eps))
-    q = apply_rope(heads(a @ p["wq"].T), cos, sin)
-    k = apply_rope(heads(a @ p["wk"].T), cos, sin)
+    q, k = rotate_qk(heads(a @ p["wq"].T), heads(a @ p["wk"].T), p, eps, cos, sin)
     k, v = hooks.gather_kv(k, heads(a @ p["wv"].T))
     o = hooks.attn(q, k, v).transpose(1, 2).flatten(2)
     x = x + hooks.exit(o @ p["wo"].T)

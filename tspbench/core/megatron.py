@@ -29,3 +29,9 @@ def gather_named(
         dim = shard_dim(name)
         out[name] = t if dim is None else comm.all_gather(t, dim=dim)
     return out
+
+
+def head_partial(params: dict[str, torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    """The replicated parameters whose gradient each tensor-parallel rank holds only its heads'
+    part of (Qwen3's QK norms): summed over the TP group after backward."""
+    return [p for n, p in params.items() if n.rsplit(".", 1)[-1] in ("q_norm", "k_norm")]

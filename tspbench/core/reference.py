@@ -14,12 +14,18 @@ from tspbench.core.config import ModelConfig
 from tspbench.core.layers import LayerHooks, cached, rms_norm, rope_on, transformer_layer
 
 LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w1", "w3", "w2")
+QK_NORMS = ("q_norm", "k_norm")  # Qwen3's per-head RMSNorms on Q and K, [head_dim] each
+
+
+def layer_params(cfg: ModelConfig) -> tuple[str, ...]:
+    """The parameters of one layer of ``cfg``: Llama's nine, and the QK norms where it has them."""
+    return LAYER_PARAMS + QK_NORMS if cfg.qk_norm else LAYER_PARAMS
 
 
 def unit_names(cfg: ModelConfig) -> list[list[str]]:
     """The parameters of each unit a fully sharded model gathers at once (FSDP+CP, FSDP2+CP):
     the embedding; each layer; the final norm with the LM head."""
-    layers = [[f"layers.{i}.{k}" for k in LAYER_PARAMS] for i in range(cfg.layers)]
+    layers = [[f"layers.{i}.{k}" for k in layer_params(cfg)] for i in range(cfg.layers)]
     return [["embed"], *layers, ["norm", "head"]]
 
 
@@ -36,6 +42,7 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "w1": (f, h),
         "w3": (f, h),
         "w2": (h, f),
+        **{k: (cfg.head_dim,) for k in QK_NORMS if cfg.qk_norm},
     }
     shapes: dict[str, tuple[int, ...]] = {"embed": (cfg.vocab, h)}
     for i in range(cfg.layers):
@@ -123,7 +130,7 @@ class ReferenceModel(torch.nn.Module):
         key = ("rope", L, x.dtype, x.device)
         cos, sin = cached(self, key, lambda: rope_on(torch.arange(L), cfg, x))
         for i in range(cfg.layers):
-            p = {k: self.p(f"layers.{i}.{k}") for k in LAYER_PARAMS}
+            p = {k: self.p(f"layers.{i}.{k}") for k in layer_params(cfg)}
             x = layer_call(
                 transformer_layer, x, p, cfg.norm_eps, cfg.head_dim, cos, sin, hooks or LayerHooks()
             )

@@ -75,7 +75,7 @@ def _field(rec: dict, path: str, key: str):
     return rec[key]
 
 
-LATER_FIELDS = {"rope_scaling": ""}  # model fields records before them lack
+LATER_FIELDS = {"rope_scaling": "", "qk_norm": False}  # model fields records before them lack
 
 
 def _model(rec: dict, path: str) -> ModelConfig:

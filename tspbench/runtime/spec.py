@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from tspbench.core.config import ConfigError, ModelConfig, get_config, parse_overrides
+from tspbench.core.config import ConfigError, ModelConfig, load_model, model_with_overrides
 from tspbench.core.dtypes import BYTES
 from tspbench.core.options import Options, Value
 from tspbench.core.strategy import Layout, Strategy
@@ -132,7 +132,7 @@ class RunSpec:
             )
         return cls.make(
             args.strategy,
-            get_config(args.model, **parse_overrides(args.set)),
+            model_with_overrides(args.model, args.set),
             degree=args.degree,
             tp=args.tp,
             sp=args.sp,
@@ -155,7 +155,7 @@ class RunSpec:
         """``tspbench run`` arguments that rebuild this spec (launcher and output apart)."""
         lay = self.layout
         argv = ["--strategy", self.strategy, "--model", self.cfg.name]
-        preset = get_config(self.cfg.name) if self.cfg.name != "custom" else None
+        preset = load_model(self.cfg.name)[0] if self.cfg.name != "custom" else None
         for f in dataclasses.fields(self.cfg):
             value = getattr(self.cfg, f.name)
             if f.name != "name" and (preset is None or getattr(preset, f.name) != value):
