@@ -48,6 +48,7 @@ from tsp_impl.ops import accumulate
 from tsp_impl.overlap import OneInFlight, owner_shards
 from tsp_impl.plan import TSPPlan
 from tspbench.core.attention import causal_bwd, causal_fwd
+from tspbench.core.config import ModelConfig
 from tspbench.core.layers import rms_norm_bwd, rms_norm_fwd
 
 Keep = Callable[[int, torch.Tensor, torch.Tensor], None]  # (head group r, its local K, V)
@@ -55,8 +56,29 @@ Norms = tuple[torch.Tensor, torch.Tensor] | None  # Qwen3's QK norm weights [d] 
 
 
 def qkv_rows(plan: TSPPlan) -> int:
-    """Rows of [Wq_r; Wk_r; Wv_r] in a packed shard (the rest is Wo_r^T)."""
+    """Rows of [Wq_r; Wk_r; Wv_r] in a packed shard (then Wo_r^T, then the biases' rows)."""
     return (plan.hq + 2 * plan.hkv) * plan.cfg.head_dim
+
+
+def bias_rows(cfg: ModelConfig, D: int) -> int:
+    """Rows of width h that carry a head group's QKV biases (Qwen2) at the end of its packed
+    shard, zero-padded, so that one broadcast moves them with the weights (0 without)."""
+    n = (cfg.heads + 2 * cfg.kv_heads) // D * cfg.head_dim
+    return -(-n // cfg.hidden) if cfg.qkv_bias else 0
+
+
+def wo_t(w: torch.Tensor, plan: TSPPlan) -> torch.Tensor:
+    """Wo_r^T [hq d, h] of a packed shard."""
+    rows = qkv_rows(plan)
+    return w[rows : rows + plan.hq * plan.cfg.head_dim]
+
+
+def qkv_bias(w: torch.Tensor, plan: TSPPlan) -> torch.Tensor | None:
+    """[bq_r; bk_r; bv_r] of a packed shard (a view of its last rows), or None."""
+    if not plan.cfg.qkv_bias:
+        return None
+    rows = qkv_rows(plan)
+    return w[rows + plan.hq * plan.cfg.head_dim :].flatten()[:rows]
 
 
 def rotate(t: torch.Tensor, table: torch.Tensor) -> None:
@@ -71,7 +93,9 @@ def project(x: torch.Tensor, w: torch.Tensor, plan: TSPPlan) -> torch.Tensor:
     """Local tokens' [Q | K | V] for one head group: [B, S/D, hq + 2 hkv, d], before RoPE
     (and before the QK norms, where the model has them)."""
     B, n, h = x.shape
-    return (x.view(B * n, h) @ w[: qkv_rows(plan)].T).view(B, n, -1, plan.cfg.head_dim)
+    bias, wqkv = qkv_bias(w, plan), w[: qkv_rows(plan)].T
+    out = x.view(B * n, h) @ wqkv if bias is None else torch.addmm(bias, x.view(B * n, h), wqkv)
+    return out.view(B, n, -1, plan.cfg.head_dim)
 
 
 def qk_split(t: torch.Tensor, plan: TSPPlan) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,7 +222,7 @@ def attention_forward(
         a = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
         # (``res`` None: decode's prefill, no residual)
         y = accumulate(
-            y, a.view(B * n, -1), w[qkv_rows(plan) :], None if res is None else res.view(B * n, h)
+            y, a.view(B * n, -1), wo_t(w, plan), None if res is None else res.view(B * n, h)
         )
         if save:
             saved += [raw, a, *lses, *kvs]  # (raw is qkv without QK norms)
@@ -230,7 +254,7 @@ def attention_backward(
         raw, a, *rest = saved[r * per : (r + 1) * per]
         qkv, rstds = position(raw, norms, plan) if norms is not None else (raw, ())
         lses, kvs = rest[:n_lse], rest[n_lse:]
-        da = (dy2 @ w[rows:].T).view(a.shape)
+        da = (dy2 @ wo_t(w, plan).T).view(a.shape)
         dqs, dks, dvs = [], [], []
         for i, (qs, ks) in enumerate(plan.buckets()):
             q, k, v = heads(qkv, plan, ks)
@@ -261,7 +285,10 @@ def attention_backward(
         dx = accumulate(dx, dqkv, w[:rows])
         dw = torch.empty_like(w_own)  # packed like W_r: written by its two GEMMs
         torch.mm(dqkv.T, x2, out=dw[:rows])
-        torch.mm(a.view(B * n, -1).T, dy2, out=dw[rows:])  # dWo_r^T
+        torch.mm(a.view(B * n, -1).T, dy2, out=wo_t(dw, plan))  # dWo_r^T
+        if plan.cfg.qkv_bias:  # the biases' rows: their gradient, then zeros
+            dw[rows + plan.hq * plan.cfg.head_dim :].zero_()
+            torch.sum(dqkv, dim=0, out=qkv_bias(dw, plan))
         reduces.reduce(dw, dst=r)
         if r == plan.rank:
             dw_own = dw

@@ -13,6 +13,7 @@ V vocabulary, L layers, e bytes per element, D the degree; t = tokens on this ra
 
 from __future__ import annotations
 
+from tsp_impl.attention import bias_rows
 from tspbench.core import costs
 from tspbench.core.config import ModelConfig
 from tspbench.core.costs import Schedule, Spec
@@ -21,8 +22,21 @@ from tspbench.core.strategy import Layout
 
 
 def param_numel(cfg: ModelConfig, D: int) -> int:
-    """Every weight but the norms is 1/D per rank: head group, MLP slice, vocabulary rows."""
-    return costs.split_numel(cfg, D)
+    """Every weight but the norms is 1/D per rank: head group, MLP slice, vocabulary rows; a head
+    group's QKV biases (Qwen2) ride in zero-padded rows of its attention shard."""
+    biases = (cfg.hidden + 2 * cfg.kv_dim) // D if cfg.qkv_bias else 0
+    return costs.split_numel(cfg, D) + cfg.layers * (
+        attn_shard_numel(cfg, D) - _plain(cfg, D) - biases
+    )
+
+
+def _plain(cfg: ModelConfig, D: int) -> int:
+    return (2 * cfg.hidden + 2 * cfg.kv_dim) * cfg.hidden // D
+
+
+def attn_shard_numel(cfg: ModelConfig, D: int) -> int:
+    """Elements of one packed attention shard: [Wq_r; Wk_r; Wv_r; Wo_r^T] and the biases' rows."""
+    return _plain(cfg, D) + bias_rows(cfg, D) * cfg.hidden
 
 
 def schedule(c: Spec) -> Schedule:
@@ -39,7 +53,7 @@ def schedule(c: Spec) -> Schedule:
     gathers, their reduce-scatters and the norms' all-reduce are blocking."""
     cfg, B, S, e, D = c.cfg, c.batch, c.seq_len, c.e, c.degree
     h, kv, f, V, L = cfg.hidden, cfg.kv_dim, cfg.ffn, cfg.vocab, cfg.layers
-    wa, wm, wv = (2 * h + 2 * kv) * h // D * e, 3 * f * h // D * e, V // D * h * e
+    wa, wm, wv = attn_shard_numel(cfg, D) * e, 3 * f * h // D * e, V // D * h * e
     kv_full = 2 * B * S * kv // D * e  # one head group's K and V over the whole sequence
     ev, M = Schedule(), Axis.MODEL
     ring, ov = c.options["mlp_schedule"] == "ring", c.options["overlap"]
@@ -125,7 +139,7 @@ def inference_working_set(c: Spec) -> tuple[int, int]:
     cfg, e, t, D = c.cfg, c.e, c.tokens, c.degree
     h, kv, vl = cfg.hidden, cfg.kv_dim, cfg.vocab // D
     act, kv_unit, logits = _units(c)
-    wa, sl, tf = (2 * h + 2 * kv) * h // D * e, 3 * cfg.ffn // D * h * e, t * cfg.ffn // D * e
+    wa, sl, tf = attn_shard_numel(cfg, D) * e, 3 * cfg.ffn // D * h * e, t * cfg.ffn // D * e
     many = int(D > 1)
     attn = (2 + many) * act + t * (h + 2 * kv) // D * e + 2 * kv_unit
     attn += many * 2 * wa

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from tsp_impl.attention import attention_forward
+from tsp_impl.attention import attention_forward, bias_rows
 from tsp_impl.mlp import BroadcastMLP, RingMLP
 from tsp_impl.plan import TSPPlan
 from tsp_impl.vocab import VocabEmbedding
@@ -85,12 +85,16 @@ def layer_views(lp: dict, cfg: ModelConfig, D: int) -> dict[str, torch.Tensor]:
     """A layer's own head group and MLP slice as reference-named (sharded) weights."""
     d = cfg.head_dim
     hq, hkv = cfg.heads // D * d, cfg.kv_heads // D * d
-    wq, wk, wv, wo_t = lp["attn"].split([hq, hkv, hkv, hq])
+    wq, wk, wv, wo_t, rest = lp["attn"].split([hq, hkv, hkv, hq, bias_rows(cfg, D)])
+    biases = {}
+    if cfg.qkv_bias:
+        bq, bk, bv = rest.flatten()[: hq + 2 * hkv].split([hq, hkv, hkv])
+        biases = {"bq": bq, "bk": bk, "bv": bv}
     w1, w3, w2t = lp["mlp"].chunk(3)
     return {
         "attn_norm": lp["attn_norm"], "wq": wq, "wk": wk, "wv": wv, "wo": wo_t.T,
         "mlp_norm": lp["mlp_norm"], "w1": w1, "w3": w3, "w2": w2t.T,
-        **{k: lp[k] for k in QK_NORMS if k in lp},
+        **{k: lp[k] for k in QK_NORMS if k in lp}, **biases,
     }  # fmt: skip
 
 

@@ -3,6 +3,7 @@
 Parameters of rank r (nothing else is stored, so weights, grads and AdamW state are all 1/D):
     embed, head        rows r*V/D .. (r+1)*V/D                      [V/D, h]
     layers.i.attn      head group r packed [Wq_r; Wk_r; Wv_r; Wo_r^T] [(2n_h+2n_kv)d/D, h]
+                       (Qwen2: then its QKV biases, zero-padded rows of width h)
     layers.i.mlp       slice r packed [W1_r; W3_r; W2_r^T]         [3f/D, h]
                        (moved by the ring or the broadcast schedule: mlp_schedule)
     norms              replicated (h elements each; Qwen3's QK norms d each); grads
@@ -15,8 +16,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.nn.functional as F
 
-from tsp_impl.attention import BroadcastAttention
+from tsp_impl.attention import BroadcastAttention, bias_rows
 from tsp_impl.costs import TSPCosts
 from tsp_impl.decode import TSPDecoder
 from tsp_impl.mlp import BroadcastMLP, RingMLP
@@ -139,6 +141,7 @@ class TSP(Strategy):
                     self.init_block(n + "wk", own["kv"]),
                     self.init_block(n + "wv", own["kv"]),
                     self.init_block(n + "wo", cols=own["h"]).T,
+                    *self.bias_block(n, own),
                 ]
             )
             w13 = [self.init_block(n + k, own["f"]) for k in ("w1", "w3")]
@@ -154,6 +157,18 @@ class TSP(Strategy):
             )
         self._plans: dict[int, TSPPlan] = {}
         self.recomputing = False  # set while backward recomputes a layer (checkpointed)
+
+    def bias_block(self, n: str, own: dict[str, slice]) -> list[torch.Tensor]:
+        """Head group r's QKV biases as the zero-padded rows of width h its packed shard ends
+        with (none without biases): one broadcast moves them with the weights."""
+        rows = bias_rows(self.cfg, self.comm.size)
+        if not rows:
+            return []
+        parts = [
+            self.init_block(n + b, own[k]) for b, k in (("bq", "h"), ("bk", "kv"), ("bv", "kv"))
+        ]
+        flat = torch.cat(parts)
+        return [F.pad(flat, (0, rows * self.cfg.hidden - flat.numel())).view(rows, -1)]
 
     def plan(self, seq_len: int) -> TSPPlan:
         if seq_len not in self._plans:
@@ -256,12 +271,18 @@ class TSP(Strategy):
 
         out = {"embed": torch.cat(g(self.embed)), "head": torch.cat(g(self.head))}
         out["norm"] = tensor_of(self.norm, grads)
+        rb = bias_rows(self.cfg, D)
         for i, lp in enumerate(self.layers):
             pre = f"layers.{i}."
-            parts = [s.split([hq * d, hkv * d, hkv * d, hq * d]) for s in g(lp["attn"])]
+            parts = [s.split([hq * d, hkv * d, hkv * d, hq * d, rb]) for s in g(lp["attn"])]
             for j, k in enumerate(("wq", "wk", "wv")):
                 out[pre + k] = torch.cat([p[j] for p in parts])
             out[pre + "wo"] = torch.cat([p[3].T for p in parts], dim=1)
+            if rb:  # each group's [bq_r; bk_r; bv_r], padded
+                flat = [p[4].flatten()[: (hq + 2 * hkv) * d] for p in parts]
+                biases = [f.split([hq * d, hkv * d, hkv * d]) for f in flat]
+                for j, k in enumerate(("bq", "bk", "bv")):
+                    out[pre + k] = torch.cat([b[j] for b in biases])
             parts = [s.chunk(3) for s in g(lp["mlp"])]
             out[pre + "w1"] = torch.cat([p[0] for p in parts])
             out[pre + "w3"] = torch.cat([p[1] for p in parts])

@@ -27,8 +27,10 @@ LAYER_NAMES = {
     "q_norm": "self_attn.q_norm",
     "k_norm": "self_attn.k_norm",
 }
-FAMILIES = ("llama", "mistral", "qwen3")
+BIASES = {"bq": "wq", "bk": "wk", "bv": "wv"}
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 QK_NORM_FAMILIES = ("qwen3",)
+QKV_BIAS_FAMILIES = ("qwen2",)
 
 
 def hf_name(name: str) -> str:
@@ -40,6 +42,8 @@ def hf_name(name: str) -> str:
     if name == "head":
         return "lm_head.weight"
     _, i, key = name.split(".")
+    if key in BIASES:
+        return f"model.layers.{i}.{LAYER_NAMES[BIASES[key]]}.bias"
     return f"model.layers.{i}.{LAYER_NAMES[key]}.weight"
 
 
@@ -77,6 +81,9 @@ def hf_model(cfg: ModelConfig, family: str, dtype: torch.dtype):
     )
     if family == "mistral":
         kwargs.update(sliding_window=None, head_dim=cfg.head_dim)
+    if family == "qwen2":
+        assert cfg.qkv_bias, "a Qwen2 model has QKV biases"
+        kwargs.update(use_sliding_window=False, sliding_window=None)
     if family == "qwen3":
         assert cfg.qk_norm, "a Qwen3 model has QK norms"
         kwargs.update(

@@ -50,6 +50,8 @@ def _strategy_cases(strat: str, impl) -> list[dict]:
         for model, over in MODELS.items()
         for b in (1, 2)
     ]
+    # Qwen2's QKV biases (their gradients, TSP's padded bias rows), at the largest group
+    cases.append(case(f"D{_name(top)}-qwen2", top, model={"qkv_bias": True}))
     if impl.context_parallel(largest) > 1:  # a length that is not a power of two (2D | 24)
         cases.append(case(f"D{top['D']}-S24", top, S=24))
     if not impl.reference:  # bf16: loose tolerances, small shapes (CPU bf16 is slow)

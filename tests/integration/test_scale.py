@@ -21,7 +21,8 @@ from tspbench.projection.estimate import estimate_rank
 from tspbench.runtime.registry import strategies
 from tspbench.runtime.spec import RunSpec
 
-GQA = {"kv_heads": 2, "qk_norm": True}  # with Qwen3's QK norms: their bytes, FLOPs, memory
+# with Qwen3's QK norms and Qwen2's QKV biases: their bytes, FLOPs, parameters, memory
+GQA = {"kv_heads": 2, "qk_norm": True, "qkv_bias": True}
 REF = ROOT / "results" / "reference" / "calibration"
 
 

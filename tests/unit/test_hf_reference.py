@@ -1,5 +1,6 @@
 """The single-device reference equals Hugging Face's own class for each family it reads
-(``LlamaForCausalLM``, ``MistralForCausalLM``) with copied weights: logits, loss and every
+(``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` with its QKV biases,
+``Qwen3ForCausalLM`` with its QK norms) with copied weights: logits, loss and every
 gradient, fp64 to rounding and fp32 tight, with each RoPE scaling published configs ship; the
 RoPE tables equal HF's; greedy generation equals HF's ``generate``.
 
@@ -13,7 +14,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers.hf import FAMILIES, QK_NORM_FAMILIES, hf_name, in_fp64, paired
+from tests.helpers.hf import (
+    FAMILIES,
+    QK_NORM_FAMILIES,
+    QKV_BIAS_FAMILIES,
+    hf_name,
+    in_fp64,
+    paired,
+)
 from tspbench.core.config import ModelConfig
 from tspbench.core.layers import rope_tables
 from tspbench.core.reference import make_batch
@@ -34,6 +42,7 @@ def _cfg(scaling: str, family: str = "llama") -> ModelConfig:
     return ModelConfig(
         vocab=96, hidden=48, layers=2, heads=6, kv_heads=2, ffn=80, rope_theta=500.0,
         norm_eps=1e-5, init_std=0.2, rope_scaling=scaling, qk_norm=family in QK_NORM_FAMILIES,
+        qkv_bias=family in QKV_BIAS_FAMILIES,
     )  # fmt: skip
 
 

@@ -153,7 +153,7 @@ def test_from_a_hugging_face_config(capsys, counted, tmp_path):
         ({"mlp_bias": True}, "mlp_bias"),
         ({"sliding_window": 4096}, "sliding_window"),
         ({"tie_word_embeddings": True}, "tie_word_embeddings"),
-        ({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}, "model_type"),
+        ({"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]}, "model_type"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"head_dim": 256}, "head_dim"),
         ({"vocab_size": 2**21}, "vocab_size"),
@@ -443,6 +443,10 @@ def llama_or_mistral_qk(got: dict) -> bool:
     return any(cfg.qk_norm for name, (cfg, _) in got.items() if not name.startswith("qwen3"))
 
 
+def qwen_bias_elsewhere(got: dict) -> bool:
+    return any(cfg.qkv_bias for name, (cfg, _) in got.items() if not name.startswith("qwen2"))
+
+
 def test_published_model_files_plan(capsys, counted, tmp_path):
     """Each committed config.json (workflows/models/, sources in its README) is read whole:
     no key refused, its scaling modelled, the values as published."""
@@ -452,7 +456,10 @@ def test_published_model_files_plan(capsys, counted, tmp_path):
 
     models = Path(__file__).parents[2] / "workflows" / "models"
     got = {p.stem: read_hf_config(str(p)) for p in sorted(models.glob("*.json"))}
-    assert {"llama3.1-8b", "mistral-7b-v0.3", "qwen3-8b"} <= set(got)
+    assert {"llama3.1-8b", "mistral-7b-v0.3", "qwen2.5-7b", "qwen3-8b"} <= set(got)
+    q25, _ = got["qwen2.5-7b"]
+    assert q25.qkv_bias and not q25.qk_norm and not qwen_bias_elsewhere(got)
+    assert round(q25.n_params() / 1e9, 2) == 7.62  # "Number of Parameters: 7.61B" (model card)
     assert all(not notes for _, notes in got.values())
     qwen, _ = got["qwen3-8b"]
     assert qwen.qk_norm and not llama_or_mistral_qk(got)

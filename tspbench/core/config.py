@@ -105,6 +105,7 @@ class ModelConfig:
     init_std: float = 0.02
     rope_scaling: str = ""  # "kind,key=value,..." (tspbench/core/rope.py); "": none
     qk_norm: bool = False  # RMSNorm over each head's Q and K before RoPE (Qwen3)
+    qkv_bias: bool = False  # biases on the Q, K and V projections (Qwen2)
 
     def __post_init__(self) -> None:
         for f, (lo, hi) in RANGES.items():
@@ -124,8 +125,9 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ConfigError(f"head dim hidden/heads={self.head_dim}: must be even for RoPE")
-        if not isinstance(self.qk_norm, bool):
-            raise ConfigError(f"model.qk_norm={self.qk_norm!r}: must be true or false")
+        for flag in ("qk_norm", "qkv_bias"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(f"model.{flag}={getattr(self, flag)!r}: must be true or false")
         if not isinstance(self.rope_scaling, str):
             raise ConfigError(f"model.rope_scaling={self.rope_scaling!r}: must be a string")
         try:
@@ -147,6 +149,7 @@ class ModelConfig:
         h, f = self.hidden, self.ffn
         per_layer = 2 * h * h + 2 * h * self.kv_dim + 3 * h * f + 2 * h
         per_layer += 2 * self.head_dim if self.qk_norm else 0
+        per_layer += h + 2 * self.kv_dim if self.qkv_bias else 0
         return self.layers * per_layer + h + (2 * self.vocab * h if embeddings else 0)
 
 
@@ -183,6 +186,7 @@ class ModelOverrides(TypedDict, total=False):
     init_std: float
     rope_scaling: str
     qk_norm: bool
+    qkv_bias: bool
 
 
 BOOLS = {"true": True, "false": False, "1": True, "0": False}
@@ -235,9 +239,11 @@ HF_FIELDS = {  # ModelConfig field <- config.json key (and the key's default, No
     "norm_eps": ("rms_norm_eps", 1e-6),
 }
 # dense pre-norm RMSNorm/RoPE/GQA/SwiGLU decoders (docs/models.md); Qwen3 adds QK norms
-HF_MODEL_TYPES = ("llama", "mistral", "qwen3")
-HF_ARCHS = tuple(f"{n}{h}" for n in ("Llama", "Mistral", "Qwen3") for h in ("ForCausalLM", "Model"))
-QK_NORM_TYPES = ("qwen3",)
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+HF_FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3")
+HF_ARCHS = tuple(f"{n}{h}" for n in HF_FAMILIES for h in ("ForCausalLM", "Model"))
+QK_NORM_TYPES = ("qwen3",)  # Qwen3 norms each head's Q and K
+QKV_BIAS_TYPES = ("qwen2",)  # Qwen2 (and 2.5) has biases on its Q, K, V projections
 HF_MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "n_shared_experts",
                "num_experts_per_tok", "moe_intermediate_size", "moe_layer_freq",
                "shared_expert_intermediate_size", "decoder_sparse_step")  # fmt: skip
@@ -259,6 +265,7 @@ def hf_config(data: object, where: str = "config.json") -> tuple[ModelConfig, li
         archs[0].removesuffix("ForCausalLM").lower() if archs else ""
     )
     values["qk_norm"] = family.removesuffix("model") in QK_NORM_TYPES
+    values["qkv_bias"] = family.removesuffix("model") in QKV_BIAS_TYPES
     return _hf_model(values, where), []
 
 

@@ -115,9 +115,10 @@ def qk_norm_numel(cfg: ModelConfig) -> int:
 
 def layer_numel(cfg: ModelConfig) -> int:
     """Elements of one transformer layer: two norms (four with QK norms), Wq/Wo, Wk/Wv,
-    W1/W3/W2."""
+    W1/W3/W2 (and the QKV biases)."""
     h, kv, f = cfg.hidden, cfg.kv_dim, cfg.ffn
-    return 2 * h + 2 * h * h + 2 * h * kv + 3 * h * f + qk_norm_numel(cfg)
+    biases = h + 2 * kv if cfg.qkv_bias else 0  # Qwen2's, split with their weights
+    return 2 * h + 2 * h * h + 2 * h * kv + 3 * h * f + qk_norm_numel(cfg) + biases
 
 
 def norm_numel(cfg: ModelConfig) -> int:

@@ -21,7 +21,14 @@ from tspbench.core.comm import Comm
 from tspbench.core.config import ConfigError, ModelConfig
 from tspbench.core.init import Index, chunk_slice
 from tspbench.core.kvcache import KVCache, Step, partial_attention
-from tspbench.core.layers import LayerHooks, rms_norm, rope_tables, rotate_qk, transformer_layer
+from tspbench.core.layers import (
+    LayerHooks,
+    qkv_proj,
+    rms_norm,
+    rope_tables,
+    rotate_qk,
+    transformer_layer,
+)
 from tspbench.core.reference import layer_params, param_shapes
 
 FP32 = 4
@@ -125,7 +132,7 @@ def megatron_block(cfg: ModelConfig, name: str, T: int, r: int, dim) -> tuple[In
     whole), for :meth:`Strategy.init_block` to generate only that block."""
     if dim is None:
         return None, None
-    if name.rsplit(".", 1)[-1] in ("wk", "wv") and cfg.kv_heads < T:
+    if name.rsplit(".", 1)[-1] in ("wk", "wv", "bk", "bv") and cfg.kv_heads < T:
         return kv_rows(cfg, T, r), None
     part = chunk_slice(param_shapes(cfg)[name][dim], T, r)
     return (part, None) if dim == 0 else (None, part)
@@ -165,8 +172,8 @@ def decode_layer(
         return t.view(B, -1, head_dim)
 
     a = rms_norm(x, p["attn_norm"], eps)
-    q, k = rotate_qk(heads(a @ p["wq"].T), heads(a @ p["wk"].T), p, eps, cos, sin)
-    o = hooks.attend(i, q, k, heads(a @ p["wv"].T)).to(x.dtype)
+    q, k = rotate_qk(heads(qkv_proj(a, p, "wq")), heads(qkv_proj(a, p, "wk")), p, eps, cos, sin)
+    o = hooks.attend(i, q, k, heads(qkv_proj(a, p, "wv"))).to(x.dtype)
     x = x + hooks.exit(o.flatten(1) @ p["wo"].T)
     m = rms_norm(x, p["mlp_norm"], eps)
     return x + hooks.exit((F.silu(m @ p["w1"].T) * (m @ p["w3"].T)) @ p["w2"].T)

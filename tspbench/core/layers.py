@@ -126,6 +126,13 @@ def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Ten
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
+def qkv_proj(a: torch.Tensor, p: dict[str, torch.Tensor], w: str) -> torch.Tensor:
+    """``a @ p[w].T`` for w in wq, wk, wv, plus its bias (bq, bk, bv) where the layer has one
+    (Qwen2): one addmm then, no separate add."""
+    bias = p.get("b" + w[1])
+    return a @ p[w].T if bias is None else F.linear(a, p[w], bias)
+
+
 def rotate_qk(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -169,7 +176,8 @@ def transformer_layer(
     hooks: LayerHooks,
 ) -> torch.Tensor:
     """One pre-norm Llama block on x [B, L, h] with (possibly sharded) weights ``p`` (with
-    ``q_norm`` and ``k_norm``: Qwen3's, each head's Q and K normed before RoPE).
+    ``q_norm`` and ``k_norm``: Qwen3's, each head's Q and K normed before RoPE; with ``bq``,
+    ``bk``, ``bv``: Qwen2's QKV biases).
 
     Head counts follow from the weight shapes, so a TP shard of Wq simply yields fewer heads.
     """
@@ -179,8 +187,8 @@ def transformer_layer(
         return t.view(B, L, -1, head_dim).transpose(1, 2)
 
     a = hooks.enter(rms_norm(x, p["attn_norm"], eps))
-    q, k = rotate_qk(heads(a @ p["wq"].T), heads(a @ p["wk"].T), p, eps, cos, sin)
-    k, v = hooks.gather_kv(k, heads(a @ p["wv"].T))
+    q, k = rotate_qk(heads(qkv_proj(a, p, "wq")), heads(qkv_proj(a, p, "wk")), p, eps, cos, sin)
+    k, v = hooks.gather_kv(k, heads(qkv_proj(a, p, "wv")))
     o = hooks.attn(q, k, v).transpose(1, 2).flatten(2)
     x = x + hooks.exit(o @ p["wo"].T)
     m = hooks.enter(rms_norm(x, p["mlp_norm"], eps))

@@ -9,7 +9,8 @@ from tspbench.core.comm import Comm
 # Megatron's split of every reference parameter: column-parallel weights by rows (dim 0),
 # row-parallel weights (wo, w2) by columns, embedding and LM head by vocabulary rows, norms whole.
 MEGATRON_SHARD_DIM = {"embed": 0, "head": 0, "wq": 0, "wk": 0, "wv": 0, "wo": 1, "w1": 0,
-                      "w3": 0, "w2": 1}  # fmt: skip
+                      "w3": 0, "w2": 1, "bq": 0, "bk": 0, "bv": 0}  # fmt: skip
+# (the column-parallel biases split with their weights' rows)
 
 
 def shard_dim(name: str) -> int | None:

@@ -15,11 +15,18 @@ from tspbench.core.layers import LayerHooks, cached, rms_norm, rope_on, transfor
 
 LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w1", "w3", "w2")
 QK_NORMS = ("q_norm", "k_norm")  # Qwen3's per-head RMSNorms on Q and K, [head_dim] each
+QKV_BIASES = ("bq", "bk", "bv")  # Qwen2's biases of the Q, K and V projections
 
 
 def layer_params(cfg: ModelConfig) -> tuple[str, ...]:
-    """The parameters of one layer of ``cfg``: Llama's nine, and the QK norms where it has them."""
-    return LAYER_PARAMS + QK_NORMS if cfg.qk_norm else LAYER_PARAMS
+    """The parameters of one layer of ``cfg``: Llama's nine, the QK norms and the QKV biases
+    where it has them."""
+    return LAYER_PARAMS + QK_NORMS * cfg.qk_norm + QKV_BIASES * cfg.qkv_bias
+
+
+def is_norm(name: str) -> bool:
+    """Whether a parameter is a norm weight (initialised to ones; every other one is random)."""
+    return name.rsplit(".", 1)[-1] in ("attn_norm", "mlp_norm", "norm", *QK_NORMS)
 
 
 def unit_names(cfg: ModelConfig) -> list[list[str]]:
@@ -43,6 +50,7 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "w3": (f, h),
         "w2": (h, f),
         **{k: (cfg.head_dim,) for k in QK_NORMS if cfg.qk_norm},
+        **({"bq": (h,), "bk": (kv,), "bv": (kv,)} if cfg.qkv_bias else {}),
     }
     shapes: dict[str, tuple[int, ...]] = {"embed": (cfg.vocab, h)}
     for i in range(cfg.layers):
@@ -63,11 +71,15 @@ def init_param(
     """Deterministic fp32 ``full[rows][:, cols]`` of one parameter, made on ``device``.
 
     Each element is a function of (seed, name, its index in the full tensor) only, so every
-    strategy generates just its shard and all start from bit-identical weights (norms: ones).
+    strategy generates just its shard and all start from bit-identical weights (norms: ones;
+    a bias: random as a weight, a [n, 1] column).
     """
     shape = param_shapes(cfg)[name]
-    if len(shape) == 1:
+    if len(shape) == 1 and is_norm(name):
         return torch.ones(shape, device=device)[rows if rows is not None else slice(None)]
+    if len(shape) == 1:
+        keys = init.param_keys(seed, name)
+        return init.block((shape[0], 1), keys, cfg.init_std, rows, None, device)[:, 0]
     return init.block(shape, init.param_keys(seed, name), cfg.init_std, rows, cols, device)
 
 
@@ -76,9 +88,9 @@ def init_param_flat(
 ) -> torch.Tensor:
     """Elements [start, stop) of one parameter's flattened full fp32 value (FSDP's shards)."""
     shape = param_shapes(cfg)[name]
-    if len(shape) == 1:
+    if len(shape) == 1 and is_norm(name):
         return torch.ones(max(0, min(stop, shape[0]) - max(0, start)), device=device)
-    numel = shape[0] * shape[1]
+    numel = shape[0] * (shape[1] if len(shape) == 2 else 1)
     return init.flat_range(numel, init.param_keys(seed, name), cfg.init_std, start, stop, device)
 
 

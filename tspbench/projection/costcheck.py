@@ -75,7 +75,8 @@ def _field(rec: dict, path: str, key: str):
     return rec[key]
 
 
-LATER_FIELDS = {"rope_scaling": "", "qk_norm": False}  # model fields records before them lack
+# model fields that records written before them lack: their defaults are what those runs ran
+LATER_FIELDS = {"rope_scaling": "", "qk_norm": False, "qkv_bias": False}
 
 
 def _model(rec: dict, path: str) -> ModelConfig:
