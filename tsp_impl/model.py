@@ -32,7 +32,7 @@ from tspbench.core.layers import rms_norm
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.optim import grad_sq_sum
 from tspbench.core.options import OVERLAP, Option, Value
-from tspbench.core.reference import QK_NORMS, param_shapes
+from tspbench.core.reference import QK_NORMS
 from tspbench.core.strategy import Batch, Layout, Strategy, tensor_of
 
 MLP = {"ring": RingMLP, "broadcast": BroadcastMLP}
@@ -126,9 +126,12 @@ class TSP(Strategy):
             )
         self.comm = mesh[Axis.MODEL]
         D, r = self.comm.size, self.comm.rank
-        rows = {n: chunk_slice(param_shapes(cfg)[n][0], D, r) for n in ("embed", "head")}
-        self.embed = self.to_param(self.init_block("embed", rows["embed"]))
-        self.head = self.to_param(self.init_block("head", rows["head"]))
+        rows = chunk_slice(cfg.vocab, D, r)  # the embedding's and the head's vocabulary rows
+        self.embed = self.to_param(self.init_block("embed", rows))
+        # tied: the head is the embedding (its two gradients sum into the one shard)
+        self.head = (
+            self.embed if cfg.tie_embeddings else self.to_param(self.init_block("head", rows))
+        )
         self.norm = self.to_param(self.init_block("norm"))
         h, f, kv = cfg.hidden, cfg.ffn, cfg.kv_dim
         own = {n: chunk_slice(n_out, D, r) for n, n_out in (("h", h), ("f", f), ("kv", kv))}
@@ -241,7 +244,8 @@ class TSP(Strategy):
         return [self.norm] + [lp[k] for lp in self.layers for k in names]
 
     def sharded(self) -> list[torch.nn.Parameter]:
-        return [self.embed, self.head] + [lp[k] for lp in self.layers for k in ("attn", "mlp")]
+        tables = [self.embed] if self.cfg.tie_embeddings else [self.embed, self.head]
+        return tables + [lp[k] for lp in self.layers for k in ("attn", "mlp")]
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return self.sharded() + self.replicated()
@@ -269,7 +273,9 @@ class TSP(Strategy):
         def g(p: torch.Tensor) -> tuple[torch.Tensor, ...]:
             return self.comm.all_gather(tensor_of(p, grads), dim=0).chunk(D)
 
-        out = {"embed": torch.cat(g(self.embed)), "head": torch.cat(g(self.head))}
+        out = {"embed": torch.cat(g(self.embed))}
+        if not self.cfg.tie_embeddings:
+            out["head"] = torch.cat(g(self.head))
         out["norm"] = tensor_of(self.norm, grads)
         rb = bias_rows(self.cfg, D)
         for i, lp in enumerate(self.layers):

@@ -36,7 +36,7 @@ class SingleDecoder(Decoder):
 
     def _step(self, x: torch.Tensor) -> Step:
         model, eps = self.model.model, self.model.cfg.norm_eps
-        return head_step(x, model.p("norm"), model.p("head"), eps)
+        return head_step(x, model.p("norm"), model.head(), eps)
 
     @torch.no_grad()
     def prefill(self, tokens: torch.Tensor, max_len: int) -> tuple[KVCache, Step]:

@@ -27,11 +27,8 @@ class FSDP2CPCosts(costs.Costs):
         norm + LM head."""
         s = param_shapes(cfg)
         layer = sum(padded_rows(s[f"layers.0.{k}"], D) for k in layer_params(cfg))
-        return (
-            padded_rows(s["embed"], D),
-            layer,
-            padded_rows(s["norm"], D) + padded_rows(s["head"], D),
-        )
+        head = padded_rows(s["head"], D) if "head" in s else 0  # (tied: the embedding's unit)
+        return padded_rows(s["embed"], D), layer, padded_rows(s["norm"], D) + head
 
     def param_numel(self, cfg: ModelConfig, layout: Layout) -> int:
         u0, ul, un = self.unit_shards(cfg, layout.degree)
@@ -53,7 +50,12 @@ class FSDP2CPCosts(costs.Costs):
         ev.add("forward", Axis.MODEL, "all_gather", D, u0)
         ev.add("forward", Axis.MODEL, "all_gather", D, ul, L, overlapped=True, exposed=0)
         ev.add("forward", Axis.MODEL, "all_gather", D, un, overlapped=True)
+        tied = spec.cfg.tie_embeddings  # the head calls the embedding's unit again: gathered
+        if tied:  # again in forward and before its backward; its gradient reduced once
+            ev.add("forward", Axis.MODEL, "all_gather", D, u0)
         if spec.train:
+            if tied:
+                ev.add("backward", Axis.MODEL, "all_gather", D, u0)
             ev.add("backward", Axis.MODEL, "all_gather", D, un)
             ev.add("backward", Axis.MODEL, "all_gather", D, ul, L, overlapped=True)
             ev.add("backward", Axis.MODEL, "all_gather", D, u0, overlapped=True)

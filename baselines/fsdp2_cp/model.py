@@ -98,9 +98,19 @@ class Unit(nn.Module):
         return dict(self.named_parameters())
 
 
+def _cross_entropy(h: torch.Tensor, head: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    logits = (h @ head.T).float()
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+
+
 class Embed(Unit):
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return F.embedding(tokens, self.weights()["embed"])
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """The tokens' embeddings; or, tied (``labels`` given), the head: the summed
+        cross-entropy of the normed hidden states ``x`` (a second call of this unit, which FSDP2
+        gathers again and whose gradient it reduce-scatters and sums into the same shard)."""
+        if labels is None:
+            return F.embedding(x, self.weights()["embed"])
+        return _cross_entropy(x, self.weights()["embed"], labels)
 
 
 class Layer(Unit):
@@ -113,10 +123,9 @@ class Head(Unit):
         """The summed cross-entropy of ``labels``, or (None) the normed hidden states."""
         w = self.weights()
         h = rms_norm(x, w["norm"], eps)
-        if labels is None:
+        if labels is None or "head" not in w:  # (tied: the embedding's unit is the head)
             return h
-        logits = (h @ w["head"].T).float()
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+        return _cross_entropy(h, w["head"], labels)
 
 
 class Model(nn.Module):
@@ -132,7 +141,10 @@ class Model(nn.Module):
         cos, sin, hooks = tables(x)
         for unit in self.units[1:-1]:
             x = layer(unit, x, cos, sin, hooks)
-        return self.units[-1](x, eps, labels)
+        out = self.units[-1](x, eps, labels)
+        if labels is not None and not hasattr(self.units[-1], "head"):  # tied embeddings
+            return self.units[0](out, labels)
+        return out
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -16,9 +16,10 @@ class FSDPCPCosts(costs.Costs):
 
     @staticmethod
     def unit_numels(cfg: ModelConfig) -> tuple[int, int, int]:
-        """Elements of the all-gather units: the embedding; one layer; final norm + LM head."""
+        """Elements of the all-gather units: the embedding; one layer; final norm + LM head (tied:
+        the norm alone, the head being the embedding's unit)."""
         V, h = cfg.vocab, cfg.hidden
-        return V * h, costs.layer_numel(cfg), h + V * h
+        return V * h, costs.layer_numel(cfg), h + (0 if cfg.tie_embeddings else V * h)
 
     def param_numel(self, cfg: ModelConfig, layout: Layout) -> int:
         u0, ul, un = (-(-u // layout.degree) for u in self.unit_numels(cfg))  # padded shards
@@ -41,14 +42,20 @@ class FSDPCPCosts(costs.Costs):
         ev.add("forward", Axis.MODEL, "all_gather", D, u0)  # waited for at once
         ev.add("forward", Axis.MODEL, "all_gather", D, ul, L, overlapped=ov)
         ev.add("forward", Axis.MODEL, "all_gather", D, un, overlapped=ov)
+        tied = spec.cfg.tie_embeddings
+        if tied:  # the embedding's unit again as the head, waited for at once
+            ev.add("forward", Axis.MODEL, "all_gather", D, u0)
         if spec.train:  # layers: regathered (or recomputed) in backward; embedding never
             # under recompute the head unit keeps its gathered weights, so the top layer's
             # recompute starts the backward's gathers, waited for at once
             ev.add(
                 "backward", Axis.MODEL, "all_gather", D, ul, L, overlapped=ov, exposed=int(spec.rc)
             )
-            if not spec.rc:  # the head unit's regather starts them
+            if not spec.rc:  # the head unit's regather starts them (tied: the embedding's
+                # unit for the head, then the norm's, each waited for at once)
                 ev.add("backward", Axis.MODEL, "all_gather", D, un)
+                if tied:
+                    ev.add("backward", Axis.MODEL, "all_gather", D, u0)
             ev.add("backward", Axis.MODEL, "reduce_scatter", D, u0)  # the last: finish_grads
             ev.add("backward", Axis.MODEL, "reduce_scatter", D, ul, L, overlapped=ov)
             ev.add("backward", Axis.MODEL, "reduce_scatter", D, un, overlapped=ov)

@@ -72,18 +72,24 @@ class Regather:
 
 
 class GatherUnit(torch.autograd.Function):
-    """All-gather a unit forward; reduce-scatter its gradient backward (and drop the regather)."""
+    """All-gather a unit forward; reduce-scatter its gradient backward (and drop the regather).
+    A unit used again later in the forward (tied embeddings: the head) holds its gradient
+    until its first use's backward adds to it: one reduce-scatter, as FSDP2 does."""
 
     @staticmethod
     def forward(ctx, shard, owner: FSDPCP, unit: int):
-        ctx.meta = (owner, unit)
+        ctx.meta = (owner, unit, owner.reusing)
         return owner.gather(unit)
 
     @staticmethod
     def backward(ctx, g):
-        owner, unit = ctx.meta
+        owner, unit, reused = ctx.meta
         owner.regathered.pop(unit, None)
-        return owner.reduce_grad(unit, g), None, None
+        if reused:  # the later use's backward runs first: keep its gradient for the earlier's
+            owner.held[unit] = g
+            return None, None, None
+        held = owner.held.pop(unit, None)
+        return owner.reduce_grad(unit, g if held is None else held.add_(g)), None, None
 
 
 class FSDPCP(Strategy):
@@ -122,6 +128,8 @@ class FSDPCP(Strategy):
             )
         self.regathered: dict[int, torch.Tensor] = {}
         self.prefetched: dict[int, Pending] = {}  # at most one unit's gather in flight
+        self.reusing = False  # tied embeddings: the head gathers the first unit once more
+        self.held: dict[int, torch.Tensor] = {}  # a reused unit's gradient, until its first use
         self.reducing: list[tuple[int, torch.Tensor, Pending]] = []  # (unit, gradient, its RS)
 
     def shard(self, names: list[str]) -> torch.Tensor:
@@ -152,7 +160,13 @@ class FSDPCP(Strategy):
         flat = pending.wait() if pending is not None else self.comm.all_gather(shard, dim=0)
         backward = torch._C._current_graph_task_id() != -1  # inside the autograd engine
         nxt = unit - 1 if backward else unit + 1
-        if self.overlap and int(backward) <= nxt < len(self.units) and nxt not in self.prefetched:
+        ahead = not self.reusing  # (the head's use of the embedding has no unit after it)
+        if (
+            self.overlap
+            and ahead
+            and int(backward) <= nxt < len(self.units)
+            and nxt not in self.prefetched
+        ):
             self.prefetched[nxt] = self.comm.all_gather(self.units[nxt].shard, dim=0, async_op=True)
         return flat
 
@@ -232,11 +246,27 @@ class FSDPCP(Strategy):
         return x
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        def head(w, x):
-            logits = (rms_norm(x, w["norm"], self.cfg.norm_eps) @ w["head"].T).float()
+        def ce(x, w):
+            logits = (x @ w.T).float()
             return F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), reduction="sum")
 
-        local = self.run_unit(len(self.units) - 1, head, self._body(batch)) / batch.n_tokens
+        def head(w, x):
+            return ce(rms_norm(x, w["norm"], self.cfg.norm_eps), w["head"])
+
+        x, last = self._body(batch), len(self.units) - 1
+        if not self.cfg.tie_embeddings:
+            return self._mean(self.run_unit(last, head, x), batch)
+        # tied: the norm's unit, then the embedding's gathered again as the head; the head's
+        # gradient waits for the lookup's, and the sum is reduce-scattered once (GatherUnit)
+        x = self.run_unit(last, lambda w, x: rms_norm(x, w["norm"], self.cfg.norm_eps), x)
+        self.reusing = True
+        try:
+            return self._mean(self.run_unit(0, lambda w, x: ce(x, w["embed"]), x), batch)
+        finally:
+            self.reusing = False
+
+    def _mean(self, total: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        local = total / batch.n_tokens
         return local, self.total_loss(local)
 
     def parameters(self) -> list[torch.nn.Parameter]:

@@ -21,6 +21,7 @@ from tspbench.core.decode import (
 )
 from tspbench.core.kvcache import KVCache, Step, merge_all
 from tspbench.core.mesh import Axis
+from tspbench.core.reference import head_name
 from tspbench.core.strategy import Layout
 
 
@@ -48,7 +49,7 @@ class SPDecoder(Decoder):
 
     def _step(self, x: torch.Tensor) -> Step:
         p = self.model.params
-        return head_step(x, p["norm"], p["head"], self.model.cfg.norm_eps)
+        return head_step(x, p["norm"], p[head_name(self.model.cfg)], self.model.cfg.norm_eps)
 
     @torch.no_grad()
     def prefill(self, tokens: torch.Tensor, max_len: int) -> tuple[KVCache, Step]:

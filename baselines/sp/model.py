@@ -21,7 +21,7 @@ from tspbench.core.layers import rms_norm, transformer_layer
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.optim import grad_sq_sum
 from tspbench.core.options import CP_COMM, OVERLAP, Value
-from tspbench.core.reference import layer_params, param_shapes
+from tspbench.core.reference import head_name, layer_params, param_shapes
 from tspbench.core.strategy import Batch, Layout, Strategy, tensor_of
 
 
@@ -74,7 +74,7 @@ class SP(Strategy):
         return rms_norm(x, p["norm"], cfg.norm_eps)
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = (self.hidden_local(batch) @ self.params["head"].T).float()
+        logits = (self.hidden_local(batch) @ self.params[head_name(self.cfg)].T).float()
         ce = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), reduction="sum")
         local = ce / batch.n_tokens
         return local, self.total_loss(local)

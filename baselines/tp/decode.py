@@ -23,6 +23,7 @@ from tspbench.core.decode import (
 from tspbench.core.kvcache import KVCache, Step
 from tspbench.core.layers import cached, rope_on
 from tspbench.core.mesh import Axis
+from tspbench.core.reference import head_name
 from tspbench.core.strategy import Layout
 from tspbench.core.vocab_parallel import embedding
 
@@ -53,7 +54,7 @@ class TPDecoder(Decoder):
 
     def _step(self, x: torch.Tensor) -> Step:
         m = self.model
-        return head_step(x, m.params["norm"], m.params["head"], m.cfg.norm_eps, m.comm)
+        return head_step(x, m.params["norm"], m.params[head_name(m.cfg)], m.cfg.norm_eps, m.comm)
 
     @torch.no_grad()
     def prefill(self, tokens: torch.Tensor, max_len: int) -> tuple[KVCache, Step]:

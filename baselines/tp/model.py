@@ -20,7 +20,7 @@ from tspbench.core.layers import LayerHooks, cached, rms_norm, rope_on, transfor
 from tspbench.core.megatron import gather_named, head_partial, shard_dim
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.optim import grad_sq_sum
-from tspbench.core.reference import layer_params, param_shapes
+from tspbench.core.reference import head_name, layer_params, param_shapes
 from tspbench.core.strategy import Batch, Layout, Strategy
 from tspbench.core.vocab_parallel import cross_entropy_sum, embedding
 
@@ -72,7 +72,10 @@ class TP(Strategy):
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         h = self.hidden_local(batch)
-        local = cross_entropy_sum(h, self.params["head"], batch.labels, self.comm) / batch.n_tokens
+        local = (
+            cross_entropy_sum(h, self.params[head_name(self.cfg)], batch.labels, self.comm)
+            / batch.n_tokens
+        )
         return local, self.total_loss(local, token_axes=())  # every rank holds the whole loss
 
     def parameters(self) -> list[torch.nn.Parameter]:

@@ -24,6 +24,7 @@ from tspbench.core.decode import (
 )
 from tspbench.core.kvcache import KVCache, Step, merge_all
 from tspbench.core.mesh import Axis
+from tspbench.core.reference import head_name
 from tspbench.core.strategy import Layout
 from tspbench.core.vocab_parallel import embedding
 
@@ -66,7 +67,7 @@ class TPSPDecoder(Decoder):
 
     def _step(self, x: torch.Tensor) -> Step:
         m = self.model
-        return head_step(x, m.params["norm"], m.params["head"], m.cfg.norm_eps, m.tp)
+        return head_step(x, m.params["norm"], m.params[head_name(m.cfg)], m.cfg.norm_eps, m.tp)
 
     @torch.no_grad()
     def prefill(self, tokens: torch.Tensor, max_len: int) -> tuple[KVCache, Step]:

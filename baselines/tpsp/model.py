@@ -27,7 +27,7 @@ from tspbench.core.megatron import gather_named, head_partial, shard_dim
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.optim import grad_sq_sum
 from tspbench.core.options import CP_COMM, Value
-from tspbench.core.reference import layer_params, param_shapes
+from tspbench.core.reference import head_name, layer_params, param_shapes
 from tspbench.core.strategy import Batch, Layout, Strategy
 from tspbench.core.vocab_parallel import cross_entropy_sum, embedding
 
@@ -125,7 +125,10 @@ class TPSP(Strategy):
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         h = self.hidden_local(batch)
-        local = cross_entropy_sum(h, self.params["head"], batch.labels, self.tp) / batch.n_tokens
+        local = (
+            cross_entropy_sum(h, self.params[head_name(self.cfg)], batch.labels, self.tp)
+            / batch.n_tokens
+        )
         return local, self.total_loss(local, token_axes=(Axis.SP,))
 
     def parameters(self) -> list[torch.nn.Parameter]:

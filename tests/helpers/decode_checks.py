@@ -24,7 +24,7 @@ def reference_generation(
     out, seq = [], tokens
     with torch.no_grad():
         for k in range(n):
-            logits = (ref(seq)[:, -1] @ ref.p("head").T).float()
+            logits = (ref(seq)[:, -1] @ ref.head().T).float()
             out.append(logits)
             nxt = logits.argmax(-1) if forced is None else forced[k]
             seq = torch.cat([seq, nxt[:, None]], dim=1)

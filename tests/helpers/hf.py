@@ -75,7 +75,7 @@ def hf_model(cfg: ModelConfig, family: str, dtype: torch.dtype):
         rms_norm_eps=cfg.norm_eps,
         rope_parameters=hf_rope(cfg),
         max_position_embeddings=4096,
-        tie_word_embeddings=False,
+        tie_word_embeddings=cfg.tie_embeddings,
         # SDPA: eager attention takes its softmax in fp32 whatever the dtype
         attn_implementation="sdpa",
     )
@@ -103,7 +103,10 @@ def paired(cfg: ModelConfig, family: str, dtype: torch.dtype, seed: int = 0):
     theirs = hf_model(cfg, family, dtype)
     state = {hf_name(n): p.detach().clone() for n, p in ours.named_full_params().items()}
     missing, unexpected = theirs.load_state_dict(state, strict=False)
-    assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
+    tied = {"lm_head.weight"} if cfg.tie_embeddings else set()  # (HF's tie: the embedding)
+    assert not unexpected and all("rotary" in k or k in tied for k in missing), missing
+    if cfg.tie_embeddings:
+        assert theirs.lm_head.weight is theirs.model.embed_tokens.weight
     return ours, theirs
 
 

@@ -18,8 +18,14 @@ from tests.helpers.distributed import run_world
 
 MODELS = {
     "mha": {},
-    # with Llama 3.1's RoPE scaling, Qwen3's QK norms and Qwen2's QKV biases
-    "gqa": {"kv_heads": 4, "rope_scaling": LLAMA3_ROPE_TINY, "qk_norm": True, "qkv_bias": True},
+    # with Llama 3.1's RoPE scaling, Qwen3's QK norms, Qwen2's QKV biases, tied embeddings
+    "gqa": {
+        "kv_heads": 4,
+        "rope_scaling": LLAMA3_ROPE_TINY,
+        "qk_norm": True,
+        "qkv_bias": True,
+        "tie_embeddings": True,
+    },  # fmt: skip
     "kv2": {"kv_heads": 2, "qkv_bias": True},  # and Qwen2's QKV biases (replicated below T)
     "kv1": {"kv_heads": 1},
 }

@@ -52,6 +52,8 @@ def _strategy_cases(strat: str, impl) -> list[dict]:
     ]
     # Qwen2's QKV biases (their gradients, TSP's padded bias rows), at the largest group
     cases.append(case(f"D{_name(top)}-qwen2", top, model={"qkv_bias": True}))
+    # tied embeddings (Llama 3.2 1B): the head's and the embedding's gradients in one weight
+    cases.append(case(f"D{_name(top)}-tied", top, model={"tie_embeddings": True, "kv_heads": 4}))
     if impl.context_parallel(largest) > 1:  # a length that is not a power of two (2D | 24)
         cases.append(case(f"D{top['D']}-S24", top, S=24))
     if not impl.reference:  # bf16: loose tolerances, small shapes (CPU bf16 is slow)

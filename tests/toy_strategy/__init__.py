@@ -48,7 +48,7 @@ class Toy(Strategy):
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = self.model(batch.tokens, self.checkpointed, self.hooks)
-        logits = (hidden @ self.model.p("head").T).float()
+        logits = (hidden @ self.model.head().T).float()
         ce = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), reduction="sum")
         local = ce / batch.n_tokens
         return local, self.total_loss(local, token_axes=())

@@ -10,6 +10,8 @@ a reference that is not the model people train proves nothing about that model.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -49,7 +51,7 @@ def _cfg(scaling: str, family: str = "llama") -> ModelConfig:
 def _step(ours, theirs, tokens, labels):
     """(our logits, loss, grads by our name), (theirs, by our name)."""
     hidden = ours.forward(tokens)
-    logits = hidden @ ours.p("head").T
+    logits = hidden @ ours.head().T
     loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
     loss.backward()
     their_logits = theirs(input_ids=tokens).logits
@@ -129,6 +131,18 @@ def test_greedy_generation_equals_hf_generate(family):
     tokens = prompt
     with torch.no_grad():
         for _ in range(new):
-            nxt = (ours.forward(tokens)[:, -1] @ ours.p("head").T).argmax(-1)
+            nxt = (ours.forward(tokens)[:, -1] @ ours.head().T).argmax(-1)
             tokens = torch.cat([tokens, nxt[:, None]], dim=1)
     assert torch.equal(out, tokens)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_tied_embeddings_equal_hf(family):
+    """``tie_word_embeddings`` (Llama 3.2 1B/3B, the small Qwens): one [V, h] matrix is the
+    embedding and the LM head; its gradient is the sum of both uses, as HF's tied parameter's."""
+    cfg = dataclasses.replace(_cfg(SCALINGS["llama3"], family), tie_embeddings=True)
+    ours, theirs = paired(cfg, family, torch.float64)
+    in_fp64(theirs, cfg)
+    assert "head" not in dict(ours.named_full_params())
+    tokens, labels = make_batch(cfg, 2, 24, seed=4)
+    _close(*_step(ours, theirs, tokens, labels), tol=1e-11)

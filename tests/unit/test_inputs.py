@@ -216,9 +216,10 @@ def test_model_override_bounds_are_the_model_configs():
     from tspbench.core.config import RANGES
 
     fields = SCHEMA["properties"]["model_overrides"]["properties"]
-    assert set(fields) == set(RANGES) | {"rope_scaling", "qk_norm", "qkv_bias"}  # not numbers
+    flags = {"qk_norm", "qkv_bias", "tie_embeddings"}
+    assert set(fields) == set(RANGES) | flags | {"rope_scaling"}  # the fields not numbers
     assert fields["rope_scaling"]["type"] == "string"
-    assert fields["qk_norm"]["type"] == fields["qkv_bias"]["type"] == "boolean"
+    assert {fields[f]["type"] for f in flags} == {"boolean"}
     for name, (lo, hi) in RANGES.items():
         assert (fields[name]["minimum"], fields[name]["maximum"]) == (lo, hi), name
         assert fields[name]["type"] == ("number" if isinstance(lo, float) else "integer"), name

@@ -152,7 +152,7 @@ def test_from_a_hugging_face_config(capsys, counted, tmp_path):
         ({"attention_bias": True}, "attention_bias"),
         ({"mlp_bias": True}, "mlp_bias"),
         ({"sliding_window": 4096}, "sliding_window"),
-        ({"tie_word_embeddings": True}, "tie_word_embeddings"),
+        ({"tie_word_embeddings": "yes"}, "tie_word_embeddings"),
         ({"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]}, "model_type"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"head_dim": 256}, "head_dim"),
@@ -456,7 +456,12 @@ def test_published_model_files_plan(capsys, counted, tmp_path):
 
     models = Path(__file__).parents[2] / "workflows" / "models"
     got = {p.stem: read_hf_config(str(p)) for p in sorted(models.glob("*.json"))}
-    assert {"llama3.1-8b", "mistral-7b-v0.3", "qwen2.5-7b", "qwen3-8b"} <= set(got)
+    assert {"llama3.1-8b", "llama3.2-1b", "mistral-7b-v0.3", "qwen2.5-7b", "qwen3-8b"} <= set(got)
+    small, _ = got["llama3.2-1b"]
+    assert small.tie_embeddings and [n for n, (c, _) in got.items() if c.tie_embeddings] == [
+        "llama3.2-1b"
+    ]
+    assert round(small.n_params() / 1e9, 2) == 1.24  # "1.23B" (model card), the tie counted once
     q25, _ = got["qwen2.5-7b"]
     assert q25.qkv_bias and not q25.qk_norm and not qwen_bias_elsewhere(got)
     assert round(q25.n_params() / 1e9, 2) == 7.62  # "Number of Parameters: 7.61B" (model card)

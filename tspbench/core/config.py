@@ -106,6 +106,7 @@ class ModelConfig:
     rope_scaling: str = ""  # "kind,key=value,..." (tspbench/core/rope.py); "": none
     qk_norm: bool = False  # RMSNorm over each head's Q and K before RoPE (Qwen3)
     qkv_bias: bool = False  # biases on the Q, K and V projections (Qwen2)
+    tie_embeddings: bool = False  # the LM head is the embedding (Llama 3.2 1B/3B, small Qwens)
 
     def __post_init__(self) -> None:
         for f, (lo, hi) in RANGES.items():
@@ -125,7 +126,7 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ConfigError(f"head dim hidden/heads={self.head_dim}: must be even for RoPE")
-        for flag in ("qk_norm", "qkv_bias"):
+        for flag in ("qk_norm", "qkv_bias", "tie_embeddings"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"model.{flag}={getattr(self, flag)!r}: must be true or false")
         if not isinstance(self.rope_scaling, str):
@@ -150,7 +151,8 @@ class ModelConfig:
         per_layer = 2 * h * h + 2 * h * self.kv_dim + 3 * h * f + 2 * h
         per_layer += 2 * self.head_dim if self.qk_norm else 0
         per_layer += h + 2 * self.kv_dim if self.qkv_bias else 0
-        return self.layers * per_layer + h + (2 * self.vocab * h if embeddings else 0)
+        tables = 1 if self.tie_embeddings else 2  # the embedding, and an untied head
+        return self.layers * per_layer + h + (tables * self.vocab * h if embeddings else 0)
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -187,6 +189,7 @@ class ModelOverrides(TypedDict, total=False):
     rope_scaling: str
     qk_norm: bool
     qkv_bias: bool
+    tie_embeddings: bool
 
 
 BOOLS = {"true": True, "false": False, "1": True, "0": False}
@@ -266,6 +269,10 @@ def hf_config(data: object, where: str = "config.json") -> tuple[ModelConfig, li
     )
     values["qk_norm"] = family.removesuffix("model") in QK_NORM_TYPES
     values["qkv_bias"] = family.removesuffix("model") in QKV_BIAS_TYPES
+    tie = data.get("tie_word_embeddings", False)
+    if not isinstance(tie, bool):
+        raise _hf_refuse(data, where, "tie_word_embeddings", "must be true or false")
+    values["tie_embeddings"] = tie
     return _hf_model(values, where), []
 
 
@@ -312,14 +319,6 @@ def _hf_check_architecture(data: dict, where: str) -> None:
             where,
             "sliding_window",
             "sliding-window attention: the model here attends causally over the whole sequence",
-        )
-    if data.get("tie_word_embeddings"):
-        raise _hf_refuse(
-            data,
-            where,
-            "tie_word_embeddings",
-            "the model here has an untied LM head (separate [V, h] embedding and head); "
-            "set it to false to plan the untied model (one more [V, h] matrix)",
         )
     act = data.get("hidden_act", data.get("hidden_activation", "silu"))
     if act not in ("silu", "swish"):

@@ -128,8 +128,9 @@ def norm_numel(cfg: ModelConfig) -> int:
 
 
 def full_numel(cfg: ModelConfig) -> int:
-    """Elements of the whole model (embedding and LM head untied)."""
-    return cfg.layers * layer_numel(cfg) + 2 * cfg.vocab * cfg.hidden + cfg.hidden
+    """Elements of the whole model (the LM head counted once more unless tied)."""
+    tables = 1 if cfg.tie_embeddings else 2  # the embedding, and an untied head
+    return cfg.layers * layer_numel(cfg) + tables * cfg.vocab * cfg.hidden + cfg.hidden
 
 
 def split_numel(cfg: ModelConfig, T: int) -> int:

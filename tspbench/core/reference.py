@@ -24,6 +24,11 @@ def layer_params(cfg: ModelConfig) -> tuple[str, ...]:
     return LAYER_PARAMS + QK_NORMS * cfg.qk_norm + QKV_BIASES * cfg.qkv_bias
 
 
+def head_name(cfg: ModelConfig) -> str:
+    """The LM head's parameter: ``head``, or with tied embeddings the embedding itself."""
+    return "embed" if cfg.tie_embeddings else "head"
+
+
 def is_norm(name: str) -> bool:
     """Whether a parameter is a norm weight (initialised to ones; every other one is random)."""
     return name.rsplit(".", 1)[-1] in ("attn_norm", "mlp_norm", "norm", *QK_NORMS)
@@ -31,9 +36,10 @@ def is_norm(name: str) -> bool:
 
 def unit_names(cfg: ModelConfig) -> list[list[str]]:
     """The parameters of each unit a fully sharded model gathers at once (FSDP+CP, FSDP2+CP):
-    the embedding; each layer; the final norm with the LM head."""
+    the embedding; each layer; the final norm with the LM head (tied: the norm alone, the head
+    being the first unit's embedding)."""
     layers = [[f"layers.{i}.{k}" for k in layer_params(cfg)] for i in range(cfg.layers)]
-    return [["embed"], *layers, ["norm", "head"]]
+    return [["embed"], *layers, ["norm"] if cfg.tie_embeddings else ["norm", "head"]]
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -56,7 +62,8 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     for i in range(cfg.layers):
         shapes.update({f"layers.{i}.{k}": s for k, s in layer.items()})
     shapes["norm"] = (h,)
-    shapes["head"] = (cfg.vocab, h)
+    if not cfg.tie_embeddings:
+        shapes["head"] = (cfg.vocab, h)
     return shapes
 
 
@@ -127,6 +134,10 @@ class ReferenceModel(torch.nn.Module):
     def p(self, name: str) -> torch.Tensor:
         return self.params[name.replace(".", "_")]
 
+    def head(self) -> torch.Tensor:
+        """The LM head's weight [V, h]: ``head``, or the embedding where they are tied."""
+        return self.p(head_name(self.cfg))
+
     def named_full_params(self) -> dict[str, torch.Tensor]:
         return {n: self.p(n) for n in param_shapes(self.cfg)}
 
@@ -151,5 +162,5 @@ class ReferenceModel(torch.nn.Module):
     def loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean cross-entropy over all tokens, final hidden states)."""
         hidden = self.forward(tokens)
-        logits = (hidden @ self.p("head").T).float()
+        logits = (hidden @ self.head().T).float()
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten()), hidden

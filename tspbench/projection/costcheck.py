@@ -76,7 +76,9 @@ def _field(rec: dict, path: str, key: str):
 
 
 # model fields that records written before them lack: their defaults are what those runs ran
-LATER_FIELDS = {"rope_scaling": "", "qk_norm": False, "qkv_bias": False}
+LATER_FIELDS = {
+    "rope_scaling": "", "qk_norm": False, "qkv_bias": False, "tie_embeddings": False
+}  # fmt: skip
 
 
 def _model(rec: dict, path: str) -> ModelConfig:
