@@ -35,13 +35,13 @@ WORLD = {"single": 1, "tsp": 4, "tpsp": 4}  # the others: 2
 
 
 # The runs read the model from a Hugging Face config.json, as a user's would: the tiny preset's
-# shapes as a Qwen3 (QK norms) with Llama 3.1's RoPE scaling, so every strategy's CLI run checks
-# both family features against single (docs/models.md)
+# shapes as a small Qwen3 (QK norms, tied embeddings as Qwen3 0.6B's) with Llama 3.1's RoPE
+# scaling, so every strategy's CLI run checks those features against single (docs/models.md)
 QWEN3_TINY = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 256,
     "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 8,
     "num_key_value_heads": 8, "head_dim": 8, "intermediate_size": 128, "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0, "tie_word_embeddings": False, "attention_bias": False,
+    "rope_theta": 10000.0, "tie_word_embeddings": True, "attention_bias": False,
     "sliding_window": None, "use_sliding_window": False,
     "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                      "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
@@ -88,7 +88,8 @@ def test_all_strategies_agree_with_single(records, name):
     assert rec["loss"] == pytest.approx(ref["loss"], rel=1e-5)
     assert rec["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
     assert rec["model"].endswith("qwen3-tiny.json")  # the file as named, which the ranks read
-    assert rec["model_config"]["qk_norm"] and rec["model_config"]["rope_scaling"]
+    mc = rec["model_config"]
+    assert mc["qk_norm"] and mc["tie_embeddings"] and mc["rope_scaling"]
     assert rec["global_batch"] == 4 and rec["world_size"] == WORLD.get(name, 2)
     assert rec["tokens_per_s"] > 0 and rec["flops_per_step"] > 0
     assert len(rec["peak_mem_bytes_per_rank"]) == rec["world_size"]
