@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from tspbench.core import rope
-from tspbench.core.config import ModelConfig
+from tspbench.core.config import HF_FIELDS, ModelConfig
 from tspbench.core.layers import rope_tables
 from tspbench.core.reference import ReferenceModel
 
@@ -65,14 +65,9 @@ def hf_model(cfg: ModelConfig, family: str, dtype: torch.dtype):
     """An HF ``<Family>ForCausalLM`` of ``cfg``'s shapes (random weights: copy ours in)."""
     import transformers
 
-    kwargs = dict(
-        vocab_size=cfg.vocab,
-        hidden_size=cfg.hidden,
-        num_hidden_layers=cfg.layers,
-        num_attention_heads=cfg.heads,
-        num_key_value_heads=cfg.kv_heads,
-        intermediate_size=cfg.ffn,
-        rms_norm_eps=cfg.norm_eps,
+    # the config.json keys the suite reads (HF_FIELDS), written back; theta rides in the RoPE
+    kwargs = {key: getattr(cfg, f) for f, (key, _) in HF_FIELDS.items() if f != "rope_theta"}
+    kwargs.update(
         rope_parameters=hf_rope(cfg),
         max_position_embeddings=4096,
         tie_word_embeddings=cfg.tie_embeddings,
