@@ -48,15 +48,37 @@ QWEN3_TINY = {
 }  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("model") / "qwen3-tiny.json"
-    path.write_text(json.dumps(QWEN3_TINY))
+# ... and a Qwen2 file (QKV biases, untied, YaRN scaling): the other family feature and RoPE kind
+QWEN2_TINY = {
+    **{k: v for k, v in QWEN3_TINY.items() if k != "head_dim"},
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "tie_word_embeddings": False,
+    "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+}  # fmt: skip
+
+
+def _write(tmp_path_factory, name: str, data: dict):
+    path = tmp_path_factory.mktemp("model") / name
+    path.write_text(json.dumps(data))
     return path
 
 
 @pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return _write(tmp_path_factory, "qwen3-tiny.json", QWEN3_TINY)
+
+
+@pytest.fixture(scope="module")
 def records(tmp_path_factory, model) -> dict[str, dict]:
+    return _run_all(tmp_path_factory, model)
+
+
+@pytest.fixture(scope="module")
+def qwen2_records(tmp_path_factory) -> dict[str, dict]:
+    return _run_all(tmp_path_factory, _write(tmp_path_factory, "qwen2-tiny.json", QWEN2_TINY))
+
+
+def _run_all(tmp_path_factory, model) -> dict[str, dict]:
+    """Every run of RUNS on the model file ``model``: their records by name."""
     d = tmp_path_factory.mktemp("runs")
     out = {}
     for name, args in RUNS.items():
@@ -96,6 +118,16 @@ def test_all_strategies_agree_with_single(records, name):
     assert rec["peak_mem_bytes"] == max(rec["peak_mem_bytes_per_rank"])
     if rec["world_size"] > 1:
         assert rec["comm_bytes_total"] > 0
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_every_strategy_runs_a_qwen2_file_as_single_does(qwen2_records, name):
+    ref, rec = qwen2_records["single"], qwen2_records[name]
+    assert rec["status"] == "ok" and rec["model"].endswith("qwen2-tiny.json")
+    assert rec["model_config"]["qkv_bias"] and rec["model_config"]["rope_scaling"][:5] == "yarn,"
+    assert not rec["model_config"]["tie_embeddings"]
+    assert rec["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+    assert rec["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
 
 
 def test_flops_are_the_same_work(records):
