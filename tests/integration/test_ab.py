@@ -1,9 +1,9 @@
 """`tspbench regress-ab` run for real (the promise of issue 35): the baseline commit's code and
 this code time the same cells on this machine, interleaved. The same code passes with a CPU hog
-running beside it; a 15% slowdown of every cell fails the median over cells and a 40% slowdown of
-one strategy fails its cell (the ``slower`` fault, which only the current code's runs see); a
-cell the current code cannot run fails. The baseline commit is this clone's HEAD: in a clean
-clone (CI) A and B are the same code."""
+running beside it; a 15% slowdown of every cell fails the median over cells (the ``slower``
+fault, which only the current code's runs see); a cell the current code cannot run fails. Two
+cells each: every run is a real 2-rank process world (about 6 s). The baseline commit is this
+clone's HEAD: in a clean clone (CI) A and B are the same code."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def row(out: str, cell: str) -> str:
 def test_the_same_code_passes_on_a_loaded_machine(tmp_path):
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        r = ab(tmp_path, "tsp, tp, sp")
+        r = ab(tmp_path, "tsp, tp")
     finally:
         hog.kill()
         hog.wait()
@@ -81,12 +81,12 @@ def test_the_same_code_passes_on_a_loaded_machine(tmp_path):
     assert "0 regression(s)" in r.stdout and (tmp_path / "ab.md").is_file()
 
 
-def test_a_uniform_15_percent_and_one_strategy_40_percent_slower_fail(tmp_path):
-    """Every cell 15% slower, tsp's 40%: the median over cells fails (a uniform slowdown no
-    machine difference excuses here), and tsp's cell fails on its own."""
-    r = ab(tmp_path, "tsp, tp, sp", "slower:fraction=0.15,slower:fraction=0.25:strategy=tsp")
+def test_a_uniform_15_percent_slowdown_fails(tmp_path):
+    """Every cell 15% slower: the median over cells fails, a uniform slowdown that no machine
+    difference excuses here (one strategy's larger slowdown failing its own cell is checked on
+    scripted runs in tests/unit/test_ab.py: two cells keep this real run short)."""
+    r = ab(tmp_path, "tp, sp", "slower:fraction=0.15")
     assert r.returncode == 1, r.stdout + r.stderr
-    assert row(r.stdout, "tsp.D2.g2.S1024.B1.train").endswith("| regression |"), r.stdout
     assert row(r.stdout, "(median over cells)").endswith("| regression |"), r.stdout
 
 
