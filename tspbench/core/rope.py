@@ -12,6 +12,7 @@ formulas are Hugging Face's (``transformers.modeling_rope_utils``), computed in 
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING
 
@@ -51,7 +52,19 @@ class RopeError(ValueError):
 
 def parse(text: str) -> tuple[str, dict[str, float]]:
     """(kind, every parameter with its default filled in) of a canonical scaling string;
-    ``("", {})`` for none. RopeError naming the part and the rule otherwise."""
+    ``("", {})`` for none. RopeError naming the part and the rule otherwise. Parsed once per
+    string (decode builds tables every step); each caller gets its own dict."""
+    kind, values = _parse(text)
+    return kind, dict(values)
+
+
+@functools.lru_cache(maxsize=64)
+def _parse(text: str) -> tuple[str, tuple[tuple[str, float], ...]]:
+    kind, values = _parse_new(text)
+    return kind, tuple(values.items())
+
+
+def _parse_new(text: str) -> tuple[str, dict[str, float]]:
     if text == "":
         return "", {}
     kind, *parts = text.split(",")
