@@ -57,20 +57,20 @@ Norms = tuple[torch.Tensor, torch.Tensor] | None  # Qwen3's QK norm weights [d] 
 
 def qkv_rows(plan: TSPPlan) -> int:
     """Rows of [Wq_r; Wk_r; Wv_r] in a packed shard (then Wo_r^T, then the biases' rows)."""
-    return (plan.hq + 2 * plan.hkv) * plan.cfg.head_dim
+    return (plan.hq + 2 * plan.hkv) * plan.cfg.d_head
 
 
 def bias_rows(cfg: ModelConfig, D: int) -> int:
     """Rows of width h that carry a head group's QKV biases (Qwen2) at the end of its packed
     shard, zero-padded, so that one broadcast moves them with the weights (0 without)."""
-    n = (cfg.heads + 2 * cfg.kv_heads) // D * cfg.head_dim
+    n = (cfg.heads + 2 * cfg.kv_heads) // D * cfg.d_head
     return -(-n // cfg.hidden) if cfg.qkv_bias else 0
 
 
 def wo_t(w: torch.Tensor, plan: TSPPlan) -> torch.Tensor:
     """Wo_r^T [hq d, h] of a packed shard."""
     rows = qkv_rows(plan)
-    return w[rows : rows + plan.hq * plan.cfg.head_dim]
+    return w[rows : rows + plan.hq * plan.cfg.d_head]
 
 
 def qkv_bias(w: torch.Tensor, plan: TSPPlan) -> torch.Tensor | None:
@@ -78,7 +78,7 @@ def qkv_bias(w: torch.Tensor, plan: TSPPlan) -> torch.Tensor | None:
     if not plan.cfg.qkv_bias:
         return None
     rows = qkv_rows(plan)
-    return w[rows + plan.hq * plan.cfg.head_dim :].flatten()[:rows]
+    return w[rows + plan.hq * plan.cfg.d_head :].flatten()[:rows]
 
 
 def rotate(t: torch.Tensor, table: torch.Tensor) -> None:
@@ -95,7 +95,7 @@ def project(x: torch.Tensor, w: torch.Tensor, plan: TSPPlan) -> torch.Tensor:
     B, n, h = x.shape
     bias, wqkv = qkv_bias(w, plan), w[: qkv_rows(plan)].T
     out = x.view(B * n, h) @ wqkv if bias is None else torch.addmm(bias, x.view(B * n, h), wqkv)
-    return out.view(B, n, -1, plan.cfg.head_dim)
+    return out.view(B, n, -1, plan.cfg.d_head)
 
 
 def qk_split(t: torch.Tensor, plan: TSPPlan) -> tuple[torch.Tensor, torch.Tensor]:
@@ -287,7 +287,7 @@ def attention_backward(
         torch.mm(dqkv.T, x2, out=dw[:rows])
         torch.mm(a.view(B * n, -1).T, dy2, out=wo_t(dw, plan))  # dWo_r^T
         if plan.cfg.qkv_bias:  # the biases' rows: their gradient, then zeros
-            dw[rows + plan.hq * plan.cfg.head_dim :].zero_()
+            dw[rows + plan.hq * plan.cfg.d_head :].zero_()
             torch.sum(dqkv, dim=0, out=qkv_bias(dw, plan))
         reduces.reduce(dw, dst=r)
         if r == plan.rank:

@@ -24,14 +24,14 @@ from tspbench.core.strategy import Layout
 def param_numel(cfg: ModelConfig, D: int) -> int:
     """Every weight but the norms is 1/D per rank: head group, MLP slice, vocabulary rows; a head
     group's QKV biases (Qwen2) ride in zero-padded rows of its attention shard."""
-    biases = (cfg.hidden + 2 * cfg.kv_dim) // D if cfg.qkv_bias else 0
+    biases = (cfg.q_dim + 2 * cfg.kv_dim) // D if cfg.qkv_bias else 0
     return costs.split_numel(cfg, D) + cfg.layers * (
         attn_shard_numel(cfg, D) - _plain(cfg, D) - biases
     )
 
 
 def _plain(cfg: ModelConfig, D: int) -> int:
-    return (2 * cfg.hidden + 2 * cfg.kv_dim) * cfg.hidden // D
+    return (2 * cfg.q_dim + 2 * cfg.kv_dim) * cfg.hidden // D
 
 
 def attn_shard_numel(cfg: ModelConfig, D: int) -> int:
@@ -99,10 +99,10 @@ def saved_per_layer(c: Spec) -> int:
     (one tensor), A and the lse (and with ``kv_backward = save`` its gathered K/V over the
     sequence); per MLP slice [h1 h3] (one tensor)."""
     cfg, e, t = c.cfg, c.e, c.tokens
-    h, kv, f = cfg.hidden, cfg.kv_dim, cfg.ffn
+    q, kv, f = cfg.q_dim, cfg.kv_dim, cfg.ffn
     kept = c.degree * _units(c)[1] if c.options["kv_backward"] == "save" else 0
     return (
-        costs.norms_saved(c) + (2 * t * h + 2 * t * kv + 2 * t * f) * e + 4 * t * cfg.heads + kept
+        costs.norms_saved(c) + (2 * t * q + 2 * t * kv + 2 * t * f) * e + 4 * t * cfg.heads + kept
     )
 
 
@@ -124,7 +124,7 @@ def plan_tables(c: Spec) -> int:
     c = S/2D; 2S at D = 1)."""
     S, D = c.seq_len, c.degree
     rows = 2 * S if D == 1 else 2 * (S + S // (2 * D))
-    return 2 * S // D * c.cfg.head_dim * c.e + 4 * S + 4 * rows
+    return 2 * S // D * c.cfg.d_head * c.e + 4 * S + 4 * rows
 
 
 def inference_working_set(c: Spec) -> tuple[int, int]:
@@ -141,7 +141,7 @@ def inference_working_set(c: Spec) -> tuple[int, int]:
     act, kv_unit, logits = _units(c)
     wa, sl, tf = attn_shard_numel(cfg, D) * e, 3 * cfg.ffn // D * h * e, t * cfg.ffn // D * e
     many = int(D > 1)
-    attn = (2 + many) * act + t * (h + 2 * kv) // D * e + 2 * kv_unit
+    attn = (2 + many) * act + t * (cfg.q_dim + 2 * kv) // D * e + 2 * kv_unit
     attn += many * 2 * wa
     mlp = 4 * act + 3 * tf + many * 2 * sl
     loss = 2 * act + logits + t * vl * e + 2 * vl * h * e
@@ -167,9 +167,9 @@ def backward_transients(c: Spec) -> tuple[int, int, int]:
     kv -= (
         kv_unit if c.options["kv_backward"] == "save" else 0
     )  # kept among the saved, not gathered again
-    attn_t = kv + t * h // D * e - 2 * t * cfg.ffn * e
+    attn_t = kv + t * cfg.q_dim // D * e - 2 * t * cfg.ffn * e
     if cfg.qk_norm:  # the group's [Q K V] normed again from the saved projection (attention.py)
-        attn_t += t * (h + 2 * cfg.kv_dim) // D * e
+        attn_t += t * (cfg.q_dim + 2 * cfg.kv_dim) // D * e
     layer_t = 2 * act + max(attn_t, mlp_t(c))
     return loss_t + tables, layer_t + tables, 2 * vl * h * e + act + tables
 

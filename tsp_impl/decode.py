@@ -83,7 +83,7 @@ def attend(cache: KVCache, comm: Comm):
 
 def layer_views(lp: dict, cfg: ModelConfig, D: int) -> dict[str, torch.Tensor]:
     """A layer's own head group and MLP slice as reference-named (sharded) weights."""
-    d = cfg.head_dim
+    d = cfg.d_head
     hq, hkv = cfg.heads // D * d, cfg.kv_heads // D * d
     wq, wk, wv, wo_t, rest = lp["attn"].split([hq, hkv, hkv, hq, bias_rows(cfg, D)])
     biases = {}
@@ -115,11 +115,11 @@ class TSPDecoder(Decoder):
         """Embedding all-reduce; per layer the q/k/v all-gather, the merge's max all-reduce and
         reduce-scatter, two all-reduces of [B, h]; the greedy all-gather (docs/decode.md s. 3)."""
         cfg, B, e, D = spec.cfg, spec.batch, spec.e, spec.degree
-        h, kv, nh, d = cfg.hidden, cfg.kv_dim, cfg.heads, cfg.head_dim
+        h, kv, nh, d = cfg.hidden, cfg.kv_dim, cfg.heads, cfg.d_head
         ev, ax = Schedule(), Axis.MODEL
         ev.add(PHASE, ax, "all_reduce", D, B * h * e)
         for _ in range(cfg.layers):
-            ev.add(PHASE, ax, "all_gather", D, B * (h + 2 * kv) * e)
+            ev.add(PHASE, ax, "all_gather", D, B * (cfg.q_dim + 2 * kv) * e)
             ev.add(PHASE, ax, "all_reduce", D, B * nh * FP32)
             ev.add(PHASE, ax, "reduce_scatter", D, B * nh * (d + 1) * FP32)
             ev.add(PHASE, ax, "all_reduce", D, B * h * e, times=2)
@@ -140,7 +140,7 @@ class TSPDecoder(Decoder):
         plan = m.plan(P)
         x = VocabEmbedding.apply(local, m.embed, comm, m.overlap)
         slots = KVCache.capacity(P, max_len, D)
-        cache = KVCache.empty(cfg.layers, B, cfg.kv_heads, slots, cfg.head_dim, x, D, r)
+        cache = KVCache.empty(cfg.layers, B, cfg.kv_heads, slots, cfg.d_head, x, D, r)
         mlp = MLP[m.mlp_schedule]
         for i, lp in enumerate(m.layers):
             x = x + attention_into_cache(

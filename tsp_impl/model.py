@@ -133,17 +133,17 @@ class TSP(Strategy):
             self.embed if cfg.tie_embeddings else self.to_param(self.init_block("head", rows))
         )
         self.norm = self.to_param(self.init_block("norm"))
-        h, f, kv = cfg.hidden, cfg.ffn, cfg.kv_dim
-        own = {n: chunk_slice(n_out, D, r) for n, n_out in (("h", h), ("f", f), ("kv", kv))}
+        q, f, kv = cfg.q_dim, cfg.ffn, cfg.kv_dim
+        own = {n: chunk_slice(n_out, D, r) for n, n_out in (("q", q), ("f", f), ("kv", kv))}
         self.layers = []
         for i in range(cfg.layers):
             n = f"layers.{i}."  # each rank generates only its head group's rows (Wo, W2: columns)
             attn = torch.cat(
                 [
-                    self.init_block(n + "wq", own["h"]),
+                    self.init_block(n + "wq", own["q"]),
                     self.init_block(n + "wk", own["kv"]),
                     self.init_block(n + "wv", own["kv"]),
-                    self.init_block(n + "wo", cols=own["h"]).T,
+                    self.init_block(n + "wo", cols=own["q"]).T,
                     *self.bias_block(n, own),
                 ]
             )
@@ -168,7 +168,7 @@ class TSP(Strategy):
         if not rows:
             return []
         parts = [
-            self.init_block(n + b, own[k]) for b, k in (("bq", "h"), ("bk", "kv"), ("bv", "kv"))
+            self.init_block(n + b, own[k]) for b, k in (("bq", "q"), ("bk", "kv"), ("bv", "kv"))
         ]
         flat = torch.cat(parts)
         return [F.pad(flat, (0, rows * self.cfg.hidden - flat.numel())).view(rows, -1)]
@@ -268,7 +268,7 @@ class TSP(Strategy):
 
     def full_params(self, grads: bool = False) -> dict[str, torch.Tensor]:
         D = self.comm.size
-        d, hq, hkv = self.cfg.head_dim, self.cfg.heads // D, self.cfg.kv_heads // D
+        d, hq, hkv = self.cfg.d_head, self.cfg.heads // D, self.cfg.kv_heads // D
 
         def g(p: torch.Tensor) -> tuple[torch.Tensor, ...]:
             return self.comm.all_gather(tensor_of(p, grads), dim=0).chunk(D)

@@ -43,7 +43,7 @@ class SingleDecoder(Decoder):
         m, (B, P) = self.model, tokens.shape
         cfg = m.cfg
         x = F.embedding(tokens.to(m.device), m.model.p("embed"))
-        cache = KVCache.empty(cfg.layers, B, cfg.kv_heads, max_len, cfg.head_dim, x)
+        cache = KVCache.empty(cfg.layers, B, cfg.kv_heads, max_len, cfg.d_head, x)
         cos, sin = cached(m, ("rope", P, x.dtype), lambda: rope_on(torch.arange(P), cfg, x))
         x = prefill_layers(cfg, self._layers(), x, cos, sin, m.hooks, cache)
         cache.start(P, P)

@@ -115,7 +115,7 @@ class Embed(Unit):
 
 class Layer(Unit):
     def forward(self, x, cfg: ModelConfig, cos, sin, hooks: LayerHooks) -> torch.Tensor:
-        return transformer_layer(x, self.weights(), cfg.norm_eps, cfg.head_dim, cos, sin, hooks)
+        return transformer_layer(x, self.weights(), cfg.norm_eps, cfg.d_head, cos, sin, hooks)
 
 
 class Head(Unit):

@@ -240,7 +240,7 @@ class FSDPCP(Strategy):
             x = self.checkpointed(
                 self.run_unit,
                 1 + i,
-                lambda w, x: transformer_layer(x, w, cfg.norm_eps, cfg.head_dim, cos, sin, hooks),
+                lambda w, x: transformer_layer(x, w, cfg.norm_eps, cfg.d_head, cos, sin, hooks),
                 x,
             )
         return x

@@ -58,7 +58,7 @@ class SPDecoder(Decoder):
         D, r = comm.size, comm.rank
         x = F.embedding(zigzag.shard(tokens, D, r).to(m.device), m.params["embed"])
         slots = KVCache.capacity(P, max_len, D)
-        cache = KVCache.empty(cfg.layers, B, cfg.kv_heads, slots, cfg.head_dim, x, D, r)
+        cache = KVCache.empty(cfg.layers, B, cfg.kv_heads, slots, cfg.d_head, x, D, r)
         cos, sin, hooks = cp_tables(m, P, comm, cfg, x, m.cp_comm)  # the prefill exchanges
         # as training does (cp_comm); the cache keeps each rank's own tokens' K/V either way
         x = prefill_layers(cfg, self._layers(), x, cos, sin, hooks, cache)

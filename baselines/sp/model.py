@@ -69,7 +69,7 @@ class SP(Strategy):
         for i in range(cfg.layers):
             lp = {k: p[f"layers.{i}.{k}"] for k in layer_params(cfg)}
             x = self.checkpointed(
-                transformer_layer, x, lp, cfg.norm_eps, cfg.head_dim, cos, sin, hooks
+                transformer_layer, x, lp, cfg.norm_eps, cfg.d_head, cos, sin, hooks
             )
         return rms_norm(x, p["norm"], cfg.norm_eps)
 

@@ -62,7 +62,7 @@ class TPDecoder(Decoder):
         cfg = m.cfg
         x = embedding(tokens.to(m.device), m.params["embed"], m.comm)
         heads = kv_heads_local(cfg.kv_heads, m.comm.size)
-        cache = KVCache.empty(cfg.layers, B, heads, max_len, cfg.head_dim, x)
+        cache = KVCache.empty(cfg.layers, B, heads, max_len, cfg.d_head, x)
         cos, sin = cached(m, ("rope", P, x.dtype), lambda: rope_on(torch.arange(P), cfg, x))
         x = prefill_layers(cfg, self._layers(), x, cos, sin, m.hooks, cache)
         cache.start(P, P)

@@ -66,7 +66,7 @@ class TP(Strategy):
         for i in range(cfg.layers):
             lp = {k: p[f"layers.{i}.{k}"] for k in layer_params(cfg)}
             x = self.checkpointed(
-                transformer_layer, x, lp, cfg.norm_eps, cfg.head_dim, cos, sin, self.hooks
+                transformer_layer, x, lp, cfg.norm_eps, cfg.d_head, cos, sin, self.hooks
             )
         return rms_norm(x, p["norm"], cfg.norm_eps)
 

@@ -77,7 +77,7 @@ class TPSPDecoder(Decoder):
         x = embedding(local, m.params["embed"], tp)
         slots = KVCache.capacity(P, max_len, sp.size)
         heads = kv_heads_local(cfg.kv_heads, tp.size)
-        cache = KVCache.empty(cfg.layers, B, heads, slots, cfg.head_dim, x, sp.size, sp.rank)
+        cache = KVCache.empty(cfg.layers, B, heads, slots, cfg.d_head, x, sp.size, sp.rank)
         cos, sin, hooks = cp_tables(m, P, sp, cfg, x, exit=lambda t: reduce_from(t, tp))
         x = prefill_layers(cfg, self._layers(), x, cos, sin, hooks, cache)
         cache.start(P // sp.size, P)

@@ -74,15 +74,15 @@ def hf_model(cfg: ModelConfig, family: str, dtype: torch.dtype):
         # SDPA: eager attention takes its softmax in fp32 whatever the dtype
         attn_implementation="sdpa",
     )
+    kwargs["head_dim"] = cfg.d_head  # every family reads it (Qwen3 0.6B's is 2h/heads)
     if family == "mistral":
-        kwargs.update(sliding_window=None, head_dim=cfg.head_dim)
+        kwargs.update(sliding_window=None)
     if family == "qwen2":
         assert cfg.qkv_bias, "a Qwen2 model has QKV biases"
         kwargs.update(use_sliding_window=False, sliding_window=None)
     if family == "qwen3":
         assert cfg.qk_norm, "a Qwen3 model has QK norms"
         kwargs.update(
-            head_dim=cfg.head_dim,
             attention_bias=False,
             use_sliding_window=False,
             sliding_window=None,

@@ -35,12 +35,13 @@ WORLD = {"single": 1, "tsp": 4, "tpsp": 4}  # the others: 2
 
 
 # The runs read the model from a Hugging Face config.json, as a user's would: the tiny preset's
-# shapes as a small Qwen3 (QK norms, tied embeddings as Qwen3 0.6B's) with Llama 3.1's RoPE
-# scaling, so every strategy's CLI run checks those features against single (docs/models.md)
+# shapes as a small Qwen3 (QK norms, tied embeddings and heads twice hidden/heads wide, as Qwen3
+# 0.6B's) with Llama 3.1's RoPE scaling, so every strategy's CLI run checks those features
+# against single (docs/models.md)
 QWEN3_TINY = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 256,
     "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 8,
-    "num_key_value_heads": 8, "head_dim": 8, "intermediate_size": 128, "rms_norm_eps": 1e-5,
+    "num_key_value_heads": 8, "head_dim": 16, "intermediate_size": 128, "rms_norm_eps": 1e-5,
     "rope_theta": 10000.0, "tie_word_embeddings": True, "attention_bias": False,
     "sliding_window": None, "use_sliding_window": False,
     "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -111,7 +112,7 @@ def test_all_strategies_agree_with_single(records, name):
     assert rec["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
     assert rec["model"].endswith("qwen3-tiny.json")  # the file as named, which the ranks read
     mc = rec["model_config"]
-    assert mc["qk_norm"] and mc["tie_embeddings"] and mc["rope_scaling"]
+    assert mc["qk_norm"] and mc["tie_embeddings"] and mc["rope_scaling"] and mc["head_dim"] == 16
     assert rec["global_batch"] == 4 and rec["world_size"] == WORLD.get(name, 2)
     assert rec["tokens_per_s"] > 0 and rec["flops_per_step"] > 0
     assert len(rec["peak_mem_bytes_per_rank"]) == rec["world_size"]
@@ -132,18 +133,18 @@ def test_every_strategy_runs_a_qwen2_file_as_single_does(qwen2_records, name):
 
 def test_flops_are_the_same_work(records):
     """Every strategy counts the same model FLOPs for the same work, the closed form of the
-    tiny model's step: per layer GEMMs 2t(2h^2 + 2h kv + 3hf) three times (forward, two in
+    model file's step: per layer GEMMs 2t(2h h_q + 2h kv + 3hf) three times (forward, two in
     backward), causal attention 4 B H d S(S+1)/2 (the pairs its mask keeps, for one call over
     S and for zigzag chunks alike) 3.5 times, the LM head 2thV three times. A full mask would
     count 1.9x the attention at D = 1 and less for zigzag chunks; TSP's recomputed loss logits
     are executed, not model, FLOPs."""
-    from tspbench.core.config import get_config
+    from tspbench.core.config import hf_config
 
-    c = get_config("tiny")
+    c, _ = hf_config(QWEN3_TINY)
     B, S = 4, 32
     t = B * S
-    gemm = 2 * t * (2 * c.hidden**2 + 2 * c.hidden * c.kv_dim + 3 * c.hidden * c.ffn)
-    attn = 4 * B * c.heads * c.head_dim * S * (S + 1) // 2
+    gemm = 2 * t * (2 * c.hidden * c.q_dim + 2 * c.hidden * c.kv_dim + 3 * c.hidden * c.ffn)
+    attn = 4 * B * c.heads * c.d_head * S * (S + 1) // 2
     want = c.layers * (3 * gemm + 7 * attn // 2) + 3 * 2 * t * c.hidden * c.vocab
     for name, rec in records.items():
         assert rec["flops_counted"] == "model", name

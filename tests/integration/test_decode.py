@@ -18,13 +18,15 @@ from tests.helpers.distributed import run_world
 
 MODELS = {
     "mha": {},
-    # with Llama 3.1's RoPE scaling, Qwen3's QK norms, Qwen2's QKV biases, tied embeddings
+    # with Llama 3.1's RoPE scaling, Qwen3's QK norms and wide heads (Q 2h wide), Qwen2's QKV
+    # biases, tied embeddings
     "gqa": {
         "kv_heads": 4,
         "rope_scaling": LLAMA3_ROPE_TINY,
         "qk_norm": True,
         "qkv_bias": True,
         "tie_embeddings": True,
+        "head_dim": 16,
     },  # fmt: skip
     "kv2": {"kv_heads": 2, "qkv_bias": True},  # and Qwen2's QKV biases (replicated below T)
     "kv1": {"kv_heads": 1},
@@ -116,7 +118,9 @@ def test_tsp_moves_no_weights_per_token(results, D):
 
 def test_kv_heads_replicated_below_T(results):
     """TP at D = 4 with fewer than 4 KV heads still caches one whole head per rank (replicated
-    on 4/n_kv ranks), as many bytes as with 4 heads; SP splits by sequence: 1/4 with 1 head."""
-    assert results["tp-D4-kv2"]["cache_bytes"] == results["tp-D4-gqa"]["cache_bytes"]
-    assert results["tp-D4-kv1"]["cache_bytes"] == results["tp-D4-gqa"]["cache_bytes"]
-    assert results["sp-D4-kv1"]["cache_bytes"] * 4 == results["sp-D4-gqa"]["cache_bytes"]
+    on 4/n_kv ranks), as many bytes as with 4 heads; SP splits by sequence: 1/4 with 1 head
+    (the GQA model's heads are twice as wide: head_dim 16 against hidden/heads = 8)."""
+    four = results["tp-D4-gqa"]["cache_bytes"] // 2
+    assert results["tp-D4-kv2"]["cache_bytes"] == four
+    assert results["tp-D4-kv1"]["cache_bytes"] == four
+    assert results["sp-D4-kv1"]["cache_bytes"] * 4 == results["sp-D4-gqa"]["cache_bytes"] // 2

@@ -16,9 +16,11 @@ from tests.helpers.configs import LLAMA3_ROPE_TINY
 from tests.helpers.distributed import run_world
 from tspbench.runtime.registry import strategies
 
-# GQA with Llama 3.1's RoPE scaling and Qwen3's QK norms (the scaling lives in the shared
-# tables; the norms in each strategy's attention and gradient handling)
-MODELS = {"mha": {}, "gqa": {"kv_heads": 4, "rope_scaling": LLAMA3_ROPE_TINY, "qk_norm": True}}
+# GQA with Llama 3.1's RoPE scaling and Qwen3's QK norms and wide heads (the scaling lives in
+# the shared tables; the norms in each strategy's attention and gradient handling; head_dim 16
+# makes Q and W_o's input 128 wide where h is 64, as Qwen3 0.6B/4B/32B's are twice h)
+GQA = {"kv_heads": 4, "rope_scaling": LLAMA3_ROPE_TINY, "qk_norm": True, "head_dim": 16}
+MODELS = {"mha": {}, "gqa": GQA}
 
 
 def _layout(impl, lay) -> dict:

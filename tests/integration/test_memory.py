@@ -97,7 +97,7 @@ def test_overlap_costs_at_most_one_weight_shard(peaks):
     from tspbench.core.config import get_config
 
     cfg, D = get_config("tiny"), 4
-    attn = (2 * cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim // D * cfg.hidden * 4
+    attn = (2 * cfg.heads + 2 * cfg.kv_heads) * cfg.d_head // D * cfg.hidden * 4
     mlp = 3 * cfg.ffn // D * cfg.hidden * 4
     on, off = peaks["tsp-2048"], peaks["tsp-2048-overlap0"]
     assert on <= off + max(attn, mlp)

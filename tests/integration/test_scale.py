@@ -21,8 +21,9 @@ from tspbench.projection.estimate import estimate_rank
 from tspbench.runtime.registry import strategies
 from tspbench.runtime.spec import RunSpec
 
-# with Qwen3's QK norms and Qwen2's QKV biases: their bytes, FLOPs, parameters, memory
-GQA = {"kv_heads": 2, "qk_norm": True, "qkv_bias": True}
+# with Qwen3's QK norms and wide heads (Q 2h wide), Qwen2's QKV biases: their bytes, FLOPs,
+# parameters, memory
+GQA = {"kv_heads": 2, "qk_norm": True, "qkv_bias": True, "head_dim": 16}
 REF = ROOT / "results" / "reference" / "calibration"
 
 

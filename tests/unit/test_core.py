@@ -28,7 +28,7 @@ def test_presets_and_overrides():
     )
     assert 8.5e9 < c.n_params(embeddings=False) < 8.7e9  # "about 8.6B without embeddings"
     g = get_config("tiny", **parse_overrides(["kv_heads=4", "rope_theta=500000"]))
-    assert g.kv_heads == 4 and g.rope_theta == 500000.0 and g.kv_dim == 4 * g.head_dim
+    assert g.kv_heads == 4 and g.rope_theta == 500000.0 and g.kv_dim == 4 * g.d_head
 
 
 @pytest.mark.parametrize(

@@ -118,7 +118,7 @@ def test_the_documented_7b_example():
 def test_kv_cache_bytes_closed_form(strategy, lay):
     spec = _spec(strategy, "llama3-8b", "bf16", 2, **lay)  # 8 KV heads, P = 1024, N = 9
     c = spec.cfg
-    per_token_head = 2 * c.layers * 2 * c.head_dim * 2  # K and V, B = 2, bf16
+    per_token_head = 2 * c.layers * 2 * c.d_head * 2  # K and V, B = 2, bf16
     seq, heads = {"single": (1, 8), "tp": (1, 1), "sp": (8, 8), "tsp": (lay.get("degree"), 8),
                   "tpsp": (lay.get("sp"), 8 // lay.get("tp", 1))}[strategy]  # fmt: skip
     slots = 1024 // seq + math.ceil(8 / seq)

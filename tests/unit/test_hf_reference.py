@@ -1,8 +1,9 @@
 """The single-device reference equals Hugging Face's own class for each family it reads
 (``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` with its QKV biases,
 ``Qwen3ForCausalLM`` with its QK norms) with copied weights: logits, loss and every
-gradient, fp64 to rounding and fp32 tight, with each RoPE scaling published configs ship; the
-RoPE tables equal HF's; greedy generation equals HF's ``generate``.
+gradient, fp64 to rounding and fp32 tight, with each RoPE scaling published configs ship, tied
+embeddings and a ``head_dim`` wider than hidden/heads; the RoPE tables equal HF's; greedy
+generation equals HF's ``generate``.
 
 The oracle every strategy is checked against is only as good as this check: a strategy equal to
 a reference that is not the model people train proves nothing about that model.
@@ -145,4 +146,17 @@ def test_tied_embeddings_equal_hf(family):
     in_fp64(theirs, cfg)
     assert "head" not in dict(ours.named_full_params())
     tokens, labels = make_batch(cfg, 2, 24, seed=4)
+    _close(*_step(ours, theirs, tokens, labels), tol=1e-11)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_wide_heads_equal_hf(family):
+    """``head_dim`` wider than hidden/heads (Qwen3 0.6B: 128 for h = 1024 over 16 heads): Q
+    and W_o's input are heads x head_dim wide, RoPE and the QK norms act over head_dim."""
+    cfg = dataclasses.replace(_cfg(SCALINGS["yarn"], family), head_dim=12)
+    assert cfg.q_dim == 72 != cfg.hidden
+    ours, theirs = paired(cfg, family, torch.float64)
+    in_fp64(theirs, cfg)
+    assert theirs.model.layers[0].self_attn.q_proj.weight.shape == (72, 48)
+    tokens, labels = make_batch(cfg, 2, 24, seed=5)
     _close(*_step(ours, theirs, tokens, labels), tol=1e-11)

@@ -155,7 +155,8 @@ def test_from_a_hugging_face_config(capsys, counted, tmp_path):
         ({"tie_word_embeddings": "yes"}, "tie_word_embeddings"),
         ({"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]}, "model_type"),
         ({"hidden_act": "gelu"}, "hidden_act"),
-        ({"head_dim": 256}, "head_dim"),
+        ({"head_dim": 127}, "head_dim"),  # odd: RoPE rotates pairs
+        ({"head_dim": "128"}, "head_dim"),
         ({"vocab_size": 2**21}, "vocab_size"),
         ({"num_key_value_heads": 5}, "num_key_value_heads"),
         ({"architectures": ["LlamaMoEForCausalLM"]}, "architectures"),
@@ -171,6 +172,16 @@ def test_refuses_what_the_model_cannot_express(capsys, tmp_path, change, key):
     rc, out, err = plan_cli(capsys, "--model", path, "--seq-len", 8192, "--gpus", 8)
     assert rc == 2 and not out
     assert len(err.strip().splitlines()) == 1 and key in err, err
+
+
+def test_head_dim_read_where_it_is_not_hidden_over_heads():
+    """Qwen3 0.6B's heads are 128 wide for h = 1024 over 16 heads: Q is 2h wide; a head_dim
+    equal to hidden/heads (Llama 3's 128) reads as the default."""
+    cfg, _ = hf_config({**LLAMA3_8B, "hidden_size": 1024, "num_attention_heads": 16,
+                        "head_dim": 128})  # fmt: skip
+    assert cfg.head_dim == cfg.d_head == 128 and cfg.q_dim == 2048
+    cfg, _ = hf_config({**LLAMA3_8B, "head_dim": 128})
+    assert cfg.head_dim == 0 and cfg.d_head == 128 and cfg == hf_config(LLAMA3_8B)[0]
 
 
 def test_missing_key_and_sliding_window_null_accepted():
@@ -456,11 +467,16 @@ def test_published_model_files_plan(capsys, counted, tmp_path):
 
     models = Path(__file__).parents[2] / "workflows" / "models"
     got = {p.stem: read_hf_config(str(p)) for p in sorted(models.glob("*.json"))}
-    assert {"llama3.1-8b", "llama3.2-1b", "mistral-7b-v0.3", "qwen2.5-7b", "qwen3-8b"} <= set(got)
+    assert {"llama3.1-8b", "llama3.2-1b", "mistral-7b-v0.3", "qwen2.5-7b", "qwen3-8b",
+            "qwen3-4b"} <= set(got)  # fmt: skip
     small, _ = got["llama3.2-1b"]
-    assert small.tie_embeddings and [n for n, (c, _) in got.items() if c.tie_embeddings] == [
-        "llama3.2-1b"
-    ]
+    tied = [n for n, (c, _) in got.items() if c.tie_embeddings]
+    assert small.tie_embeddings and tied == ["llama3.2-1b", "qwen3-4b"]
+    # Qwen3 4B: 32 heads of 128 for h = 2560, so Q and W_o's input are 4096 wide
+    q4, _ = got["qwen3-4b"]
+    assert q4.qk_norm and q4.head_dim == 128 and q4.q_dim == 4096 and q4.hidden == 2560
+    assert round(q4.n_params() / 1e9, 1) == 4.0  # "Number of Parameters: 4.0B" (model card)
+    assert round(q4.n_params(embeddings=False) / 1e9, 1) == 3.6  # "(Non-Embedding): 3.6B"
     assert round(small.n_params() / 1e9, 2) == 1.24  # "1.23B" (model card), the tie counted once
     q25, _ = got["qwen2.5-7b"]
     assert q25.qkv_bias and not q25.qk_norm and not qwen_bias_elsewhere(got)

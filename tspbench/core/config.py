@@ -82,6 +82,7 @@ RANGES: dict[str, tuple[float, float]] = {
     "rope_theta": (1e-6, 1e9),
     "norm_eps": (1e-12, 0.1),
     "init_std": (1e-6, 10.0),
+    "head_dim": (0, 4096),  # 0: hidden/heads
 }
 
 
@@ -107,6 +108,7 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm over each head's Q and K before RoPE (Qwen3)
     qkv_bias: bool = False  # biases on the Q, K and V projections (Qwen2)
     tie_embeddings: bool = False  # the LM head is the embedding (Llama 3.2 1B/3B, small Qwens)
+    head_dim: int = 0  # each head's size d; 0: hidden/heads (Qwen3 0.6B/4B/32B set it wider)
 
     def __post_init__(self) -> None:
         for f, (lo, hi) in RANGES.items():
@@ -116,16 +118,18 @@ class ModelConfig:
                 raise ConfigError(f"model.{f}={v!r}: must be an integer")
             if not isinstance(v, int | float) or not math.isfinite(v) or not lo <= v <= hi:
                 raise ConfigError(f"model.{f}={v!r}: must be between {_num(lo)} and {_num(hi)}")
-        if self.hidden % self.heads:
+        if self.head_dim == 0 and self.hidden % self.heads:
             raise ConfigError(
                 f"model.hidden={self.hidden}: must be divisible by model.heads={self.heads}"
+                " (or model.head_dim set)"
             )
         if self.heads % self.kv_heads:
             raise ConfigError(
                 f"model.kv_heads={self.kv_heads}: must divide model.heads={self.heads} (GQA)"
             )
-        if self.head_dim % 2:
-            raise ConfigError(f"head dim hidden/heads={self.head_dim}: must be even for RoPE")
+        if self.d_head % 2:
+            what = "model.head_dim" if self.head_dim else "head dim hidden/heads"
+            raise ConfigError(f"{what}={self.d_head}: must be even for RoPE")
         for flag in ("qk_norm", "qkv_bias", "tie_embeddings"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"model.{flag}={getattr(self, flag)!r}: must be true or false")
@@ -137,20 +141,26 @@ class ModelConfig:
             raise ConfigError(f"model.rope_scaling={self.rope_scaling!r}: {e}") from None
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
+    def d_head(self) -> int:
+        """d: ``head_dim`` where set, hidden/heads otherwise (HF's default)."""
+        return self.head_dim or self.hidden // self.heads
+
+    @property
+    def q_dim(self) -> int:
+        """h_q = n_h * d: Q's width and W_o's input, h unless ``head_dim`` widens it."""
+        return self.heads * self.d_head
 
     @property
     def kv_dim(self) -> int:
         """h_kv = n_kv * d."""
-        return self.kv_heads * self.head_dim
+        return self.kv_heads * self.d_head
 
     def n_params(self, embeddings: bool = True) -> int:
         """Total parameter count (embedding and LM head are untied)."""
-        h, f = self.hidden, self.ffn
-        per_layer = 2 * h * h + 2 * h * self.kv_dim + 3 * h * f + 2 * h
-        per_layer += 2 * self.head_dim if self.qk_norm else 0
-        per_layer += h + 2 * self.kv_dim if self.qkv_bias else 0
+        h, f, q = self.hidden, self.ffn, self.q_dim
+        per_layer = 2 * h * q + 2 * h * self.kv_dim + 3 * h * f + 2 * h
+        per_layer += 2 * self.d_head if self.qk_norm else 0
+        per_layer += q + 2 * self.kv_dim if self.qkv_bias else 0
         tables = 1 if self.tie_embeddings else 2  # the embedding, and an untied head
         return self.layers * per_layer + h + (tables * self.vocab * h if embeddings else 0)
 
@@ -190,6 +200,7 @@ class ModelOverrides(TypedDict, total=False):
     qk_norm: bool
     qkv_bias: bool
     tie_embeddings: bool
+    head_dim: int
 
 
 BOOLS = {"true": True, "false": False, "1": True, "0": False}
@@ -244,7 +255,7 @@ HF_FIELDS = {  # ModelConfig field <- config.json key (and the key's default, No
 # dense pre-norm RMSNorm/RoPE/GQA/SwiGLU decoders (docs/models.md); Qwen3 adds QK norms
 HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 HF_FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3")
-HF_ARCHS = tuple(f"{n}{h}" for n in HF_FAMILIES for h in ("ForCausalLM", "Model"))
+HF_ARCHS = {f"{n}{h}": n.lower() for n in HF_FAMILIES for h in ("ForCausalLM", "Model")}
 QK_NORM_TYPES = ("qwen3",)  # Qwen3 norms each head's Q and K
 QKV_BIAS_TYPES = ("qwen2",)  # Qwen2 (and 2.5) has biases on its Q, K, V projections
 HF_MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "n_shared_experts",
@@ -255,20 +266,18 @@ HF_MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "n_shared
 def hf_config(data: object, where: str = "config.json") -> tuple[ModelConfig, list[str]]:
     """A :class:`ModelConfig` from a Hugging Face Llama-style ``config.json`` (a dict), and notes
     on what was read but does not change the shapes. Whatever the model here cannot express
-    (biases, mixture of experts, sliding-window attention, a tied LM head, another architecture,
-    another activation or head size) is a ConfigError naming the key."""
+    (Llama's attention and MLP biases, mixture of experts, sliding-window attention, another
+    architecture or activation) is a ConfigError naming the key."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: must be a JSON object of model settings")
     _hf_check_architecture(data, where)
     values = _hf_values(data, where)
-    _hf_check_head_dim(data, where, values)
+    _hf_head_dim(data, where, values)
     values["rope_scaling"] = _hf_rope(data, where, values)
     archs = data.get("architectures") or []
-    family = data.get("model_type") or (
-        archs[0].removesuffix("ForCausalLM").lower() if archs else ""
-    )
-    values["qk_norm"] = family.removesuffix("model") in QK_NORM_TYPES
-    values["qkv_bias"] = family.removesuffix("model") in QKV_BIAS_TYPES
+    family = data.get("model_type") or (HF_ARCHS[archs[0]] if archs else "")  # its model_type
+    values["qk_norm"] = family in QK_NORM_TYPES
+    values["qkv_bias"] = family in QKV_BIAS_TYPES
     tie = data.get("tie_word_embeddings", False)
     if not isinstance(tie, bool):
         raise _hf_refuse(data, where, "tie_word_embeddings", "must be true or false")
@@ -283,7 +292,7 @@ def _hf_refuse(data: dict, where: str, key: str, why: str) -> ConfigError:
 
 def _hf_check_architecture(data: dict, where: str) -> None:
     """Refuse a ``config.json`` that is not a dense Llama-style decoder: another model type or
-    architecture, experts, biases, sliding-window attention, a tied head, another activation."""
+    architecture, experts, Llama's biases, sliding-window attention, another activation."""
     mtype = data.get("model_type")
     archs = data.get("architectures") or []
     if mtype is not None and mtype not in HF_MODEL_TYPES:
@@ -376,17 +385,16 @@ def _hf_rope(data: dict, where: str, values: dict[str, int | float | str | bool]
     return ""
 
 
-def _hf_check_head_dim(data: dict, where: str, values: dict[str, int | float | str | bool]) -> None:
-    """Refuse a ``head_dim`` other than hidden_size/num_attention_heads."""
+def _hf_head_dim(data: dict, where: str, values: dict[str, int | float | str | bool]) -> None:
+    """``head_dim`` where the file sets one other than hidden_size/num_attention_heads (Qwen3
+    0.6B, 4B, 32B); equal to it, or null, it reads as the default (0)."""
     heads, hidden = cast(int, values["heads"]), cast(int, values["hidden"])
-    if "head_dim" in data and data["head_dim"] is not None and hidden % heads == 0:
-        if data["head_dim"] != hidden // heads:
-            raise _hf_refuse(
-                data,
-                where,
-                "head_dim",
-                f"the model here has head dim hidden_size/num_attention_heads = {hidden // heads}",
-            )
+    if data.get("head_dim") is None:
+        return
+    d = _hf_value(data, where, "head_dim", "head_dim", None)
+    if d < 1:
+        raise _hf_refuse(data, where, "head_dim", "must be at least 1")
+    values["head_dim"] = 0 if hidden % heads == 0 and d == hidden // heads else d
 
 
 def _hf_model(values: dict[str, int | float | str | bool], where: str) -> ModelConfig:
@@ -396,7 +404,7 @@ def _hf_model(values: dict[str, int | float | str | bool], where: str) -> ModelC
         return ModelConfig(name="custom", **cast(ModelOverrides, values))  # int where integral
     except ConfigError as e:  # a rule across fields: say it with the file's keys
         msg = str(e)
-        for field, (key, _) in HF_FIELDS.items():
+        for field, key in [(f, k) for f, (k, _) in HF_FIELDS.items()] + [("head_dim", "head_dim")]:
             msg = msg.replace(f"model.{field}", key)
         raise ConfigError(f"{where}: {msg}") from None
 

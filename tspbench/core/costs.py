@@ -110,15 +110,15 @@ def phases(c: Spec) -> tuple[str, ...]:
 # -- parameters -------------------------------------------------------------------------------
 def qk_norm_numel(cfg: ModelConfig) -> int:
     """Elements of one layer's QK norms (Qwen3: [d] each), else 0."""
-    return 2 * cfg.head_dim if cfg.qk_norm else 0
+    return 2 * cfg.d_head if cfg.qk_norm else 0
 
 
 def layer_numel(cfg: ModelConfig) -> int:
     """Elements of one transformer layer: two norms (four with QK norms), Wq/Wo, Wk/Wv,
     W1/W3/W2 (and the QKV biases)."""
-    h, kv, f = cfg.hidden, cfg.kv_dim, cfg.ffn
-    biases = h + 2 * kv if cfg.qkv_bias else 0  # Qwen2's, split with their weights
-    return 2 * h + 2 * h * h + 2 * h * kv + 3 * h * f + qk_norm_numel(cfg) + biases
+    h, q, kv, f = cfg.hidden, cfg.q_dim, cfg.kv_dim, cfg.ffn
+    biases = q + 2 * kv if cfg.qkv_bias else 0  # Qwen2's, split with their weights
+    return 2 * h + 2 * h * q + 2 * h * kv + 3 * h * f + qk_norm_numel(cfg) + biases
 
 
 def norm_numel(cfg: ModelConfig) -> int:
@@ -196,7 +196,7 @@ def ulysses_a2a(ev: Schedule, c: Spec, phase: str, axis: str, size: int, T: int 
     [t, ...] block (in forward, and again in a recomputed forward); backward, the output's
     gradient, then K/V's and Q's, the other way."""
     L, t, e = c.cfg.layers, c.tokens, c.e
-    q, kv = t * c.cfg.hidden // T * e, 2 * t * c.cfg.kv_dim // T * e
+    q, kv = t * c.cfg.q_dim // T * e, 2 * t * c.cfg.kv_dim // T * e
     n = L if phase == "forward" or c.rc else 0
     for nbytes in (q, kv, q):  # q, k/v, out
         ev.add(phase, axis, "all_to_all", size, nbytes, n)
@@ -287,9 +287,9 @@ def saved_per_layer(c: Spec, T: int) -> int:
     # ring merges in place into its first block's output, laid out as the kernel's (merging
     # heads is a view)
     o_copy = c.cp > 1 and not ring(c)
-    attn = (2 + o_copy) * t * nh * cfg.head_dim * e + 4 * t * nh + kv
+    attn = (2 + o_copy) * t * nh * cfg.d_head * e + 4 * t * nh + kv
     if cfg.qk_norm:  # each QK norm keeps its input (the projection) and its fp32 1/rms
-        attn += t * (nh * cfg.head_dim + kvl) * e + 4 * t * (nh + kvl // cfg.head_dim)
+        attn += t * (nh * cfg.d_head + kvl) * e + 4 * t * (nh + kvl // cfg.d_head)
     return norms_saved(c) + attn + 4 * t * fl * e  # MLP: h1, silu(h1), h3, their product
 
 
@@ -307,12 +307,12 @@ def inference_working_set(c: Spec, T: int, vocab_parallel: bool) -> tuple[int, i
     [t, V/T] buffers, three for the vocabulary-parallel cross-entropy)."""
     cfg, e, t = c.cfg, c.e, c.tokens
     nh, kvl, fl, vl = local_dims(cfg, T)
-    o = t * nh * cfg.head_dim * e  # one attention output (or Q)
+    o = t * nh * cfg.d_head * e  # one attention output (or Q)
     act, kvu, logits = t * cfg.hidden * e, kv_unit(c, kvl), 4 * t * vl
     if ring(c):  # the locals are this rank's tokens'; at the crest of a ring step: its K/V
         # stacked and two chunks (in use, in flight), the fp32 output sum, a block's output
         # and the merge's product
-        kvp, o32 = 2 * t * kvl * e, 4 * t * nh * cfg.head_dim
+        kvp, o32 = 2 * t * kvl * e, 4 * t * nh * cfg.d_head
         layer = 2 * act + 2 * o + kvp + 2 * act + 3 * t * fl * e
         layer = max(layer, 2 * act + 2 * o + 3 * kvp + 2 * o32)
         return layer, 2 * act + (3 if vocab_parallel else 2) * logits
@@ -346,17 +346,17 @@ def backward_transients(c: Spec, T: int) -> tuple[int, int]:
     if ring(c):
         # the ring's backward: the output's gradient and its copy, the fp32 dQ and dK/dV sums
         # (one in flight), two K/V chunks (in use, in flight) and a block's gradients
-        kvp, o, o32 = 2 * t * kvl * e, t * nh * c.cfg.head_dim * e, 4 * t * nh * c.cfg.head_dim
+        kvp, o, o32 = 2 * t * kvl * e, t * nh * c.cfg.d_head * e, 4 * t * nh * c.cfg.d_head
         freed = 4 * t * fl * e + 2 * act
         layer_t = max(layer_t, act + 3 * o + o32 + 2 * kvp * FP32 // e + 3 * kvp - freed)
     elif c.cp > 1 and ulysses(c):
         # Ulysses: the output's all-to-all backward (its gradient, sent, received, reordered)
         # beside the residual's gradient; fitted to the fake-tensor peaks (within 1% where it
         # crests), which do not grow with K/V there and see no MLP tensor freed yet
-        layer_t = max(layer_t, act + 4 * t * nh * c.cfg.head_dim * e)
+        layer_t = max(layer_t, act + 4 * t * nh * c.cfg.d_head * e)
     elif c.cp > 1:
         freed = 4 * t * fl * e + 2 * act
-        layer_t = max(layer_t, act + 2 * t * nh * c.cfg.head_dim * e + 7 * kvu // 2 - freed)
+        layer_t = max(layer_t, act + 2 * t * nh * c.cfg.d_head * e + 7 * kvu // 2 - freed)
     return 2 * logits, layer_t
 
 

@@ -101,7 +101,7 @@ class Decoder(ABC):
         seq, heads = cls.cache_split(spec.layout)
         slots = KVCache.capacity(P, P + spec.new_tokens - 1, seq)  # type: ignore[attr-defined]
         kv_heads = kv_heads_local(cfg.kv_heads, heads)
-        return 2 * cfg.layers * spec.batch * slots * kv_heads * cfg.head_dim * spec.e
+        return 2 * cfg.layers * spec.batch * slots * kv_heads * cfg.d_head * spec.e
 
 
 # -- Megatron's KV heads ---------------------------------------------------------------------------
@@ -122,7 +122,7 @@ def kv_heads_local(kv_heads: int, T: int) -> int:
 def kv_rows(cfg: ModelConfig, T: int, r: int) -> slice:
     """Rows of Wk/Wv that tensor-parallel rank r holds: its n_kv/T heads, or (n_kv < T) the one
     head its query heads read, as Megatron replicates KV heads."""
-    d, n = cfg.head_dim, kv_heads_local(cfg.kv_heads, T)
+    d, n = cfg.d_head, kv_heads_local(cfg.kv_heads, T)
     first = r * n if cfg.kv_heads >= T else r * cfg.kv_heads // T
     return slice(first * d, (first + n) * d)
 
@@ -211,7 +211,7 @@ def run_layers(cfg: ModelConfig, layers: list[dict], x: torch.Tensor, cache: KVC
     """Every decode layer for the cache's next position, then advance the cache."""
     cos, sin = rope_at(cfg, cache.pos, x)
     for i, p in enumerate(layers):
-        x = decode_layer(i, x, p, cfg.norm_eps, cfg.head_dim, cos, sin, hooks)
+        x = decode_layer(i, x, p, cfg.norm_eps, cfg.d_head, cos, sin, hooks)
     cache.advance()
     return x
 
@@ -235,7 +235,7 @@ def prefill_layers(
             return hooks.gather_kv(k, v)
 
         x = transformer_layer(
-            x, p, cfg.norm_eps, cfg.head_dim, cos, sin, replace(hooks, gather_kv=keep)
+            x, p, cfg.norm_eps, cfg.d_head, cos, sin, replace(hooks, gather_kv=keep)
         )
     return x
 
@@ -283,7 +283,7 @@ def megatron_events(ev: costs.Schedule, spec: costs.Spec, T: int, axis: str) -> 
 
 def merge_events(ev: costs.Schedule, spec: costs.Spec, P: int, heads: int, axis: str) -> None:
     """Split-K merge over P ranks of ``heads`` heads, all-reduced, per layer."""
-    B, d = spec.batch, spec.cfg.head_dim
+    B, d = spec.batch, spec.cfg.d_head
     for _ in range(spec.cfg.layers):
         ev.add(PHASE, axis, "all_reduce", P, B * heads * FP32)
         ev.add(PHASE, axis, "all_reduce", P, B * heads * (d + 1) * FP32)

@@ -77,7 +77,7 @@ def rope_tables(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables [len(pos), head_dim] for the given *global* positions (rotate-half
     layout), with ``cfg``'s head dim, theta and RoPE scaling (tspbench/core/rope.py), in fp64."""
-    inv, attention = rope.inv_freq(cfg.rope_scaling, cfg.head_dim, cfg.rope_theta)
+    inv, attention = rope.inv_freq(cfg.rope_scaling, cfg.d_head, cfg.rope_theta)
     ang = pos.to(torch.float64)[:, None] * inv[None, :]
     ang = torch.cat([ang, ang], dim=-1)
     return (ang.cos() * attention).to(dtype), (ang.sin() * attention).to(dtype)

@@ -44,19 +44,19 @@ def unit_names(cfg: ModelConfig) -> list[list[str]]:
 
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Full parameter shapes by name; weights are [out, in] as in nn.Linear."""
-    h, f, kv = cfg.hidden, cfg.ffn, cfg.kv_dim
+    h, f, kv, q = cfg.hidden, cfg.ffn, cfg.kv_dim, cfg.q_dim
     layer = {
         "attn_norm": (h,),
-        "wq": (h, h),
+        "wq": (q, h),
         "wk": (kv, h),
         "wv": (kv, h),
-        "wo": (h, h),
+        "wo": (h, q),
         "mlp_norm": (h,),
         "w1": (f, h),
         "w3": (f, h),
         "w2": (h, f),
-        **{k: (cfg.head_dim,) for k in QK_NORMS if cfg.qk_norm},
-        **({"bq": (h,), "bk": (kv,), "bv": (kv,)} if cfg.qkv_bias else {}),
+        **{k: (cfg.d_head,) for k in QK_NORMS if cfg.qk_norm},
+        **({"bq": (q,), "bk": (kv,), "bv": (kv,)} if cfg.qkv_bias else {}),
     }
     shapes: dict[str, tuple[int, ...]] = {"embed": (cfg.vocab, h)}
     for i in range(cfg.layers):
@@ -155,7 +155,7 @@ class ReferenceModel(torch.nn.Module):
         for i in range(cfg.layers):
             p = {k: self.p(f"layers.{i}.{k}") for k in layer_params(cfg)}
             x = layer_call(
-                transformer_layer, x, p, cfg.norm_eps, cfg.head_dim, cos, sin, hooks or LayerHooks()
+                transformer_layer, x, p, cfg.norm_eps, cfg.d_head, cos, sin, hooks or LayerHooks()
             )
         return rms_norm(x, self.p("norm"), cfg.norm_eps)
 

@@ -105,11 +105,11 @@ def flop_parts(c: RunSpec, model: bool = False) -> dict[str, int]:
     """FLOPs one rank executes per step, GEMMs and attention apart, as the FLOP counter counts
     them (:mod:`tspbench.runtime.flops`); ``model``: without what is recomputed (MFU's count)."""
     cfg, B, impl = c.cfg, c.batch, c.impl
-    h, kv, f, V, L, d = cfg.hidden, cfg.kv_dim, cfg.ffn, cfg.vocab, cfg.layers, cfg.head_dim
+    h, kv, f, V, L, d = cfg.hidden, cfg.kv_dim, cfg.ffn, cfg.vocab, cfg.layers, cfg.d_head
     t = c.tokens
     T = impl.costs.tensor_degree(c.layout)  # weight split of the GEMMs on a rank
     seqs = B // impl.replica_batch(c.layout)  # sequences of the micro-batch on this rank
-    gemm = 2 * t * (2 * h * h + 2 * h * kv + 3 * h * f) // T  # one layer, forward
+    gemm = 2 * t * (2 * h * cfg.q_dim + 2 * h * kv + 3 * h * f) // T  # one layer, forward
     attn = 4 * seqs * (cfg.heads // T) * d * attention_pairs(c)  # one layer, forward
     head = 2 * t * h * V // T
     if not c.train:

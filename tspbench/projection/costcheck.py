@@ -77,7 +77,8 @@ def _field(rec: dict, path: str, key: str):
 
 # model fields that records written before them lack: their defaults are what those runs ran
 LATER_FIELDS = {
-    "rope_scaling": "", "qk_norm": False, "qkv_bias": False, "tie_embeddings": False
+    "rope_scaling": "", "qk_norm": False, "qkv_bias": False, "tie_embeddings": False,
+    "head_dim": 0,
 }  # fmt: skip
 
 

@@ -167,12 +167,12 @@ def _rate(r: dict, name: str, size: float, key: str | None = None) -> float:
 
 def count_key(c: RunSpec) -> RunSpec:
     """The one-layer shrunk copy of ``c`` whose operations are counted: the count depends on
-    the degrees, heads and buckets, not on tensor sizes, so hidden, MLP, vocabulary, sequence
-    and batch are cut to the smallest values the strategy accepts, and dp to 1. Specs with the
-    same key count the same (7B and 13B-shaped models with the same heads, any depth)."""
+    the degrees, heads and buckets, not on tensor sizes, so hidden, head size, MLP, vocabulary,
+    sequence and batch are cut to the smallest values the strategy accepts, and dp to 1. Specs
+    with the same key count the same (7B and 13B-shaped models with the same heads, any depth)."""
     cfg = c.cfg
     m = 2 * c.degree * max(c.tp, 1)
-    shape = replace(cfg, hidden=cfg.heads * 2, ffn=m, vocab=m, layers=1, name="shape")
+    shape = replace(cfg, hidden=cfg.heads * 2, head_dim=0, ffn=m, vocab=m, layers=1, name="shape")
     batch = c.impl.replica_batch(c.layout)
     return c.replace(
         cfg=shape, seq_len=4 * max(c.cp, 1), batch=batch, layout=replace(c.layout, dp=1)
@@ -208,7 +208,7 @@ def project(c: RunSpec, preset: dict, ops: int | None = None) -> dict[str, Any]:
     fl = analytic.flop_parts(c)  # executed: recomputation takes time too
     elem = analytic.elementwise_bytes(c)
     gemm_rate = _rate(r, "gemm_flops", analytic.gemm_size(c))
-    attn_rate = _rate(r, "attention_flops", c.cfg.head_dim, key="attention_flops_by_d")
+    attn_rate = _rate(r, "attention_flops", c.cfg.d_head, key="attention_flops_by_d")
     compute = fl["gemm"] / gemm_rate + fl["attention"] / attn_rate
     compute += elem / r["memory_bandwidth"]
     ops = count_ops(c) if ops is None else ops

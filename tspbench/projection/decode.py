@@ -84,9 +84,9 @@ def project_decode(c: RunSpec, preset: dict, prefill_ops: int | None = None) -> 
     seq, kv_heads, q_heads = _split(c)
     slots = c.seq_len // seq + (c.new_tokens - 1) / 2 / seq  # the cache's mean length
     weights = analytic.param_numel(c) * e
-    cache_read = 2 * cfg.layers * B * slots * kv_heads * cfg.head_dim * e
+    cache_read = 2 * cfg.layers * B * slots * kv_heads * cfg.d_head * e
     memory_s = (weights + cache_read) / r["memory_bandwidth"]
-    attn = 4 * B * q_heads * slots * cfg.head_dim * cfg.layers
+    attn = 4 * B * q_heads * slots * cfg.d_head * cfg.layers
     compute_s = 2 * B * analytic.param_numel(c) / r["gemm_flops"] + attn / r["attention_flops"]
     comm = 0.0
     for _, axis, kind, size, nbytes in _decoder(c).schedule(c):
