@@ -3,6 +3,7 @@ and corrupt records get rows."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pandas as pd
@@ -86,6 +87,33 @@ def test_training_traffic_table_states_both_crossovers(tmp_path):
         "recompute full: B x S > 1,346" in caption
         and "per forward pass when B x S > 414" in caption
     )
+
+
+def test_crossovers_of_a_model_with_wide_heads_use_its_q_width():
+    """A summary of Qwen3 4B (run as llama3-8b with overrides, as `tspbench plan` writes it)
+    names its heads and Q's width: the caption's crossover is the analytic one of a model with
+    W_q and W_o 4096 x 2560, not 2560 x 2560 (the rest, vocabulary and depth, the preset's: the
+    table does not carry them); so is the figure's."""
+    from tspbench.core.config import get_config, read_hf_config
+    from tspbench.pipeline.figures import crossover_bs
+    from tspbench.pipeline.tables import crossovers
+    from tspbench.projection.analytic import crossover
+
+    qwen, _ = read_hf_config("workflows/models/qwen3-4b.json")
+    cfg = get_config("llama3-8b", hidden=qwen.hidden, heads=qwen.heads, kv_heads=qwen.kv_heads,
+                     ffn=qwen.ffn, head_dim=qwen.head_dim)  # fmt: skip
+    rows = [
+        {"status": "ok", "model": "llama3-8b", "hidden": cfg.hidden, "kv_dim": cfg.kv_dim,
+         "ffn": cfg.ffn, "heads": cfg.heads, "q_dim": cfg.q_dim, "degree": 8}
+    ]  # fmt: skip
+    want = crossover(cfg, "tsp", "tp", "infer", "none", degree=8)
+    assert f"B x S > {want:,.0f}" in crossovers(pd.DataFrame(rows), "infer")
+    # read with heads of h / heads = 80: another crossover
+    narrow = crossover(dataclasses.replace(cfg, head_dim=0), "tsp", "tp", "infer", "none", degree=8)
+    assert f"{narrow:,.0f}" not in crossovers(pd.DataFrame(rows), "infer")
+    h, kv, f, q = cfg.hidden, cfg.kv_dim, cfg.ffn, cfg.q_dim
+    assert crossover_bs(h, kv, f, q) == (2 * h * q + 2 * h * kv + 3 * h * f) / (4 * h - 2 * kv)
+    assert crossover_bs(h, kv, f, q) > crossover_bs(h, kv, f)
 
 
 def test_an_implementation_is_tabled_beside_the_layout_it_implements():

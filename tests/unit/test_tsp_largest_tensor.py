@@ -39,7 +39,7 @@ class Largest(TorchDispatchMode):
 def bound(spec: RunSpec) -> int:
     cfg, D, e = spec.cfg, spec.layout.degree, 4  # fp32
     h, kv, f, V = cfg.hidden, cfg.kv_dim, cfg.ffn, cfg.vocab
-    shard = max(V * h, 3 * f * h, (2 * h + 2 * kv) * h) // D * e
+    shard = max(V * h, 3 * f * h, (2 * cfg.q_dim + 2 * kv) * h) // D * e
     kv_group = 2 * spec.batch * spec.seq_len * (kv // D) * e
     t = spec.batch * spec.seq_len // D
     act = t * max(h, f // D, V // D) * 4

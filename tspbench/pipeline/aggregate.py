@@ -145,11 +145,14 @@ def row(cell: Cell, path: Path) -> dict:
     out["param_numel"] = per_rank[0]
     out["optimizer_numel"] = (rec.get("optimizer_numel_per_rank") or [None])[0]
     mc = rec.get("model_config") or {}
+    heads = max(mc.get("heads", 1), 1)
+    d = mc.get("head_dim") or mc.get("hidden", 0) // heads  # head_dim 0 (or absent): h/heads
     out["hidden"], out["kv_dim"], out["ffn"] = (
         mc.get("hidden"),
-        mc.get("kv_heads", 0) * mc.get("hidden", 0) // max(mc.get("heads", 1), 1),
+        mc.get("kv_heads", 0) * d,
         mc.get("ffn"),
     )
+    out["heads"], out["q_dim"] = mc.get("heads"), heads * d  # Q's width (h unless head_dim)
     hw = rec.get("hardware") or {}
     out["device_name"], out["device_type"] = hw.get("device_name"), hw.get("device_type")
     out["cpu_count"] = hw.get("cpu_count")  # logical CPUs of the host (what CPU ranks share)

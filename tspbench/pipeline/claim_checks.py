@@ -74,10 +74,11 @@ def verdict(ours: float, paper: float) -> str:
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, train: bool) -> tuple[float, float]:
     """(model FLOPs per token, N): 2N forward (6N training) for the N matmul parameters (layers
-    and LM head; the embedding is a lookup), plus causal attention: 2 L S h forward (QK^T and
-    AV, half masked), three times that for training."""
+    and LM head; the embedding is a lookup), plus causal attention: 2 L S h_q forward (QK^T and
+    AV, half masked; h_q = heads x head size, h unless the model sets head_dim), three times
+    that for training."""
     n = cfg.n_params(embeddings=False) + cfg.vocab * cfg.hidden
-    attn = 2 * cfg.layers * seq_len * cfg.hidden
+    attn = 2 * cfg.layers * seq_len * cfg.q_dim
     return ((6 * n + 3 * attn) if train else (2 * n + attn)), n
 
 

@@ -234,10 +234,12 @@ def line(p: Plot, colors: dict, marks: dict, note: str = "", foot: str = "") -> 
     return fig
 
 
-def crossover_bs(hidden: int, kv_dim: int, ffn: int) -> float:
+def crossover_bs(hidden: int, kv_dim: int, ffn: int, q_dim: int | None = None) -> float:
     """B*S where TSP's forward traffic equals TP's (docs/method.md section 6):
-    (D-1)/D [2h^2 + 2h h_kv + 3hf + 2BS h_kv] = 4 (D-1)/D BSh; = 8h for MHA with f = 4h."""
-    return (2 * hidden**2 + 2 * hidden * kv_dim + 3 * hidden * ffn) / (4 * hidden - 2 * kv_dim)
+    (D-1)/D [2h h_q + 2h h_kv + 3hf + 2BS h_kv] = 4 (D-1)/D BSh; = 8h for MHA with f = 4h
+    (h_q = h unless the model sets head_dim)."""
+    q = hidden if q_dim is None else q_dim
+    return (2 * hidden * q + 2 * hidden * kv_dim + 3 * hidden * ffn) / (4 * hidden - 2 * kv_dim)
 
 
 def comm_figure(p: Plot, colors: dict, marks: dict, note: str, foot: str) -> plt.Figure:
@@ -246,7 +248,8 @@ def comm_figure(p: Plot, colors: dict, marks: dict, note: str, foot: str) -> plt
     ok = p.data[p.data["status"] == "ok"]
     if len(ok):
         r = ok.iloc[0]
-        bs = crossover_bs(int(r["hidden"]), int(r["kv_dim"]), int(r["ffn"]))
+        q = int(r["q_dim"]) if "q_dim" in r and pd.notna(r["q_dim"]) else None  # older tables
+        bs = crossover_bs(int(r["hidden"]), int(r["kv_dim"]), int(r["ffn"]), q)
         s_star = bs / int(r["batch"])
         ax = fig.axes[0]
         ax.axvline(s_star, color="gray", linestyle="--", linewidth=1)

@@ -105,15 +105,21 @@ def crossovers(df: pd.DataFrame, mode: str) -> str:
     r = ok.iloc[0]
     try:
         base = get_config(str(r["model"]))
-        heads = base.heads * int(r["hidden"]) // base.hidden
+        hidden = int(r["hidden"])
+        if "heads" in r and pd.notna(r["heads"]):  # the table names the heads and Q's width
+            heads, q = int(r["heads"]), int(r["q_dim"])
+        else:  # an older table: heads as the preset's, scaled with h
+            heads, q = base.heads * hidden // base.hidden, hidden
+        d = q // heads
         cfg = get_config(
             str(r["model"]),
-            hidden=int(r["hidden"]),
+            hidden=hidden,
             heads=heads,
-            kv_heads=heads * int(r["kv_dim"]) // int(r["hidden"]),
+            kv_heads=int(r["kv_dim"]) // d,
             ffn=int(r["ffn"]),
+            head_dim=0 if q == hidden else d,
         )
-    except (ConfigError, ValueError, TypeError):
+    except (ConfigError, ValueError, TypeError, ZeroDivisionError):
         return ""
     D = int(ok["degree"].max())
     if D < 2:

@@ -21,8 +21,9 @@ STEP = {"train": "step s", "infer": "step s", "decode": "s/token", "generate": "
 
 
 def describe(cfg: ModelConfig) -> str:
+    wide = f" of {cfg.d_head}" if cfg.head_dim else ""  # heads not h/heads wide (Qwen3 4B)
     return (
-        f"h {cfg.hidden}, {cfg.layers} layers, {cfg.heads} heads / {cfg.kv_heads} KV, "
+        f"h {cfg.hidden}, {cfg.layers} layers, {cfg.heads} heads{wide} / {cfg.kv_heads} KV, "
         f"f {cfg.ffn}, V {cfg.vocab}, {cfg.n_params() / 1e9:.2f}B parameters"
     )
 
