@@ -52,8 +52,9 @@ def _strategy_cases(strat: str, impl) -> list[dict]:
         for model, over in MODELS.items()
         for b in (1, 2)
     ]
-    # Qwen2's QKV biases (their gradients, TSP's padded bias rows), at the largest group
-    cases.append(case(f"D{_name(top)}-qwen2", top, model={"qkv_bias": True}))
+    # Qwen2's QKV biases (their gradients, TSP's padded bias rows, here more than one row of
+    # width h: heads twice h/heads wide), at the largest group
+    cases.append(case(f"D{_name(top)}-qwen2", top, model={"qkv_bias": True, "head_dim": 16}))
     # tied embeddings (Llama 3.2 1B): the head's and the embedding's gradients in one weight
     cases.append(case(f"D{_name(top)}-tied", top, model={"tie_embeddings": True, "kv_heads": 4}))
     if impl.context_parallel(largest) > 1:  # a length that is not a power of two (2D | 24)

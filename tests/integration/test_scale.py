@@ -24,6 +24,7 @@ from tspbench.runtime.spec import RunSpec
 # with Qwen3's QK norms and wide heads (Q 2h wide), Qwen2's QKV biases: their bytes, FLOPs,
 # parameters, memory
 GQA = {"kv_heads": 2, "qk_norm": True, "qkv_bias": True, "head_dim": 16}
+WIDE = {"head_dim": 16}  # MHA with Q 2h wide, for the strategies' options
 REF = ROOT / "results" / "reference" / "calibration"
 
 
@@ -73,6 +74,8 @@ def _cases() -> list[dict]:
             if len(opts) == 1:
                 add(s, d4, 2048, **opts)
                 add(s, d4, 2048, rc="full", **opts)
+            if "cp_comm" in opts:  # heads twice h/heads wide: Ulysses' Q and output all-to-alls
+                add(s, d2, 1024, model=WIDE, name="wide", **opts)
     return cases
 
 
