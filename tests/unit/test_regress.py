@@ -226,6 +226,19 @@ def test_committed_baseline_matches_the_ci_sweep_cells():
     assert set(base["cell"]) == cells and set(base["status"]) == {"ok"}
 
 
+def test_committed_default_baseline_matches_the_default_pipeline_cells():
+    """CI judges README command 1's table (the default pipeline) against this baseline: it
+    covers exactly the default config's cells, every one of them ok."""
+    import yaml
+
+    from tspbench.pipeline.cells import sweep_cells
+
+    cfg = yaml.safe_load((ROOT / "workflows/config/default.yaml").read_text())
+    cells = {c.id for c in sweep_cells(cfg)[0]}
+    base = pd.read_csv(ROOT / "results/baselines/default.csv")
+    assert set(base["cell"]) == cells and set(base["status"]) == {"ok"}
+
+
 def test_the_ci_baseline_judges_exact_metrics_on_any_machine(tmp_path, monkeypatch, capsys):
     """Another core count once found no baseline (cpu-4c.csv) and refused even the exact checks:
     the one baseline serves every machine; one more FLOP in one cell fails."""
