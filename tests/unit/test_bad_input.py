@@ -58,7 +58,7 @@ BAD = [
     ("run", ["--model", "13b"], {}, "model='13b': unknown preset"),
     ("run", ["--model", "tiny; rm -rf /"], {}, "model='tiny; rm -rf /': no such config.json"),
     ("run", ["--set", "bogus=1"], {}, "--set 'bogus': unknown model field"),
-    ("run", ["--set", "heads=x"], {}, "--set heads='x': must be a int"),
+    ("run", ["--set", "heads=x"], {}, "--set heads='x': must be an integer"),
     ("run", ["--set", "heads"], {}, "--set 'heads': expected field=value"),
     ("run", ["--set", "kv_heads=3"], {}, "model.kv_heads=3: must divide model.heads=8"),
     ("run", ["--tp", "2"], {}, "--tp/--sp: only strategy tpsp takes them"),

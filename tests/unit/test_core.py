@@ -36,7 +36,7 @@ def test_presets_and_overrides():
     [
         (lambda: get_config("huge"), "model='huge': unknown preset"),
         (lambda: parse_overrides(["nope=1"]), "'nope': unknown model field"),
-        (lambda: parse_overrides(["heads=x"]), "heads='x': must be a int"),
+        (lambda: parse_overrides(["heads=x"]), "heads='x': must be an integer"),
         (lambda: get_config("tiny", heads=7), "model.hidden=64: must be divisible by model.heads"),
         (lambda: get_config("tiny", kv_heads=3), "model.kv_heads=3: must divide model.heads=8"),
         (lambda: zigzag.check_divisible(30, 4), "seq_len=30: must be divisible by 2*D=8"),

@@ -228,7 +228,8 @@ def parse_overrides(items: list[str] | None) -> ModelOverrides:
         try:
             out[key] = float(raw) if kind == "float" else raw if kind == "str" else int(raw)
         except ValueError:
-            raise ConfigError(f"--set {key}={raw!r}: must be a {kind}") from None
+            what = {"int": "an integer", "float": "a number"}.get(str(kind), f"a {kind}")
+            raise ConfigError(f"--set {key}={raw!r}: must be {what}") from None
     return cast(ModelOverrides, out)  # keys checked against the fields, values typed by kind
 
 
