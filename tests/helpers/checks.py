@@ -19,6 +19,7 @@ from tspbench.core.mesh import build_mesh
 from tspbench.core.optim import AdamW
 from tspbench.core.reference import ReferenceModel, make_batch
 from tspbench.runtime import registry
+from tspbench.runtime.measure import settle_heap
 from tspbench.runtime.spec import RunSpec
 
 
@@ -56,7 +57,9 @@ def argv_spec(argv: list[str]) -> RunSpec:
 
 
 def make_strategy(case: dict):
-    """Build the case's strategy on a mesh of side-by-side model groups (collective)."""
+    """Build the case's strategy on a mesh of side-by-side model groups (collective), after
+    the heap is settled as ``tspbench run`` settles it (fast collections in the probes)."""
+    settle_heap()
     spec = case_spec(case)
     world = dist.get_world_size()
     dims = (("replica", world // spec.layout.world_size), *spec.impl.mesh_dims(spec.layout).items())
