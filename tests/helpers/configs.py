@@ -27,3 +27,6 @@ MINI = {
 LLAMA3_ROPE_TINY = (
     "llama3,factor=8,low_freq_factor=1,high_freq_factor=4,original_max_position_embeddings=16"
 )
+
+# YaRN (Qwen2.5's long-context scaling) with the same short original context
+YARN_ROPE_TINY = "yarn,factor=4,original_max_position_embeddings=16"

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers.configs import LLAMA3_ROPE_TINY
+from tests.helpers.configs import LLAMA3_ROPE_TINY, YARN_ROPE_TINY
 from tests.helpers.distributed import run_world
 from tspbench.runtime.registry import strategies
 
@@ -53,8 +53,9 @@ def _strategy_cases(strat: str, impl) -> list[dict]:
         for b in (1, 2)
     ]
     # Qwen2's QKV biases (their gradients, TSP's padded bias rows, here more than one row of
-    # width h: heads twice h/heads wide), at the largest group
-    cases.append(case(f"D{_name(top)}-qwen2", top, model={"qkv_bias": True, "head_dim": 16}))
+    # width h: heads twice h/heads wide) and YaRN's scaling (Qwen2.5's), at the largest group
+    qwen2 = {"qkv_bias": True, "head_dim": 16, "rope_scaling": YARN_ROPE_TINY}
+    cases.append(case(f"D{_name(top)}-qwen2", top, model=qwen2))
     # tied embeddings (Llama 3.2 1B): the head's and the embedding's gradients in one weight
     cases.append(case(f"D{_name(top)}-tied", top, model={"tie_embeddings": True, "kv_heads": 4}))
     if impl.context_parallel(largest) > 1:  # a length that is not a power of two (2D | 24)

@@ -26,7 +26,8 @@ def test_the_gpu_check_runs_on_common_packages_only(tmp_path):
     assert all(s["rc"] == 0 for s in summary["steps"]), summary["steps"]
     assert all(r and r["status"] == "ok" for r in summary["records"].values())
     probed = [p for p in summary["rank_probe"] if p["status"] != "skipped"]
-    assert probed and all(p["status"] == "ok" for p in probed)
+    assert probed and all(p["status"] == "ok" for p in probed)  # the doctor's, run whole
+    assert all("single" in p["name"] for p in summary["rank_probe"] if p["status"] == "skipped")
     files = sorted(f.name for f in out.iterdir())
     assert len(files) <= 8 and all(f.is_file() for f in out.iterdir()), files
     log = (out / "log.txt").read_text()
