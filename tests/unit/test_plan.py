@@ -5,6 +5,7 @@ others stub the count (it only adds dispatch time) so that they stay fast."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
@@ -142,6 +143,27 @@ def test_from_a_hugging_face_config(capsys, counted, tmp_path):
     # a model that is no preset runs as the nearest preset with --set for what differs
     run = next(line for line in out.splitlines() if line.strip().startswith("tspbench run"))
     assert "--model llama3-8b" in run or "--set" in run
+
+
+@pytest.mark.parametrize(
+    "arch, mtype", [("LlamaForCausalLM", "llama"), ("MistralForCausalLM", "mistral")]
+)
+def test_a_tiny_llama_or_mistral_file_is_the_tiny_preset(arch, mtype):
+    """A Llama or Mistral config.json with the ``tiny`` preset's values reads as that preset,
+    field for field: every strategy's equality with the reference on it (test_equivalence,
+    test_scale) is then that of a run of the file; test_cli runs the Qwen2 and Qwen3 files,
+    whose reading differs (biases, QK norms), through ``tspbench run`` for every strategy."""
+    tiny = PRESETS["tiny"]
+    data = {"architectures": [arch], "model_type": mtype, "vocab_size": tiny.vocab,
+            "hidden_size": tiny.hidden, "num_hidden_layers": tiny.layers,
+            "num_attention_heads": tiny.heads, "num_key_value_heads": tiny.kv_heads,
+            "intermediate_size": tiny.ffn, "rope_theta": tiny.rope_theta,
+            "rms_norm_eps": tiny.norm_eps, "tie_word_embeddings": False, "hidden_act": "silu",
+            "attention_bias": False, "mlp_bias": False, "sliding_window": None}  # fmt: skip
+    if mtype == "mistral":
+        del data["attention_bias"], data["mlp_bias"]  # (Mistral's config has neither)
+    cfg, notes = hf_config(data)
+    assert cfg == dataclasses.replace(tiny, name="custom") and not notes
 
 
 @pytest.mark.parametrize(
