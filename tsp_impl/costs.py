@@ -14,6 +14,7 @@ V vocabulary, L layers, e bytes per element, D the degree; t = tokens on this ra
 from __future__ import annotations
 
 from tsp_impl.attention import bias_rows
+from tsp_impl.mlp import bias_rows as mlp_bias_rows
 from tspbench.core import costs
 from tspbench.core.config import ModelConfig
 from tspbench.core.costs import Schedule, Spec
@@ -22,12 +23,20 @@ from tspbench.core.strategy import Layout
 
 
 def param_numel(cfg: ModelConfig, D: int) -> int:
-    """Every weight but the norms is 1/D per rank: head group, MLP slice, vocabulary rows; a head
-    group's QKV biases (Qwen2) ride in zero-padded rows of its attention shard."""
+    """Every weight but the norms and output biases is 1/D per rank: head group, MLP slice,
+    vocabulary rows; a head group's QKV biases (Qwen2) ride in zero-padded rows of its attention
+    shard, an MLP slice's b1, b3 (Llama's mlp_bias) in those of its slice."""
     biases = (cfg.q_dim + 2 * cfg.kv_dim) // D if cfg.qkv_bias else 0
+    mlp = 3 * cfg.ffn * cfg.hidden // D + (2 * cfg.ffn // D if cfg.mlp_bias else 0)
     return costs.split_numel(cfg, D) + cfg.layers * (
-        attn_shard_numel(cfg, D) - _plain(cfg, D) - biases
+        attn_shard_numel(cfg, D) - _plain(cfg, D) - biases + mlp_slice_numel(cfg, D) - mlp
     )
+
+
+def mlp_slice_numel(cfg: ModelConfig, D: int) -> int:
+    """Elements of one packed MLP slice: [W1_s; W3_s; W2_s^T] and the biases' rows."""
+    n = cfg.ffn // D
+    return (3 * n + (mlp_bias_rows(n, cfg.hidden) if cfg.mlp_bias else 0)) * cfg.hidden
 
 
 def _plain(cfg: ModelConfig, D: int) -> int:
@@ -52,8 +61,8 @@ def schedule(c: Spec) -> Schedule:
     last is waited for at once; attention's and the vocabulary's even with overlap off). K/V
     gathers, their reduce-scatters and the norms' all-reduce are blocking."""
     cfg, B, S, e, D = c.cfg, c.batch, c.seq_len, c.e, c.degree
-    h, kv, f, V, L = cfg.hidden, cfg.kv_dim, cfg.ffn, cfg.vocab, cfg.layers
-    wa, wm, wv = attn_shard_numel(cfg, D) * e, 3 * f * h // D * e, V // D * h * e
+    h, kv, V, L = cfg.hidden, cfg.kv_dim, cfg.vocab, cfg.layers
+    wa, wm, wv = attn_shard_numel(cfg, D) * e, mlp_slice_numel(cfg, D) * e, V // D * h * e
     kv_full = 2 * B * S * kv // D * e  # one head group's K and V over the whole sequence
     ev, M = Schedule(), Axis.MODEL
     ring, ov = c.options["mlp_schedule"] == "ring", c.options["overlap"]
@@ -90,7 +99,7 @@ def schedule(c: Spec) -> Schedule:
                 ev.add("backward", M, "reduce", D, wm, D, overlapped=ov, exposed=1)
         # embedding grad, owner by owner
         ev.add("backward", M, "reduce", D, wv, D, overlapped=True, exposed=1)
-        ev.add("backward", M, "all_reduce", D, costs.norm_numel(cfg) * e)  # norm grads
+        ev.add("backward", M, "all_reduce", D, costs.replicated_numel(cfg) * e)  # norms, bo, b2
     return ev
 
 
@@ -139,7 +148,7 @@ def inference_working_set(c: Spec) -> tuple[int, int]:
     cfg, e, t, D = c.cfg, c.e, c.tokens, c.degree
     h, kv, vl = cfg.hidden, cfg.kv_dim, cfg.vocab // D
     act, kv_unit, logits = _units(c)
-    wa, sl, tf = attn_shard_numel(cfg, D) * e, 3 * cfg.ffn // D * h * e, t * cfg.ffn // D * e
+    wa, sl, tf = attn_shard_numel(cfg, D) * e, mlp_slice_numel(cfg, D) * e, t * cfg.ffn // D * e
     many = int(D > 1)
     attn = (2 + many) * act + t * (cfg.q_dim + 2 * kv) // D * e + 2 * kv_unit
     attn += many * 2 * wa
@@ -188,7 +197,7 @@ def mlp_t(c: Spec) -> int:
     """
     cfg, e, t, D = c.cfg, c.e, c.tokens, c.degree
     fl = cfg.ffn // D
-    tf, sl = t * fl * e, 3 * fl * cfg.hidden * e
+    tf, sl = t * fl * e, mlp_slice_numel(cfg, D) * e
     if D == 1:
         return max(5 * tf, 3 * tf + sl)
     if c.options["mlp_schedule"] == "ring":

@@ -22,6 +22,7 @@ import torch
 
 from tsp_impl.attention import attention_forward, bias_rows
 from tsp_impl.mlp import BroadcastMLP, RingMLP
+from tsp_impl.mlp import biases as mlp_biases
 from tsp_impl.plan import TSPPlan
 from tsp_impl.vocab import VocabEmbedding
 from tspbench.core import zigzag
@@ -90,11 +91,14 @@ def layer_views(lp: dict, cfg: ModelConfig, D: int) -> dict[str, torch.Tensor]:
     if cfg.qkv_bias:
         bq, bk, bv = rest.flatten()[: hq + 2 * hkv].split([hq, hkv, hkv])
         biases = {"bq": bq, "bk": bk, "bv": bv}
-    w1, w3, w2t = lp["mlp"].chunk(3)
+    fd = cfg.ffn // D
+    w1, w3, w2t = lp["mlp"][: 3 * fd].chunk(3)
+    if cfg.mlp_bias:  # the slice's [b1; b3] rows (Llama's mlp_bias)
+        biases.update(zip(("b1", "b3"), mlp_biases(lp["mlp"], fd).split(fd)))
     return {
         "attn_norm": lp["attn_norm"], "wq": wq, "wk": wk, "wv": wv, "wo": wo_t.T,
         "mlp_norm": lp["mlp_norm"], "w1": w1, "w3": w3, "w2": w2t.T,
-        **{k: lp[k] for k in QK_NORMS if k in lp}, **biases,
+        **{k: lp[k] for k in (*QK_NORMS, "bo", "b2") if k in lp}, **biases,
     }  # fmt: skip
 
 
@@ -147,7 +151,14 @@ class TSPDecoder(Decoder):
                 rms_norm(x, lp["attn_norm"], eps), lp["attn"], plan, cache, i,
                 {k: lp[k] for k in QK_NORMS if k in lp},
             )  # fmt: skip
-            x = mlp.apply(x, rms_norm(x, lp["mlp_norm"], eps), lp["mlp"], comm, m.overlap, False)
+            if "bo" in lp:
+                x = x + lp["bo"]
+            x = mlp.apply(
+                x, rms_norm(x, lp["mlp_norm"], eps), lp["mlp"], comm, m.overlap, False, False,
+                cfg.mlp_bias,
+            )  # fmt: skip
+            if "b2" in lp:
+                x = x + lp["b2"]
         cache.start(P // D, P)
         last = x[:, -1].contiguous()  # position P-1 ends chunk 2D-1: rank 0's last local token
         return cache, self._step(comm.broadcast(last, src=0))

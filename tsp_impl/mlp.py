@@ -1,7 +1,8 @@
 """TSP gated MLP: the ring and the broadcast schedules (``docs/method.md`` §4).
 
 Rank p owns slice p of the intermediate dimension, packed as W_p = [W1_p; W3_p; W2_p^T]
-([3f/D, h]). Both schedules apply every slice s to the rank's own tokens, in D steps,
+([3f/D, h]; with Llama's mlp_bias, [b1_p; b3_p] in zero-padded rows after them: ``bias_rows``).
+Both schedules apply every slice s to the rank's own tokens, in D steps,
     Y_p += (silu(X_p W1_s) * (X_p W3_s)) W2_s,
 accumulate Y_p and dX_p locally (no activation moves, nothing is all-reduced) and save h1, h3 of
 every slice; they differ in how the slices and their gradients move.
@@ -71,22 +72,42 @@ def ring(w_own: torch.Tensor, comm: Comm, overlap: bool):
             cur = (nxt or comm.ring_exchange(cur, buffer(t), True)).wait()
 
 
-def slice_fwd(y, x2, w, recompute: bool, res):
-    """h13 = X [W1_s; W3_s]^T ([t, 2f/D], what backward needs) and, unless recomputing,
-    y + (silu(h1) * h3) W2_s (y None: the residual ``res`` + ...)."""
-    n = w.shape[0] // 3
-    h13 = x2 @ w[: 2 * n].T
+def bias_rows(n: int, h: int) -> int:
+    """Rows of width h that carry a slice's [b1_s; b3_s] (Llama's mlp_bias, 2n elements) after
+    its 3n weight rows, zero-padded: one transfer moves them with the weights."""
+    return -(-2 * n // h)
+
+
+def width(w: torch.Tensor, bias: bool) -> int:
+    """n = f/D of a packed slice ``w``: its rows are 3n, and ``bias_rows`` more with biases."""
+    rows, h = w.shape
+    n = rows // 3
+    while bias and 3 * n + bias_rows(n, h) > rows:
+        n -= 1
+    return n
+
+
+def biases(w: torch.Tensor, n: int) -> torch.Tensor:
+    """[b1_s; b3_s] of a packed slice with biases (a view of its last rows)."""
+    return w[3 * n :].flatten()[: 2 * n]
+
+
+def slice_fwd(y, x2, w, recompute: bool, res, bias: bool = False):
+    """h13 = X [W1_s; W3_s]^T (+ [b1_s; b3_s]) ([t, 2f/D], what backward needs) and, unless
+    recomputing, y + (silu(h1) * h3) W2_s (y None: the residual ``res`` + ...)."""
+    n = width(w, bias)
+    h13 = x2 @ w[: 2 * n].T if not bias else torch.addmm(biases(w, n), x2, w[: 2 * n].T)
     if not recompute:
-        y = accumulate(y, F.silu(h13[:, :n]).mul_(h13[:, n:]), w[2 * n :], res)
+        y = accumulate(y, F.silu(h13[:, :n]).mul_(h13[:, n:]), w[2 * n : 3 * n], res)
     return y, h13
 
 
-def slice_bwd(dx, dy2, w, h13):
+def slice_bwd(dx, dy2, w, h13, bias: bool = False):
     """The SiLU-gated backward of one slice ``w`` on this rank's tokens: dX (accumulated into
     ``dx``), dh = [dh1 dh3] [t, 2f/D] and g = silu(h1) * h3 for the packed gradient."""
-    n = w.shape[0] // 3
+    n = width(w, bias)
     h1, h3 = h13[:, :n], h13[:, n:]
-    dg = dy2 @ w[2 * n :].T
+    dg = dy2 @ w[2 * n : 3 * n].T
     s = F.silu(h1)
     dh = torch.cat([torch.ops.aten.silu_backward(h3, h1), s], dim=1)  # [h3 silu'(h1), silu(h1)]
     dh.view(-1, 2, n).mul_(dg.unsqueeze(1))
@@ -95,22 +116,27 @@ def slice_bwd(dx, dy2, w, h13):
 
 
 def slice_grad(out, dh, g, x2, dy2) -> torch.Tensor:
-    """Write the packed [dh^T X; g^T dY] (= [dW1; dW3; dW2^T]) into ``out``."""
+    """Write the packed [dh^T X; g^T dY] (= [dW1; dW3; dW2^T]) into ``out``, and where it has
+    bias rows, [db1; db3] (the column sums of dh), then zeros."""
     n = g.shape[1]
     torch.mm(dh.T, x2, out=out[: 2 * n])
-    torch.mm(g.T, dy2, out=out[2 * n :])
+    torch.mm(g.T, dy2, out=out[2 * n : 3 * n])
+    if out.shape[0] > 3 * n:
+        rest = out[3 * n :].view(-1)
+        torch.sum(dh, dim=0, out=rest[: 2 * n])
+        rest[2 * n :].zero_()
     return out
 
 
 def mlp_forward(
-    res: torch.Tensor, x: torch.Tensor, shards, save: bool, recompute: bool
+    res: torch.Tensor, x: torch.Tensor, shards, save: bool, recompute: bool, bias: bool = False
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """(res + MLP(x), the h13 of every slice if ``save``) for either schedule over ``shards``
     (its (step, slice) iterator: :func:`ring` or :func:`~tsp_impl.overlap.owner_shards`)."""
     B, n, h = x.shape
     x2, y, saved = x.view(B * n, h), None, []
     for _, w in shards:
-        y, h13 = slice_fwd(y, x2, w, recompute, res.view(B * n, h))
+        y, h13 = slice_fwd(y, x2, w, recompute, res.view(B * n, h), bias)
         if save:
             saved.append(h13)
         del h13  # (not alive while the next slice's is computed)
@@ -127,6 +153,7 @@ def ring_mlp_backward(
     saved: list[torch.Tensor],
     comm: Comm,
     overlap: bool,
+    bias: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dX, this rank's packed dW): the slices circulate again, each one's gradient accumulator
     one hop behind it, home with its owner after the last hop."""
@@ -139,7 +166,7 @@ def ring_mlp_backward(
     spare: list[torch.Tensor] = []
     dx = None
     for t, w in ring(w_own, comm, overlap):
-        dx, dh, g = slice_bwd(dx, dy2, w, saved[t])
+        dx, dh, g = slice_bwd(dx, dy2, w, saved[t], bias)
         acc = slice_grad(spare.pop() if spare else torch.empty_like(w_own), dh, g, x2, dy2)
         del dh, g
         if arriving is not None:  # add the accumulator that came for this slice
@@ -165,6 +192,7 @@ def broadcast_mlp_backward(
     saved: list[torch.Tensor],
     comm: Comm,
     overlap: bool,
+    bias: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dX, this rank's packed dW): the slices are broadcast again; each rank's part of dW_s is
     reduced to owner s while the next slice computes."""
@@ -172,7 +200,7 @@ def broadcast_mlp_backward(
     x2, dy2 = x.view(B * n, h), dy.reshape(B * n, h)
     dx, dw_own, reduces = None, None, OneInFlight(comm, wait_each=not overlap)
     for s, w in owner_shards(w_own, comm, overlap):
-        dx, dh, g = slice_bwd(dx, dy2, w, saved[s])
+        dx, dh, g = slice_bwd(dx, dy2, w, saved[s], bias)
         dw = slice_grad(torch.empty_like(w_own), dh, g, x2, dy2)  # this rank's tokens' part
         del dh, g
         reduces.reduce(dw, dst=s)
@@ -188,10 +216,13 @@ class RingMLP(torch.autograd.Function):
     :func:`ring_mlp_backward`."""
 
     @staticmethod
-    def forward(ctx, res, x, w_own, comm: Comm, overlap: bool, grad: bool, recompute: bool = False):
+    def forward(
+        ctx, res, x, w_own, comm: Comm, overlap: bool, grad: bool, recompute: bool = False,
+        bias: bool = False,
+    ):  # fmt: skip
         save = grad and any(ctx.needs_input_grad)  # (needs_input_grad ignores no_grad)
-        ctx.comm, ctx.overlap = comm, overlap
-        y, saved = mlp_forward(res, x, ring(w_own, comm, overlap), save, recompute)
+        ctx.comm, ctx.overlap, ctx.bias = comm, overlap, bias
+        y, saved = mlp_forward(res, x, ring(w_own, comm, overlap), save, recompute, bias)
         if save:
             ctx.save_for_backward(x, w_own, *saved)
         return y
@@ -199,8 +230,8 @@ class RingMLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, w_own, *saved = ctx.saved_tensors
-        dx, dw_own = ring_mlp_backward(dy, x, w_own, saved, ctx.comm, ctx.overlap)
-        return dy, dx, dw_own, None, None, None, None
+        dx, dw_own = ring_mlp_backward(dy, x, w_own, saved, ctx.comm, ctx.overlap, ctx.bias)
+        return dy, dx, dw_own, None, None, None, None, None
 
 
 class BroadcastMLP(torch.autograd.Function):
@@ -208,10 +239,13 @@ class BroadcastMLP(torch.autograd.Function):
     :func:`tsp_impl.overlap.owner_shards`, :func:`broadcast_mlp_backward`."""
 
     @staticmethod
-    def forward(ctx, res, x, w_own, comm: Comm, overlap: bool, grad: bool, recompute: bool = False):
+    def forward(
+        ctx, res, x, w_own, comm: Comm, overlap: bool, grad: bool, recompute: bool = False,
+        bias: bool = False,
+    ):  # fmt: skip
         save = grad and any(ctx.needs_input_grad)  # (needs_input_grad ignores no_grad)
-        ctx.comm, ctx.overlap = comm, overlap
-        y, saved = mlp_forward(res, x, owner_shards(w_own, comm, overlap), save, recompute)
+        ctx.comm, ctx.overlap, ctx.bias = comm, overlap, bias
+        y, saved = mlp_forward(res, x, owner_shards(w_own, comm, overlap), save, recompute, bias)
         if save:
             ctx.save_for_backward(x, w_own, *saved)
         return y
@@ -219,5 +253,5 @@ class BroadcastMLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, w_own, *saved = ctx.saved_tensors
-        dx, dw_own = broadcast_mlp_backward(dy, x, w_own, saved, ctx.comm, ctx.overlap)
-        return dy, dx, dw_own, None, None, None, None
+        dx, dw_own = broadcast_mlp_backward(dy, x, w_own, saved, ctx.comm, ctx.overlap, ctx.bias)
+        return dy, dx, dw_own, None, None, None, None, None

@@ -22,6 +22,8 @@ from tsp_impl.attention import BroadcastAttention, bias_rows
 from tsp_impl.costs import TSPCosts
 from tsp_impl.decode import TSPDecoder
 from tsp_impl.mlp import BroadcastMLP, RingMLP
+from tsp_impl.mlp import bias_rows as mlp_bias_rows
+from tsp_impl.mlp import biases as mlp_biases
 from tsp_impl.plan import TSPPlan
 from tsp_impl.vocab import VocabEmbedding, VocabParallelLoss
 from tspbench.core import recompute, zigzag
@@ -148,14 +150,15 @@ class TSP(Strategy):
                 ]
             )
             w13 = [self.init_block(n + k, own["f"]) for k in ("w1", "w3")]
-            mlp = torch.cat([*w13, self.init_block(n + "w2", cols=own["f"]).T])
+            w2t = self.init_block(n + "w2", cols=own["f"]).T
+            mlp = torch.cat([*w13, w2t, *self.mlp_bias_block(n, own)])
             self.layers.append(
                 {
                     "attn_norm": self.to_param(self.init_block(n + "attn_norm")),
                     "attn": self.to_param(attn),
                     "mlp_norm": self.to_param(self.init_block(n + "mlp_norm")),
                     "mlp": self.to_param(mlp),
-                    **{k: self.to_param(self.init_block(n + k)) for k in self.qk_norms},
+                    **{k: self.to_param(self.init_block(n + k)) for k in self.whole},
                 }
             )
         self._plans: dict[int, TSPPlan] = {}
@@ -171,6 +174,15 @@ class TSP(Strategy):
             self.init_block(n + b, own[k]) for b, k in (("bq", "q"), ("bk", "kv"), ("bv", "kv"))
         ]
         flat = torch.cat(parts)
+        return [F.pad(flat, (0, rows * self.cfg.hidden - flat.numel())).view(rows, -1)]
+
+    def mlp_bias_block(self, n: str, own: dict[str, slice]) -> list[torch.Tensor]:
+        """Slice r's [b1_r; b3_r] (Llama's mlp_bias) as the zero-padded rows of width h its
+        packed slice ends with (none without): they travel with the slice."""
+        if not self.cfg.mlp_bias:
+            return []
+        flat = torch.cat([self.init_block(n + b, own["f"]) for b in ("b1", "b3")])
+        rows = mlp_bias_rows(flat.numel() // 2, self.cfg.hidden)
         return [F.pad(flat, (0, rows * self.cfg.hidden - flat.numel())).view(rows, -1)]
 
     def plan(self, seq_len: int) -> TSPPlan:
@@ -197,10 +209,16 @@ class TSP(Strategy):
                 x, rms_norm(x, lp["attn_norm"], eps), lp["attn"], plan, grad,
                 *(lp[k] for k in self.qk_norms),
             )  # fmt: skip
+            if "bo" in lp:  # Llama's attention_bias: W_o's bias, whole, added once
+                x = x + lp["bo"]
             # (the normed input is a temporary: inference frees it after the attention)
             mlp_in = rms_norm(x, lp["mlp_norm"], eps)
             mlp = MLP[self.mlp_schedule]
-            return mlp.apply(x, mlp_in, lp["mlp"], self.comm, self.overlap, grad, self.recomputing)
+            x = mlp.apply(
+                x, mlp_in, lp["mlp"], self.comm, self.overlap, grad, self.recomputing,
+                self.cfg.mlp_bias,
+            )  # fmt: skip
+            return x + lp["b2"] if "b2" in lp else x
 
         for lp in self.layers:
             x = self.checkpointed(block, x, lp)
@@ -239,8 +257,14 @@ class TSP(Strategy):
         """The QK norms' names where the model has them (Qwen3): replicated, as the others."""
         return QK_NORMS if self.cfg.qk_norm else ()
 
+    @property
+    def whole(self) -> tuple[str, ...]:
+        """A layer's weights every rank holds whole besides its two norms: the QK norms and the
+        output biases (Llama's bo, b2), where the model has them."""
+        return self.qk_norms + ("bo",) * self.cfg.o_bias + ("b2",) * self.cfg.mlp_bias
+
     def replicated(self) -> list[torch.nn.Parameter]:
-        names = ("attn_norm", "mlp_norm", *self.qk_norms)
+        names = ("attn_norm", "mlp_norm", *self.whole)
         return [self.norm] + [lp[k] for lp in self.layers for k in names]
 
     def sharded(self) -> list[torch.nn.Parameter]:
@@ -289,10 +313,15 @@ class TSP(Strategy):
                 biases = [f.split([hq * d, hkv * d, hkv * d]) for f in flat]
                 for j, k in enumerate(("bq", "bk", "bv")):
                     out[pre + k] = torch.cat([b[j] for b in biases])
-            parts = [s.chunk(3) for s in g(lp["mlp"])]
+            fd = self.cfg.ffn // D
+            parts = [s[: 3 * fd].chunk(3) for s in g(lp["mlp"])]
             out[pre + "w1"] = torch.cat([p[0] for p in parts])
             out[pre + "w3"] = torch.cat([p[1] for p in parts])
             out[pre + "w2"] = torch.cat([p[2].T for p in parts], dim=1)
-            for k in ("attn_norm", "mlp_norm", *self.qk_norms):
+            if self.cfg.mlp_bias:  # each slice's [b1_r; b3_r], padded
+                flat = [mlp_biases(s, fd).split(fd) for s in g(lp["mlp"])]
+                out[pre + "b1"] = torch.cat([b[0] for b in flat])
+                out[pre + "b3"] = torch.cat([b[1] for b in flat])
+            for k in ("attn_norm", "mlp_norm", *self.whole):
                 out[pre + k] = tensor_of(lp[k], grads)
         return out

@@ -27,7 +27,7 @@ LAYER_NAMES = {
     "q_norm": "self_attn.q_norm",
     "k_norm": "self_attn.k_norm",
 }
-BIASES = {"bq": "wq", "bk": "wk", "bv": "wv"}
+BIASES = {"bq": "wq", "bk": "wk", "bv": "wv", "bo": "wo", "b1": "w1", "b3": "w3", "b2": "w2"}
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 QK_NORM_FAMILIES = ("qwen3",)
 QKV_BIAS_FAMILIES = ("qwen2",)
@@ -75,18 +75,22 @@ def hf_model(cfg: ModelConfig, family: str, dtype: torch.dtype):
         attn_implementation="sdpa",
     )
     kwargs["head_dim"] = cfg.d_head  # every family reads it (Qwen3 0.6B's is 2h/heads)
+    if family in ("llama", "qwen3"):  # attention_bias: Q, K, V and O together
+        assert cfg.o_bias == (cfg.qkv_bias and family != "qwen2"), "attention_bias is all four"
+        kwargs.update(attention_bias=cfg.o_bias)
+    if family == "llama":
+        kwargs.update(mlp_bias=cfg.mlp_bias)
+    else:
+        assert not cfg.mlp_bias, f"{family} has no mlp_bias"
     if family == "mistral":
+        assert not cfg.qkv_bias and not cfg.o_bias, "Mistral has no biases"
         kwargs.update(sliding_window=None)
     if family == "qwen2":
         assert cfg.qkv_bias, "a Qwen2 model has QKV biases"
         kwargs.update(use_sliding_window=False, sliding_window=None)
     if family == "qwen3":
         assert cfg.qk_norm, "a Qwen3 model has QK norms"
-        kwargs.update(
-            attention_bias=False,
-            use_sliding_window=False,
-            sliding_window=None,
-        )
+        kwargs.update(use_sliding_window=False, sliding_window=None)
     config_cls = getattr(transformers, f"{family.capitalize()}Config")
     model_cls = getattr(transformers, f"{family.capitalize()}ForCausalLM")
     return model_cls(config_cls(**kwargs)).to(dtype)

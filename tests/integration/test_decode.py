@@ -17,7 +17,7 @@ from tests.helpers.configs import LLAMA3_ROPE_TINY
 from tests.helpers.distributed import run_world
 
 MODELS = {
-    "mha": {},
+    "mha": {"qkv_bias": True, "o_bias": True, "mlp_bias": True},  # Llama's attention/MLP biases
     # with Llama 3.1's RoPE scaling, Qwen3's QK norms and wide heads (Q 2h wide), Qwen2's QKV
     # biases, tied embeddings
     "gqa": {

@@ -56,6 +56,9 @@ def _strategy_cases(strat: str, impl) -> list[dict]:
     # width h: heads twice h/heads wide) and YaRN's scaling (Qwen2.5's), at the largest group
     qwen2 = {"qkv_bias": True, "head_dim": 16, "rope_scaling": YARN_ROPE_TINY}
     cases.append(case(f"D{_name(top)}-qwen2", top, model=qwen2))
+    # Llama's attention_bias and mlp_bias: the output biases whole on every rank, added once
+    biased = {"qkv_bias": True, "o_bias": True, "mlp_bias": True, "kv_heads": 4}
+    cases.append(case(f"D{_name(top)}-biases", top, model=biased))
     # tied embeddings (Llama 3.2 1B): the head's and the embedding's gradients in one weight
     cases.append(case(f"D{_name(top)}-tied", top, model={"tie_embeddings": True, "kv_heads": 4}))
     if impl.context_parallel(largest) > 1:  # a length that is not a power of two (2D | 24)

@@ -25,6 +25,7 @@ from tspbench.runtime.spec import RunSpec
 # parameters, memory
 GQA = {"kv_heads": 2, "qk_norm": True, "qkv_bias": True, "head_dim": 16}
 WIDE = {"head_dim": 16}  # MHA with Q 2h wide, for the strategies' options
+BIASED = {"qkv_bias": True, "o_bias": True, "mlp_bias": True}  # Llama's attention/MLP biases
 REF = ROOT / "results" / "reference" / "calibration"
 
 
@@ -69,6 +70,7 @@ def _cases() -> list[dict]:
         add(s, d4, 512)
         add(s, d2, 1024, model=GQA, name="gqa")
         add(s, d2, 1024, rc="full", model=GQA, name="gqa")
+        add(s, d2, 1024, model=BIASED, name="biased")
         add(s, d4, 1024, model=small, name="small")
         for opts in impl.checked_options():  # each setting beside the defaults, one at a time
             if len(opts) == 1:

@@ -25,7 +25,7 @@ from tests.helpers.hf import (
     in_fp64,
     paired,
 )
-from tspbench.core.config import ModelConfig
+from tspbench.core.config import ModelConfig, hf_config
 from tspbench.core.layers import rope_tables
 from tspbench.core.reference import make_batch
 
@@ -160,3 +160,36 @@ def test_wide_heads_equal_hf(family):
     assert theirs.model.layers[0].self_attn.q_proj.weight.shape == (72, 48)
     tokens, labels = make_batch(cfg, 2, 24, seed=5)
     _close(*_step(ours, theirs, tokens, labels), tol=1e-11)
+
+
+@pytest.mark.parametrize(
+    "family, biases",
+    [("llama", {"qkv_bias": True, "o_bias": True, "mlp_bias": True}),
+     ("llama", {"mlp_bias": True}),
+     ("qwen3", {"qkv_bias": True, "o_bias": True})],
+)  # fmt: skip
+def test_attention_and_mlp_biases_equal_hf(family, biases):
+    """Llama's ``attention_bias`` (Q, K, V and O) and ``mlp_bias`` (gate, up, down), Qwen3's
+    ``attention_bias``: every bias and its gradient as HF's, and the config.json keys read so."""
+    cfg = dataclasses.replace(_cfg(SCALINGS["llama3"], family), **biases)
+    ours, theirs = paired(cfg, family, torch.float64)
+    in_fp64(theirs, cfg)
+    names = dict(ours.named_full_params())
+    assert ("layers.1.bo" in names) == cfg.o_bias and ("layers.1.b2" in names) == cfg.mlp_bias
+    tokens, labels = make_batch(cfg, 2, 24, seed=6)
+    _close(*_step(ours, theirs, tokens, labels), tol=1e-11)
+    data = {
+        "architectures": [f"{family.capitalize()}ForCausalLM"],
+        "model_type": family,
+        "vocab_size": 96,
+        "hidden_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "intermediate_size": 80,
+        "attention_bias": cfg.o_bias,
+    }
+    if family == "llama":
+        data["mlp_bias"] = cfg.mlp_bias
+    read, _ = hf_config(data)
+    assert (read.qkv_bias, read.o_bias, read.mlp_bias) == (cfg.qkv_bias, cfg.o_bias, cfg.mlp_bias)

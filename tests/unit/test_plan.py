@@ -171,8 +171,19 @@ def test_a_tiny_llama_or_mistral_file_is_the_tiny_preset(arch, mtype):
     [
         ({"num_local_experts": 8, "num_experts_per_tok": 2}, "num_local_experts"),
         ({"n_routed_experts": 64}, "n_routed_experts"),
-        ({"attention_bias": True}, "attention_bias"),
-        ({"mlp_bias": True}, "mlp_bias"),
+        ({"attention_bias": 1}, "attention_bias"),
+        (
+            {
+                "model_type": "mistral",
+                "architectures": ["MistralForCausalLM"],
+                "attention_bias": True,
+            },
+            "attention_bias",
+        ),
+        (
+            {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "mlp_bias": True},
+            "mlp_bias",
+        ),
         ({"sliding_window": 4096}, "sliding_window"),
         ({"tie_word_embeddings": "yes"}, "tie_word_embeddings"),
         ({"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]}, "model_type"),

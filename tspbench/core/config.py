@@ -106,7 +106,9 @@ class ModelConfig:
     init_std: float = 0.02
     rope_scaling: str = ""  # "kind,key=value,..." (tspbench/core/rope.py); "": none
     qk_norm: bool = False  # RMSNorm over each head's Q and K before RoPE (Qwen3)
-    qkv_bias: bool = False  # biases on the Q, K and V projections (Qwen2)
+    qkv_bias: bool = False  # biases on the Q, K and V projections (Qwen2; Llama's attention_bias)
+    o_bias: bool = False  # a bias on W_o's output (Llama's and Qwen3's attention_bias)
+    mlp_bias: bool = False  # biases on W1, W3 and W2 (Llama's mlp_bias)
     tie_embeddings: bool = False  # the LM head is the embedding (Llama 3.2 1B/3B, small Qwens)
     head_dim: int = 0  # each head's size d; 0: hidden/heads (Qwen3 0.6B/4B/32B set it wider)
 
@@ -130,7 +132,7 @@ class ModelConfig:
         if self.d_head % 2:
             what = "model.head_dim" if self.head_dim else "head dim hidden/heads"
             raise ConfigError(f"{what}={self.d_head}: must be even for RoPE")
-        for flag in ("qk_norm", "qkv_bias", "tie_embeddings"):
+        for flag in ("qk_norm", "qkv_bias", "o_bias", "mlp_bias", "tie_embeddings"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"model.{flag}={getattr(self, flag)!r}: must be true or false")
         if not isinstance(self.rope_scaling, str):
@@ -161,6 +163,8 @@ class ModelConfig:
         per_layer = 2 * h * q + 2 * h * self.kv_dim + 3 * h * f + 2 * h
         per_layer += 2 * self.d_head if self.qk_norm else 0
         per_layer += q + 2 * self.kv_dim if self.qkv_bias else 0
+        per_layer += h if self.o_bias else 0
+        per_layer += 2 * f + h if self.mlp_bias else 0
         tables = 1 if self.tie_embeddings else 2  # the embedding, and an untied head
         return self.layers * per_layer + h + (tables * self.vocab * h if embeddings else 0)
 
@@ -199,6 +203,8 @@ class ModelOverrides(TypedDict, total=False):
     rope_scaling: str
     qk_norm: bool
     qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
     tie_embeddings: bool
     head_dim: int
 
@@ -267,8 +273,8 @@ HF_MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "n_shared
 def hf_config(data: object, where: str = "config.json") -> tuple[ModelConfig, list[str]]:
     """A :class:`ModelConfig` from a Hugging Face Llama-style ``config.json`` (a dict), and notes
     on what was read but does not change the shapes. Whatever the model here cannot express
-    (Llama's attention and MLP biases, mixture of experts, sliding-window attention, another
-    architecture or activation) is a ConfigError naming the key."""
+    (mixture of experts, sliding-window attention, another architecture or activation) is a
+    ConfigError naming the key."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: must be a JSON object of model settings")
     _hf_check_architecture(data, where)
@@ -278,7 +284,7 @@ def hf_config(data: object, where: str = "config.json") -> tuple[ModelConfig, li
     archs = data.get("architectures") or []
     family = data.get("model_type") or (HF_ARCHS[archs[0]] if archs else "")  # its model_type
     values["qk_norm"] = family in QK_NORM_TYPES
-    values["qkv_bias"] = family in QKV_BIAS_TYPES
+    values.update(_hf_biases(data, where, family or "llama"))
     tie = data.get("tie_word_embeddings", False)
     if not isinstance(tie, bool):
         raise _hf_refuse(data, where, "tie_word_embeddings", "must be true or false")
@@ -293,7 +299,7 @@ def _hf_refuse(data: dict, where: str, key: str, why: str) -> ConfigError:
 
 def _hf_check_architecture(data: dict, where: str) -> None:
     """Refuse a ``config.json`` that is not a dense Llama-style decoder: another model type or
-    architecture, experts, Llama's biases, sliding-window attention, another activation."""
+    architecture, experts, sliding-window attention, another activation."""
     mtype = data.get("model_type")
     archs = data.get("architectures") or []
     if mtype is not None and mtype not in HF_MODEL_TYPES:
@@ -320,9 +326,6 @@ def _hf_check_architecture(data: dict, where: str) -> None:
                 key,
                 "mixture of experts: the model here is dense (one SwiGLU MLP per layer)",
             )
-    for key in ("attention_bias", "mlp_bias"):
-        if data.get(key):
-            raise _hf_refuse(data, where, key, "biases: the model here has bias-free projections")
     if data.get("sliding_window") is not None and data.get("use_sliding_window", True):
         raise _hf_refuse(
             data,
@@ -334,6 +337,26 @@ def _hf_check_architecture(data: dict, where: str) -> None:
     if act not in ("silu", "swish"):
         key = "hidden_act" if "hidden_act" in data else "hidden_activation"
         raise _hf_refuse(data, where, key, "the MLP here is SwiGLU (silu)")
+
+
+def _hf_biases(data: dict, where: str, family: str) -> dict[str, bool]:
+    """The projections' biases: Qwen2's on Q, K and V always; ``attention_bias`` (Llama, Qwen3:
+    Q, K, V and O) and ``mlp_bias`` (Llama: gate, up and down) where the family's class reads
+    them; set in a family whose class ignores it, refused naming the key."""
+    out = {"qkv_bias": family in QKV_BIAS_TYPES, "o_bias": False, "mlp_bias": False}
+    for key, families in (("attention_bias", ("llama", "qwen3")), ("mlp_bias", ("llama",))):
+        v = data.get(key)
+        if v is None or v is False:
+            continue
+        if not isinstance(v, bool):
+            raise _hf_refuse(data, where, key, "must be true or false")
+        if family not in families:
+            raise _hf_refuse(data, where, key, f"{family}'s class has no such biases")
+        if key == "attention_bias":
+            out.update(qkv_bias=True, o_bias=True)
+        else:
+            out["mlp_bias"] = True
+    return out
 
 
 def _hf_values(data: dict, where: str) -> dict[str, int | float | str | bool]:

@@ -113,18 +113,34 @@ def qk_norm_numel(cfg: ModelConfig) -> int:
     return 2 * cfg.d_head if cfg.qk_norm else 0
 
 
+def output_bias_numel(cfg: ModelConfig) -> int:
+    """Elements of one layer's output biases (Llama's bo and b2: [h] each where it has them),
+    added after a tensor-parallel reduction: whole on every rank."""
+    return cfg.hidden * (cfg.o_bias + cfg.mlp_bias)
+
+
 def layer_numel(cfg: ModelConfig) -> int:
     """Elements of one transformer layer: two norms (four with QK norms), Wq/Wo, Wk/Wv,
-    W1/W3/W2 (and the QKV biases)."""
+    W1/W3/W2 (and the biases)."""
     h, q, kv, f = cfg.hidden, cfg.q_dim, cfg.kv_dim, cfg.ffn
     biases = q + 2 * kv if cfg.qkv_bias else 0  # Qwen2's, split with their weights
-    return 2 * h + 2 * h * q + 2 * h * kv + 3 * h * f + qk_norm_numel(cfg) + biases
+    biases += 2 * f if cfg.mlp_bias else 0  # b1, b3: split with W1's and W3's rows
+    return (
+        2 * h
+        + 2 * h * q
+        + 2 * h * kv
+        + 3 * h * f
+        + qk_norm_numel(cfg)
+        + biases
+        + (output_bias_numel(cfg))
+    )
 
 
-def norm_numel(cfg: ModelConfig) -> int:
-    """Elements of the RMSNorm weights (two per layer, their QK norms, and the final one):
-    never split."""
-    return (2 * cfg.layers + 1) * cfg.hidden + cfg.layers * qk_norm_numel(cfg)
+def replicated_numel(cfg: ModelConfig) -> int:
+    """Elements never split: the RMSNorm weights (two per layer, their QK norms, and the final
+    one) and the output biases."""
+    per_layer = qk_norm_numel(cfg) + output_bias_numel(cfg)
+    return (2 * cfg.layers + 1) * cfg.hidden + cfg.layers * per_layer
 
 
 def full_numel(cfg: ModelConfig) -> int:
@@ -134,8 +150,9 @@ def full_numel(cfg: ModelConfig) -> int:
 
 
 def split_numel(cfg: ModelConfig, T: int) -> int:
-    """Elements one rank holds when every weight but the norms is split T ways."""
-    return (full_numel(cfg) - norm_numel(cfg)) // T + norm_numel(cfg)
+    """Elements one rank holds when every weight but the norms and output biases is split T
+    ways."""
+    return (full_numel(cfg) - replicated_numel(cfg)) // T + replicated_numel(cfg)
 
 
 def local_dims(cfg: ModelConfig, T: int) -> tuple[int, int, int, int]:

@@ -23,7 +23,8 @@ from tspbench.core.init import Index, chunk_slice
 from tspbench.core.kvcache import KVCache, Step, partial_attention
 from tspbench.core.layers import (
     LayerHooks,
-    qkv_proj,
+    in_proj,
+    out_proj,
     rms_norm,
     rope_tables,
     rotate_qk,
@@ -172,11 +173,11 @@ def decode_layer(
         return t.view(B, -1, head_dim)
 
     a = rms_norm(x, p["attn_norm"], eps)
-    q, k = rotate_qk(heads(qkv_proj(a, p, "wq")), heads(qkv_proj(a, p, "wk")), p, eps, cos, sin)
-    o = hooks.attend(i, q, k, heads(qkv_proj(a, p, "wv"))).to(x.dtype)
-    x = x + hooks.exit(o.flatten(1) @ p["wo"].T)
+    q, k = rotate_qk(heads(in_proj(a, p, "wq")), heads(in_proj(a, p, "wk")), p, eps, cos, sin)
+    o = hooks.attend(i, q, k, heads(in_proj(a, p, "wv"))).to(x.dtype)
+    x = x + out_proj(o.flatten(1), p, "wo", hooks.exit)
     m = rms_norm(x, p["mlp_norm"], eps)
-    return x + hooks.exit((F.silu(m @ p["w1"].T) * (m @ p["w3"].T)) @ p["w2"].T)
+    return x + out_proj(F.silu(in_proj(m, p, "w1")) * in_proj(m, p, "w3"), p, "w2", hooks.exit)
 
 
 def local_attend(cache: KVCache) -> Callable:

@@ -126,11 +126,26 @@ def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Ten
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
-def qkv_proj(a: torch.Tensor, p: dict[str, torch.Tensor], w: str) -> torch.Tensor:
-    """``a @ p[w].T`` for w in wq, wk, wv, plus its bias (bq, bk, bv) where the layer has one
-    (Qwen2): one addmm then, no separate add."""
+def in_proj(a: torch.Tensor, p: dict[str, torch.Tensor], w: str) -> torch.Tensor:
+    """``a @ p[w].T`` for a column-parallel w (wq, wk, wv, w1, w3), plus its bias (bq, bk, bv:
+    Qwen2, Llama's attention_bias; b1, b3: Llama's mlp_bias) where the layer has one: one addmm
+    then, no separate add. A bias is split with its weight's rows."""
     bias = p.get("b" + w[1])
     return a @ p[w].T if bias is None else F.linear(a, p[w], bias)
+
+
+def out_proj(
+    o: torch.Tensor,
+    p: dict[str, torch.Tensor],
+    w: str,
+    exit: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """``exit(o @ p[w].T)`` for a row-parallel w (wo, w2), plus its bias (bo, b2) where the
+    layer has one: added after ``exit``'s reduction, once, as Megatron's RowParallelLinear adds
+    it (the bias is whole on every rank)."""
+    y = exit(o @ p[w].T)
+    bias = p.get("b" + w[1])
+    return y if bias is None else y + bias
 
 
 def rotate_qk(
@@ -177,7 +192,8 @@ def transformer_layer(
 ) -> torch.Tensor:
     """One pre-norm Llama block on x [B, L, h] with (possibly sharded) weights ``p`` (with
     ``q_norm`` and ``k_norm``: Qwen3's, each head's Q and K normed before RoPE; with ``bq``,
-    ``bk``, ``bv``: Qwen2's QKV biases).
+    ``bk``, ``bv``: Qwen2's QKV biases; with ``bo``, ``b1``, ``b3``, ``b2``: Llama's attention
+    output and MLP biases).
 
     Head counts follow from the weight shapes, so a TP shard of Wq simply yields fewer heads.
     """
@@ -187,9 +203,9 @@ def transformer_layer(
         return t.view(B, L, -1, head_dim).transpose(1, 2)
 
     a = hooks.enter(rms_norm(x, p["attn_norm"], eps))
-    q, k = rotate_qk(heads(qkv_proj(a, p, "wq")), heads(qkv_proj(a, p, "wk")), p, eps, cos, sin)
-    k, v = hooks.gather_kv(k, heads(qkv_proj(a, p, "wv")))
+    q, k = rotate_qk(heads(in_proj(a, p, "wq")), heads(in_proj(a, p, "wk")), p, eps, cos, sin)
+    k, v = hooks.gather_kv(k, heads(in_proj(a, p, "wv")))
     o = hooks.attn(q, k, v).transpose(1, 2).flatten(2)
-    x = x + hooks.exit(o @ p["wo"].T)
+    x = x + out_proj(o, p, "wo", hooks.exit)
     m = hooks.enter(rms_norm(x, p["mlp_norm"], eps))
-    return x + hooks.exit((F.silu(m @ p["w1"].T) * (m @ p["w3"].T)) @ p["w2"].T)
+    return x + out_proj(F.silu(in_proj(m, p, "w1")) * in_proj(m, p, "w3"), p, "w2", hooks.exit)

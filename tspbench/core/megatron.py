@@ -9,8 +9,9 @@ from tspbench.core.comm import Comm
 # Megatron's split of every reference parameter: column-parallel weights by rows (dim 0),
 # row-parallel weights (wo, w2) by columns, embedding and LM head by vocabulary rows, norms whole.
 MEGATRON_SHARD_DIM = {"embed": 0, "head": 0, "wq": 0, "wk": 0, "wv": 0, "wo": 1, "w1": 0,
-                      "w3": 0, "w2": 1, "bq": 0, "bk": 0, "bv": 0}  # fmt: skip
-# (the column-parallel biases split with their weights' rows)
+                      "w3": 0, "w2": 1, "bq": 0, "bk": 0, "bv": 0, "b1": 0, "b3": 0}  # fmt: skip
+# (the column-parallel biases split with their weights' rows; the row-parallel ones, bo and b2,
+# are whole on every rank, added after the reduction)
 
 
 def shard_dim(name: str) -> int | None:

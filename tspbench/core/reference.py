@@ -16,12 +16,18 @@ from tspbench.core.layers import LayerHooks, cached, rms_norm, rope_on, transfor
 LAYER_PARAMS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w1", "w3", "w2")
 QK_NORMS = ("q_norm", "k_norm")  # Qwen3's per-head RMSNorms on Q and K, [head_dim] each
 QKV_BIASES = ("bq", "bk", "bv")  # Qwen2's biases of the Q, K and V projections
+MLP_BIASES = ("b1", "b3", "b2")  # Llama's mlp_bias: of W1 (gate), W3 (up), W2 (down)
+# the biases added to a layer's outputs, after a tensor-parallel reduction: whole on every rank
+OUTPUT_BIASES = ("bo", "b2")
 
 
 def layer_params(cfg: ModelConfig) -> tuple[str, ...]:
-    """The parameters of one layer of ``cfg``: Llama's nine, the QK norms and the QKV biases
+    """The parameters of one layer of ``cfg``: Llama's nine, then the QK norms and the biases
     where it has them."""
-    return LAYER_PARAMS + QK_NORMS * cfg.qk_norm + QKV_BIASES * cfg.qkv_bias
+    return (
+        LAYER_PARAMS + QK_NORMS * cfg.qk_norm + QKV_BIASES * cfg.qkv_bias
+        + ("bo",) * cfg.o_bias + MLP_BIASES * cfg.mlp_bias
+    )  # fmt: skip
 
 
 def head_name(cfg: ModelConfig) -> str:
@@ -57,6 +63,8 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "w2": (h, f),
         **{k: (cfg.d_head,) for k in QK_NORMS if cfg.qk_norm},
         **({"bq": (q,), "bk": (kv,), "bv": (kv,)} if cfg.qkv_bias else {}),
+        **({"bo": (h,)} if cfg.o_bias else {}),
+        **({"b1": (f,), "b3": (f,), "b2": (h,)} if cfg.mlp_bias else {}),
     }
     shapes: dict[str, tuple[int, ...]] = {"embed": (cfg.vocab, h)}
     for i in range(cfg.layers):

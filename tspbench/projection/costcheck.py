@@ -78,7 +78,7 @@ def _field(rec: dict, path: str, key: str):
 # model fields that records written before them lack: their defaults are what those runs ran
 LATER_FIELDS = {
     "rope_scaling": "", "qk_norm": False, "qkv_bias": False, "tie_embeddings": False,
-    "head_dim": 0,
+    "head_dim": 0, "o_bias": False, "mlp_bias": False,
 }  # fmt: skip
 
 
