@@ -40,6 +40,11 @@ LLAMA3_8B = {
 }
 
 
+def noted(notes: list[str]) -> set[str]:
+    """The config.json keys that ``notes`` name (each note starts ``key=value:``)."""
+    return {n.split("=", 1)[0] for n in notes}
+
+
 @pytest.fixture
 def counted(monkeypatch):
     """A dispatch count that costs nothing (the real one: seconds per configuration); the
@@ -136,10 +141,14 @@ def test_from_a_hugging_face_config(capsys, counted, tmp_path):
     cfg, notes = hf_config(LLAMA3_8B)
     same = [f for f in ("vocab", "hidden", "layers", "heads", "kv_heads", "ffn", "rope_theta")
             if getattr(cfg, f) == getattr(PRESETS["llama3-8b"], f)]  # fmt: skip
-    assert len(same) == 7 and not notes
+    assert len(same) == 7 and noted(notes) == {"torch_dtype", "max_position_embeddings"}
+    _, notes = hf_config({**LLAMA3_8B, "attention_dropout": 0.1, "pretraining_tp": 2})
+    assert noted(notes) == {"torch_dtype", "max_position_embeddings", "attention_dropout",
+                            "pretraining_tp"}  # fmt: skip
     rc, out, _ = plan_cli(capsys, "--model", path, "--hardware", "h100", "--seq-len", 32768,
                           "--gpus", 16, "--cache", tmp_path)  # fmt: skip
     assert rc == 0 and "8 KV" in out and "best plan:" in out
+    assert "note: max_position_embeddings=8192: the context it was trained to" in out
     # a model that is no preset runs as the nearest preset with --set for what differs
     run = next(line for line in out.splitlines() if line.strip().startswith("tspbench run"))
     assert "--model llama3-8b" in run or "--set" in run
@@ -221,7 +230,7 @@ def test_missing_key_and_sliding_window_null_accepted():
     with pytest.raises(ConfigError, match="hidden_size: missing"):
         hf_config({k: v for k, v in LLAMA3_8B.items() if k != "hidden_size"})
     cfg, notes = hf_config({**LLAMA3_8B, "sliding_window": None, "rope_scaling": None})
-    assert cfg.kv_heads == 8 and cfg.rope_scaling == "" and not notes
+    assert cfg.kv_heads == 8 and cfg.rope_scaling == "" and "sliding_window" not in noted(notes)
     # null reads as Hugging Face reads it: no num_key_value_heads is MHA, no rope_theta 10000
     cfg, _ = hf_config({**LLAMA3_8B, "num_key_value_heads": None, "rope_theta": None})
     assert cfg.kv_heads == cfg.heads == 32 and cfg.rope_theta == 10000.0
@@ -447,7 +456,7 @@ def test_rope_scaling_is_read_as_transformers_4_and_5_write_it(key):
     extra = {"rope_theta": 5e5} if key == "rope_parameters" else {}
     data = {k: v for k, v in LLAMA3_8B.items() if not (extra and k == "rope_theta")}
     cfg, notes = hf_config({**data, key: {**LLAMA31, **extra}})
-    assert not notes and cfg.rope_theta == 5e5
+    assert not {"rope_scaling", "rope_parameters"} & noted(notes) and cfg.rope_theta == 5e5
     assert cfg.rope_scaling == (
         "llama3,factor=8,low_freq_factor=1,high_freq_factor=4,original_max_position_embeddings=8192"
     )
@@ -514,7 +523,8 @@ def test_published_model_files_plan(capsys, counted, tmp_path):
     q25, _ = got["qwen2.5-7b"]
     assert q25.qkv_bias and not q25.qk_norm and not qwen_bias_elsewhere(got)
     assert round(q25.n_params() / 1e9, 2) == 7.62  # "Number of Parameters: 7.61B" (model card)
-    assert all(not notes for _, notes in got.values())
+    assert all(noted(notes) <= {"torch_dtype", "max_position_embeddings"}
+               for _, notes in got.values())  # fmt: skip
     qwen, _ = got["qwen3-8b"]
     assert qwen.qk_norm and not llama_or_mistral_qk(got)
     assert round(qwen.n_params() / 1e9, 2) == 8.19  # "Number of Parameters: 8.2B" (model card)

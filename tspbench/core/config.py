@@ -272,9 +272,9 @@ HF_MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "n_shared
 
 def hf_config(data: object, where: str = "config.json") -> tuple[ModelConfig, list[str]]:
     """A :class:`ModelConfig` from a Hugging Face Llama-style ``config.json`` (a dict), and notes
-    on what was read but does not change the shapes. Whatever the model here cannot express
-    (mixture of experts, sliding-window attention, another architecture or activation) is a
-    ConfigError naming the key."""
+    on the keys read that change nothing here (:func:`_hf_notes`). Whatever the model here
+    cannot express (mixture of experts, sliding-window attention, another architecture or
+    activation) is a ConfigError naming the key."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: must be a JSON object of model settings")
     _hf_check_architecture(data, where)
@@ -289,7 +289,30 @@ def hf_config(data: object, where: str = "config.json") -> tuple[ModelConfig, li
     if not isinstance(tie, bool):
         raise _hf_refuse(data, where, "tie_word_embeddings", "must be true or false")
     values["tie_embeddings"] = tie
-    return _hf_model(values, where), []
+    return _hf_model(values, where), _hf_notes(data)
+
+
+def _hf_notes(data: dict) -> list[str]:
+    """The keys read that change nothing here, each named with why: the dtype (``--dtype``
+    sets it), the trained context (``--seq-len`` is not held to it), attention dropout (the
+    step runs without dropout) and Llama 2's ``pretraining_tp`` (HF's sliced emulation of the
+    same linear layers)."""
+    notes = []
+    for key in ("torch_dtype", "dtype"):
+        if isinstance(data.get(key), str):
+            notes.append(f"{key}={data[key]}: not read as the dtype (--dtype sets it)")
+    if isinstance(data.get("max_position_embeddings"), int):
+        notes.append(
+            f"max_position_embeddings={data['max_position_embeddings']}: the context it was "
+            "trained to; --seq-len is not held to it"
+        )
+    dropout = data.get("attention_dropout")
+    if isinstance(dropout, int | float) and not isinstance(dropout, bool) and dropout:
+        notes.append(f"attention_dropout={dropout}: not modelled (the step has no dropout)")
+    tp = data.get("pretraining_tp")
+    if isinstance(tp, int) and not isinstance(tp, bool) and tp > 1:
+        notes.append(f"pretraining_tp={tp}: HF's sliced emulation of the same layers; not modelled")
+    return notes
 
 
 def _hf_refuse(data: dict, where: str, key: str, why: str) -> ConfigError:
