@@ -56,10 +56,7 @@ def argv_spec(argv: list[str]) -> RunSpec:
 
 
 def make_strategy(case: dict):
-    """Build the case's strategy on a mesh of side-by-side model groups (collective). (The heap
-    is not frozen here as ``tspbench run`` freezes it: across the many cases of one process a
-    full CI run saw TP+SP's steady peak at D = 4 a few KiB above the fake estimate, which
-    neither an isolated run nor any of the default pipeline's runs repeats.)"""
+    """Build the case's strategy on a mesh of side-by-side model groups (collective)."""
     spec = case_spec(case)
     world = dist.get_world_size()
     dims = (("replica", world // spec.layout.world_size), *spec.impl.mesh_dims(spec.layout).items())

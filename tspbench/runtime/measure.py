@@ -49,19 +49,6 @@ def one_step(strat, batch, opt) -> tuple[torch.Tensor, torch.Tensor | None]:
     return loss, gnorm
 
 
-def settle_heap() -> None:
-    """Collect, then freeze what survives (``gc.freeze``): the objects alive before a strategy
-    is built (torch's and the compiler's modules, some 10^6 of them, imported first as
-    :func:`gc_held` explains) are never traversed again, so each collection of a step costs
-    milliseconds instead of 0.1 s (three per measured step set on every rank; 0.2 s of an
-    estimate's 0.9 s). Only live objects are frozen, nothing of a model: what a step or a
-    strategy leaves behind is still collected."""
-    import torch._dynamo  # noqa: F401
-
-    gc.collect()
-    gc.freeze()
-
-
 @contextmanager
 def gc_held() -> Iterator[None]:
     """Garbage collection held off after one collection: cyclic garbage is otherwise freed at
@@ -106,7 +93,6 @@ def gemm_rate(device: torch.device, dtype: torch.dtype, n: int = 0, reps: int = 
 
 def build_strategy(spec: RunSpec, mesh, device: torch.device, overlap: bool | None = None):
     """The spec's strategy on ``mesh`` (``overlap`` overrides the spec's, for the benchmark)."""
-    settle_heap()
     return get_strategy(spec.strategy)(
         spec.cfg,
         mesh,
