@@ -163,7 +163,9 @@ def run_cases(cases: list[dict]) -> dict:
     for case in cases:
         kind = case.get("check", "equal")
         try:
-            run = {"equal": check_equal, "measure": measure_case}.get(kind)
+            run = {"equal": check_equal, "measure": measure_case, "allocator": allocator_case}.get(
+                kind
+            )
             out[case["id"]] = run(case) if run else {"peak": peak_bytes(case)}
         except Exception as e:  # reported per case so one failure does not hide the rest
             out[case["id"]] = {"ok": False, "exception": f"{type(e).__name__}: {e}"}
@@ -194,3 +196,37 @@ def measure_case(case: dict) -> dict:
         "flops_executed": found["flops_executed"],
         "bytes": by_kind,
     }
+
+
+def allocator_peak(prof) -> int:
+    """High-water mark of the bytes torch's allocator handed out while ``prof`` (a profiler
+    with ``profile_memory``) ran, on every thread of the process (a collective backend's worker
+    thread included), from its allocation and free events in time order."""
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def allocator_case(case: dict) -> dict:
+    """A steady-state training step (AdamW's state made by a first) seen twice at once: by the
+    memory tracker (what the step adds to what is at rest, as the record's peak counts it) and
+    by the profiler's allocator events (the allocator's own high-water mark over the step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tspbench.runtime.measure import at_rest, gc_held, one_step
+
+    strat, cfg = make_strategy(case)
+    tokens, labels = make_batch(cfg, case["B"], case["S"], seed=0)
+    batch = strat.shard_batch(tokens, labels)
+    opt = AdamW(strat.parameters())
+    one_step(strat, batch, opt)
+    tracker = MemoryTracker()
+    tracker.track(*at_rest(strat, batch, opt))
+    rest = tracker.live
+    with gc_held(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with tracker:
+            one_step(strat, batch, opt)
+    return {"tracked": tracker.peak - rest, "allocator": allocator_peak(prof), "at_rest": rest}

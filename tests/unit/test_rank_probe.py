@@ -59,8 +59,8 @@ def test_a_wrong_estimate_fails_and_the_group_is_gone(monkeypatch, tmp_path):
     JSON holds them, and a real group can be made afterwards."""
     real = rp.estimate
 
-    def doubled(spec, ranks, kernel):
-        out = real(spec, ranks, kernel)
+    def doubled(spec, ranks, kernel, backend=None):
+        out = real(spec, ranks, kernel, backend)
         return {**out, "peak_mem_bytes": 2 * out["peak_mem_bytes"]}
 
     monkeypatch.setattr(rp, "estimate", doubled)

@@ -14,17 +14,40 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from tspbench.core import compat
+from tspbench.core import compat, memory
 
 KINDS = (
     "all_gather", "reduce_scatter", "all_reduce", "broadcast", "reduce", "send_recv", "all_to_all"
 )  # fmt: skip
+
+
+# Collectives for which a backend holds a buffer of its own that the tracker cannot follow, by
+# the profiler's allocator events on torch 2.13's gloo: every all-gather stages one the size of
+# its output on the worker thread, from the issue until the work completes; every reduce-scatter
+# copies its input when issued (through the dispatcher, but Python drops the copy while the
+# work holds it) until the wait. Both are counted from the issue to the wait
+# (:func:`tspbench.core.memory.charge`: for the all-gather an upper bound). All-reduce,
+# broadcast, reduce, all-to-all and send/recv stage nothing; NCCL takes nothing from torch's
+# allocator.
+STAGED: dict[str, frozenset[str]] = {"gloo": frozenset({"all_gather", "reduce_scatter"})}
+_emulated: list[str] = []  # the backend that torch's fake process group stands for
+
+
+@contextmanager
+def emulating(backend: str) -> Iterator[None]:
+    """Count, on the fake process group, the staging buffers ``backend`` would allocate (for
+    the estimate of a CPU run: gloo's)."""
+    _emulated.append(backend)
+    try:
+        yield
+    finally:
+        _emulated.pop()
 
 
 def bus_bytes(kind: str, nbytes: float, size: int) -> float:
@@ -141,10 +164,12 @@ class Pending:
         work: dist.Work | list[dist.Work] | None,
         finish: Callable[[], object],
         held: Sequence[tuple[torch.Tensor, tuple[bool, ...]]] = (),
+        release: Callable[[], None] | None = None,
     ):
         self._work = work if isinstance(work, list) else ([work] if work is not None else [])
         self._finish = finish
         self._held = held
+        self._release = release  # the backend's staging buffer, counted until the wait
 
     @classmethod
     def ready(cls, value: object) -> Pending:
@@ -153,10 +178,15 @@ class Pending:
 
     def wait(self):
         work, self._work = self._work, []  # the work objects hold the buffers too: let go
-        with blocked_in_collective():
+        # (gloo's wait hands a staged reduce-scatter's copy back through the dispatcher:
+        # counted by the charge already)
+        with blocked_in_collective(), memory.unrecorded() if self._release else nullcontext():
             _wait_all(work)
         _settle(self._held, work)
         self._held = ()
+        if self._release is not None:
+            self._release, release = None, self._release
+            release()
         return self._finish()
 
 
@@ -181,7 +211,8 @@ class Comm:
         self.trace: list[tuple] | None = None
         self.skip = False
         self.counter_device = torch.device("cpu")
-        self._gloo = self.size > 1 and dist.is_initialized() and dist.get_backend(group) == "gloo"
+        self._backend = dist.get_backend(group) if self.size > 1 and dist.is_initialized() else ""
+        self._gloo = self._backend == "gloo"
 
     def _start(
         self, method: str, kind: str, t: torch.Tensor, nbytes_of: torch.Tensor, **kw
@@ -198,24 +229,45 @@ class Comm:
         self.counter.add(self.axis, kind, bus_bytes(kind, n, self.size))
         return True
 
-    def _issue(self, op: Callable, args: tuple, finish, async_op: bool, flat: bool = False):
+    def _staging(self, kind: str, t: torch.Tensor) -> int:
+        """Bytes the backend stages for a ``kind`` collective: ``t`` is an all-gather's output,
+        a reduce-scatter's input (:data:`STAGED`)."""
+        backend = _emulated[-1] if self._backend == "fake" and _emulated else self._backend
+        return t.numel() * t.element_size() if kind in STAGED.get(backend, ()) else 0
+
+    def _issue(
+        self, op: Callable, args: tuple, finish, async_op: bool, flat: bool = False,
+        staged: int = 0,
+    ):  # fmt: skip
         """Issue ``op(*args)`` on this group (``flat``: on 1-D views of ``args``) and return its
-        result (or :class:`Pending`). The views are temporaries, so no frame of ours keeps the
-        buffers alive."""
+        result (or :class:`Pending`), the backend's ``staged`` bytes counted until its wait.
+        The views are temporaries, so no frame of ours keeps the buffers alive."""
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
 
         def start():
             return op(*[a.view(-1) for a in tensors] if flat else args, group=self.group,
                       async_op=True)  # fmt: skip
 
-        return self._pending(start, finish, async_op, tensors)
+        return self._pending(start, finish, async_op, tensors, staged)
 
-    def _pending(self, start: Callable, finish, async_op: bool, buffers: Sequence[torch.Tensor]):
+    def _pending(
+        self, start: Callable, finish, async_op: bool, buffers: Sequence[torch.Tensor],
+        staged: int = 0,
+    ):  # fmt: skip
         """Start a work and wrap it; on gloo, note the references it holds to ``buffers`` for
         :func:`_settle`. The work object goes straight to :class:`Pending`, whose ``wait()``
-        drops the last reference to it."""
+        drops the last reference to it (and stops counting the ``staged`` bytes)."""
         before = [_refs(t) for t in buffers] if self._gloo else []
-        pending = Pending(start(), finish)
+        if staged:  # the staging buffer, counted from here to the wait, and nothing else
+            release = memory.charge(staged)
+            try:
+                with memory.unrecorded():
+                    pending = Pending(start(), finish, release=release)
+            except BaseException:
+                release()
+                raise
+        else:
+            pending = Pending(start(), finish)
         if self._gloo:  # the buffers the work took references to, and which counts rose
             rose = [
                 (t, tuple(n > b for n, b in zip(_refs(t), was))) for t, was in zip(buffers, before)
@@ -267,8 +319,9 @@ class Comm:
                 return self._ret(None, lambda: tc, async_op)
             out.zero_()
             return self._ret(None, finish, async_op)
-
-        return self._issue(compat.all_gather_flat, (out, tc), finish, async_op, flat=True)
+        assert out is not None  # size > 1: _start went on
+        staged = self._staging("all_gather", out)
+        return self._issue(compat.all_gather_flat, (out, tc), finish, async_op, True, staged)
 
     def reduce_scatter(self, t: torch.Tensor, dim: int, async_op: bool = False):
         """Sum over the group, then keep block ``rank`` of ``size`` equal blocks along ``dim``."""
@@ -281,8 +334,9 @@ class Comm:
         stacked = t.unflatten(dim, (self.size, n)).movedim(dim, 0).contiguous()
         out = t.new_empty(stacked.shape[1:])
 
+        staged = self._staging("reduce_scatter", stacked)
         return self._issue(
-            compat.reduce_scatter_flat, (out, stacked), lambda: out, async_op, flat=True
+            compat.reduce_scatter_flat, (out, stacked), lambda: out, async_op, True, staged
         )
 
     def all_gather_into(self, out: torch.Tensor, t: torch.Tensor) -> None:
@@ -295,7 +349,8 @@ class Comm:
             else:
                 out.copy_(t)
             return
-        self._issue(compat.all_gather_flat, (out, t), lambda: out, False)
+        staged = self._staging("all_gather", out)
+        self._issue(compat.all_gather_flat, (out, t), lambda: out, False, staged=staged)
 
     def reduce_scatter_into(self, out: torch.Tensor, t: torch.Tensor) -> None:
         """Sum of every rank's 1-D ``t``, block ``rank`` of ``size`` equal blocks into the 1-D
@@ -304,7 +359,8 @@ class Comm:
         if not self._start("reduce_scatter_into", "reduce_scatter", t, t):
             out.copy_(t.view(self.size, -1)[self.rank] if self.size > 1 else t)
             return
-        self._issue(compat.reduce_scatter_flat, (out, t), lambda: out, False)
+        staged = self._staging("reduce_scatter", t)
+        self._issue(compat.reduce_scatter_flat, (out, t), lambda: out, False, staged=staged)
 
     def all_to_all(self, t: torch.Tensor, async_op: bool = False):
         """Block j of ``size`` equal blocks of ``t`` along dim 0 goes to group-rank j; block j

@@ -2,16 +2,18 @@
 
 Every tensor an op returns is recorded by its storage (views share one), and forgotten when that
 storage is freed, so ``peak`` is the high-water mark of live storage bytes created under the
-mode plus what was registered with :meth:`track`. A recorded storage that is resized in place
-(``UntypedStorage.resize_``, which no dispatch mode sees: FSDP2 frees a gathered parameter by
-resizing its storage to 0 and re-allocates it the same way) counts at its new size. With
-``limit`` set, exceeding it raises :class:`TrackedOOM`: a testable stand-in for a device OOM on
-CPU.
+mode plus what was registered with :meth:`track` or :func:`charge`. A recorded storage that is
+resized in place (``UntypedStorage.resize_``, which no dispatch mode sees: FSDP2 frees a gathered
+parameter by resizing its storage to 0 and re-allocates it the same way) counts at its new size.
+With ``limit`` set, exceeding it raises :class:`TrackedOOM`: a testable stand-in for a device OOM
+on CPU.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -25,6 +27,37 @@ class TrackedOOM(torch.OutOfMemoryError):
 
 _active: list[MemoryTracker] = []  # entered trackers, which storage resizes are reported to
 _resize = torch.UntypedStorage.resize_
+
+
+def charge(nbytes: int) -> Callable[[], None]:
+    """Count a buffer of ``nbytes`` that a library holds beyond what its dispatched ops show (a
+    collective backend's staging buffer) in every entered tracker, until the returned function
+    is called. Over a budget, raises as an allocation would."""
+    trackers = list(_active)
+
+    def release() -> None:
+        for t in trackers:
+            t.live -= nbytes
+
+    over = [t for t in trackers if t._grow(nbytes)]
+    if over:
+        release()
+        over[0]._raise()
+    return release
+
+
+@contextmanager
+def unrecorded() -> Iterator[None]:
+    """Ops dispatched inside are not recorded by the entered trackers: for a library call whose
+    outputs are buffers counted by :func:`charge` (or the caller's own, already counted)."""
+    trackers = list(_active)
+    for t in trackers:
+        t._paused += 1
+    try:
+        yield
+    finally:
+        for t in trackers:
+            t._paused -= 1
 
 
 def _resize_seen(storage: torch.UntypedStorage, size: int):
@@ -45,6 +78,7 @@ class MemoryTracker(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> [its bytes]
+        self._paused = 0  # inside :func:`unrecorded`
 
     def __enter__(self) -> MemoryTracker:
         if self in _active:
@@ -110,6 +144,8 @@ class MemoryTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if self._paused:
+            return out
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self._add(t)

@@ -34,6 +34,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tspbench.core import attention
+from tspbench.core.comm import emulating
 from tspbench.core.memory import MemoryTracker
 from tspbench.core.mesh import Axis, build_mesh
 from tspbench.core.optim import AdamW
@@ -64,16 +65,21 @@ class OpCounter(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def fake_rank(spec: RunSpec, rank: int, kernel: str | None = "fused") -> Iterator[tuple[Any, Any]]:
+def fake_rank(
+    spec: RunSpec, rank: int, kernel: str | None = "fused", backend: str | None = None
+) -> Iterator[tuple[Any, Any]]:
     """(mesh, strategy) of ``spec``'s rank ``rank`` on torch's fake process group, built under
-    ``FakeTensorMode`` with the attention ``kernel`` forced (None: the device's own); the group
-    is destroyed on exit, so one process can play every rank in turn."""
+    ``FakeTensorMode`` with the attention ``kernel`` forced (None: the device's own), counting
+    the staging buffers of the process-group ``backend`` (``tspbench.core.comm.STAGED``; None:
+    a CPU run's, gloo, with ``cpu_flash``, else NCCL's: none); the group is destroyed on exit,
+    so one process can play every rank in turn."""
     if dist.is_initialized():
         raise RuntimeError("a fake rank needs a process without a process group")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=spec.layout.world_size)
     try:
         mesh = build_mesh(get_strategy(spec.strategy).mesh_dims(spec.layout))
-        with FakeTensorMode(), attention.forced(kernel):
+        backend = backend or ("gloo" if kernel == "cpu_flash" else "nccl")
+        with FakeTensorMode(), attention.forced(kernel), emulating(backend):
             yield mesh, build_strategy(spec, mesh, torch.device("cpu"))
     finally:
         dist.destroy_process_group()
@@ -96,9 +102,12 @@ def count_rank_ops(spec: RunSpec) -> int:
         return ops.n
 
 
-def estimate_rank(spec: RunSpec, rank: int, kernel: str = "fused") -> dict[str, Any]:
-    """Peak memory (first and steady step), FLOPs and bytes of one rank, on fake tensors."""
-    with fake_rank(spec, rank, kernel) as (mesh, strat):
+def estimate_rank(
+    spec: RunSpec, rank: int, kernel: str = "fused", backend: str | None = None
+) -> dict[str, Any]:
+    """Peak memory (first and steady step), FLOPs and bytes of one rank, on fake tensors
+    (``kernel``, ``backend``: :func:`fake_rank`'s)."""
+    with fake_rank(spec, rank, kernel, backend) as (mesh, strat):
         if spec.decoding:
             return {"rank": rank, **_decode_rank(spec, strat, mesh)}
         tokens, labels = make_batch(spec.cfg, spec.batch * spec.layout.dp, spec.seq_len, 0)
@@ -165,11 +174,15 @@ def _decode_rank(spec: RunSpec, strat, mesh) -> dict[str, Any]:
     }
 
 
-def estimate(spec: RunSpec, ranks: list[int] | None = None, kernel: str = "fused") -> dict:
-    """Estimate every rank of replica 0 (or ``ranks``); the record's measurement part."""
+def estimate(
+    spec: RunSpec, ranks: list[int] | None = None, kernel: str = "fused",
+    backend: str | None = None,
+) -> dict:  # fmt: skip
+    """Estimate every rank of replica 0 (or ``ranks``); the record's measurement part
+    (``kernel``, ``backend``: :func:`fake_rank`'s)."""
     t0 = time.perf_counter()
     ranks = list(range(spec.layout.degree)) if ranks is None else ranks
-    per = [estimate_rank(spec, r, kernel) for r in ranks]
+    per = [estimate_rank(spec, r, kernel, backend) for r in ranks]
     worst = max(per, key=lambda p: p["peak_bytes"])
     out = {
         "estimated_ranks": ranks,
