@@ -33,6 +33,7 @@ def fake_record(cell, launcher: str = "slurm", hardware: dict | None = None) -> 
         "peak_mem_bytes": peak,
         "peak_mem_bytes_per_rank": [peak] * gpus,
         "peak_mem_bytes_first_step": peak,
+        "peak_parts_bytes": parts(peak, D) if not spec.decoding else None,
         "step_time_s": step,
         "step_time_min_s": 0.9 * step,
         "step_time_max_s": 1.2 * step,
@@ -51,6 +52,17 @@ def fake_record(cell, launcher: str = "slurm", hardware: dict | None = None) -> 
         "timestamp_utc": "2026-01-01T00:00:00+00:00",
         **(decode_fields(spec, k) if spec.decoding else {}),
     }
+
+
+def parts(peak: int, D: int) -> dict[str, int]:
+    """A split of ``peak`` by part (measure.PARTS): the model state shrinking with D."""
+    from tspbench.runtime.measure import PARTS
+
+    state = {"weights": 4 * 10**6 // D, "gradients": 2 * 10**6 // D}
+    fixed = {**state, "optimizer state": 8 * 10**6 // D, "inputs": 4096, "collective staging": 1024}
+    out = {p: fixed.get(p, 0) for p in PARTS}
+    out["activations and temporaries"] = peak - sum(out.values())
+    return out
 
 
 def decode_fields(spec, k: float) -> dict:

@@ -93,6 +93,8 @@ def _run_all(tmp_path_factory, model, names=tuple(RUNS)) -> dict[str, dict]:
         p = tspbench(
             "run",
             *BASE,
+            "--warmup",  # the step that splits the peak into its parts
+            "1",
             "--model",
             str(model),
             *args,
@@ -301,6 +303,19 @@ def test_overlap_benchmark_reports_every_part(tmp_path):
     for key in ("step_overlap_s", "step_no_overlap_s", "compute_s", "comm_s"):
         assert rec[key] > 0, key
     assert rec["collectives_per_step"] > 0 and "hidden_fraction" in rec
+
+
+def test_records_split_the_peak_into_its_measured_parts(records):
+    """Issue 36: what was live at the peak, by part, taken at that crest in the warmup step by
+    the tracker that measured the peak: the parts add up to the peak to the byte, for every
+    strategy."""
+    from tspbench.runtime.measure import PARTS
+
+    for name, rec in records.items():
+        parts = rec["peak_parts_bytes"]
+        assert list(parts) == list(PARTS), name
+        assert sum(parts.values()) == rec["peak_mem_bytes"], (name, parts)
+        assert parts["weights"] > 0 and parts["optimizer state"] > 0, (name, parts)
 
 
 def test_records_say_which_attention_kernel_ran(records):

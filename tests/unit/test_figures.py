@@ -418,3 +418,40 @@ def test_a_strategy_looks_the_same_in_every_figure(paper, default_cpu, projected
     assert {k: v for k, v in seen.items() if len(v) > 1} == {}
     styles = [next(iter(v)) for v in seen.values()]
     assert len(set(styles)) == len(styles)
+
+
+def test_the_memory_breakdown_draws_the_measured_parts(default_cpu, tmp_path):
+    """Issue 36: the breakdown was derived (weights and gradients as numel x element size, the
+    rest as "activations + buffers"). Its bars now stack the record's measured split of the
+    peak, part by part, from 0; a record without a split is named, not drawn."""
+    import matplotlib.pyplot as plt
+
+    import tspbench.pipeline.figures as figures
+    from tspbench.runtime.measure import PARTS, part_column
+
+    _, df = default_cpu
+    plot = next(p for p in figures.plots(df) if p.kind == "breakdown")
+    rows = plot.data[plot.data["status"] == "ok"]
+    unsplit = rows["label"].iloc[-1]
+    data = plot.data.copy()
+    data.loc[data["label"] == unsplit, part_column("weights")] = None
+    _, scale = figures.mem_unit(df)
+    fig = figures.breakdown(
+        figures.Plot(**{**plot.__dict__, "data": data}), scale, "", "", figures.palette(df["label"])
+    )
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == list(PARTS)
+    names = [t.get_text() for t in ax.get_xticklabels()]
+    assert figures.display(unsplit) not in names and f"not split: {figures.display(unsplit)}" in (
+        ax.get_title()
+    )
+    assert ax.get_ylim()[0] == 0
+    for part, bars in zip(PARTS, ax.containers, strict=True):
+        for name, bar in zip(names, bars, strict=True):
+            row = rows[rows["label"].map(figures.display) == name].iloc[0]
+            assert bar.get_height() == pytest.approx(row[part_column(part)] / scale), (part, name)
+    tops = {n: sum(b[i].get_height() for b in ax.containers) for i, n in enumerate(names)}
+    for name, top in tops.items():  # the parts add up to the recorded peak
+        row = rows[rows["label"].map(figures.display) == name].iloc[0]
+        assert top == pytest.approx(row["peak_mem_bytes"] / scale)
+    plt.close(fig)

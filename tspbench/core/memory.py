@@ -38,7 +38,10 @@ def charge(nbytes: int) -> Callable[[], None]:
     def release() -> None:
         for t in trackers:
             t.live -= nbytes
+            t.staged -= nbytes
 
+    for t in trackers:
+        t.staged += nbytes
     over = [t for t in trackers if t._grow(nbytes)]
     if over:
         release()
@@ -71,12 +74,19 @@ def _resize_seen(storage: torch.UntypedStorage, size: int):
     return out
 
 
+REST = "activations and temporaries"
+STAGING = "collective staging"
+
+
 class MemoryTracker(TorchDispatchMode):
     def __init__(self, limit: int | None = None) -> None:
         super().__init__()
         self.limit = limit
         self.live = 0
         self.peak = 0
+        self.staged = 0  # of live: buffers counted by :func:`charge`
+        self._crest: int | None = None
+        self._on_crest: Callable[[], None] | None = None
         self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> [its bytes]
         self._paused = 0  # inside :func:`unrecorded`
 
@@ -105,6 +115,13 @@ class MemoryTracker(TorchDispatchMode):
         self.live += n
         if self.live > self.peak:
             self.peak = self.live
+        if self._crest is not None and self.live >= self._crest and self._on_crest:
+            self._crest = None
+            self._paused += 1
+            try:
+                self._on_crest()
+            finally:
+                self._paused -= 1
         return self.limit is not None and self.live > self.limit
 
     def _raise(self) -> None:
@@ -138,6 +155,26 @@ class MemoryTracker(TorchDispatchMode):
         for t in tree_leaves(list(objs)):
             if isinstance(t, torch.Tensor):
                 self._add(t)
+
+    def crest(self, nbytes: int, then: Callable[[], None]) -> None:
+        """Call ``then()`` (once, recording paused) when live bytes first reach ``nbytes``: to
+        see what is live at a known peak (:meth:`live_by`)."""
+        self._crest, self._on_crest = nbytes, then
+
+    def live_by(self, groups: dict[str, object]) -> dict[str, int]:
+        """Live bytes now, by part: each storage in the first of ``groups`` (name: tensors, in
+        any nesting) that holds a tensor on it, else :data:`REST`; :data:`STAGING` for what
+        :func:`charge` counts. The parts add up to ``live``."""
+        owner: dict[int, str] = {}
+        for name, tensors in groups.items():
+            for t in tree_leaves(tensors):
+                if isinstance(t, torch.Tensor):
+                    owner.setdefault(t.untyped_storage()._cdata, name)
+        parts = dict.fromkeys([*groups, STAGING, REST], 0)
+        for st, size in list(self._seen.items()):
+            parts[owner.get(st._cdata, REST)] += size[0]
+        parts[STAGING] = self.staged
+        return parts
 
     def reset_peak(self) -> None:
         self.peak = self.live

@@ -1,7 +1,8 @@
 """All run records of a sweep -> one tidy table, one row per expected cell.
 
 Columns carry the record's key names (``strategy`` ... ``grad_norm``); ``comm_bytes`` becomes
-``comm_bytes_total`` plus one ``comm_bytes_<kind>`` column per collective kind. A cell whose record
+``comm_bytes_total`` plus one ``comm_bytes_<kind>`` column per collective kind, and
+``peak_parts_bytes`` one ``peak_<part>_bytes`` column per part of the peak. A cell whose record
 is missing or unreadable still gets a row, with status ``missing`` or ``corrupt``, so tables and
 figures show it as failed instead of silently leaving it out.
 
@@ -25,6 +26,7 @@ import pandas as pd
 from tspbench.core.comm import KINDS
 from tspbench.core.config import ConfigError
 from tspbench.pipeline.cells import Cell
+from tspbench.runtime.measure import PARTS, part_column
 from tspbench.runtime.record import write_atomic
 from tspbench.runtime.registry import all_options, names, option_schemas
 from tspbench.runtime.spec import DECODE_MODES
@@ -141,6 +143,8 @@ def row(cell: Cell, path: Path) -> dict:
         out["generated_tokens"] = json.dumps(rec["generated_tokens"], separators=(",", ":"))
     for kind in KINDS:
         out[f"comm_bytes_{kind}"] = (rec.get("comm_bytes") or {}).get(kind, 0.0)
+    for part in PARTS:  # what was live at the peak (empty where the record has no split)
+        out[part_column(part)] = (rec.get("peak_parts_bytes") or {}).get(part)
     per_rank = rec.get("param_numel_per_rank") or [None]
     out["param_numel"] = per_rank[0]
     out["optimizer_numel"] = (rec.get("optimizer_numel_per_rank") or [None])[0]

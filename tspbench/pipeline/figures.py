@@ -44,6 +44,7 @@ from tspbench.pipeline.tables import (  # noqa: E402
     label_order,
     mem_unit,
 )
+from tspbench.runtime.measure import PARTS, part_column  # noqa: E402
 
 __all__ = [
     "Plot",
@@ -54,7 +55,6 @@ __all__ = [
     "plots",
     "write_figures",
 ]
-PARTS = ["weights", "grads", "optimizer state", "activations + buffers"]
 SPREAD = "bars: min-max over the timed steps (points set apart)"
 
 
@@ -266,26 +266,33 @@ def comm_figure(p: Plot, colors: dict, marks: dict, note: str, foot: str) -> plt
 
 
 def breakdown(p: Plot, scale: float, note: str, foot: str, colors: dict) -> plt.Figure:
-    """Peak memory split into model state (weights, grads, AdamW state) and the rest."""
-    df = p.data
-    ok = df[df["status"] == "ok"].copy()
-    elt = np.where(ok["dtype"] == "bf16", 2, 4)  # bytes per weight/grad element
-    ok["weights"] = ok["param_numel"] * elt / scale
-    ok["grads"] = ok["param_numel"] * elt / scale
-    ok["optimizer state"] = ok["optimizer_numel"] * 4 / scale
-    model_state = ok["weights"] + ok["grads"] + ok["optimizer state"]
-    ok["activations + buffers"] = (ok["peak_mem_bytes"] / scale - model_state).clip(lower=0)
-    ok = ok.set_index("label").reindex([k for k in colors if k in set(ok["label"])])[PARTS]
+    """What was live at each strategy's peak, by part, as measured: the record's split of the
+    steady-state peak (``peak_parts_bytes``, taken by the tracker at that crest); a strategy
+    without a result, or whose record has no split (a table from before the split, a run
+    without a warmup step), is named in the title."""
+    cols = [part_column(k) for k in PARTS]
+    df = p.data.reindex(columns=[*p.data.columns, *(c for c in cols if c not in p.data)])
+    ok = df[(df["status"] == "ok") & df[cols].notna().all(axis=1)].copy()
+    ok[cols] = ok[cols].astype(float) / scale
+    unsplit = label_order(set(df.loc[df["status"] == "ok", "label"]) - set(ok["label"]))
+    ok = ok.set_index("label").reindex([k for k in colors if k in set(ok["label"])])[cols]
+    ok.columns = list(PARTS)
     ok.index = [display(k) for k in ok.index]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    ok.plot.bar(stacked=True, ax=ax, color=sns.color_palette("muted", len(PARTS)))
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    if ok.empty:
+        ax.text(0.5, 0.5, "no record here has a measured split", ha="center",
+                transform=ax.transAxes)  # fmt: skip
+    else:
+        ok.plot.bar(stacked=True, ax=ax, color=sns.color_palette("muted", len(PARTS)))
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.set_ylabel(p.ylabel)
     ax.set_xlabel("")
+    ax.set_ylim(bottom=0)
     S = int(df["seq_len"].max())
     failed = label_order(df.loc[df["status"] != "ok", "label"])
     extra = f"; no result: {', '.join(map(display, failed))}" if failed else ""
-    ax.set_title(f"Memory breakdown at S = {S} (training{extra}){note}\n{foot}", fontsize=9)
+    extra += f"; not split: {', '.join(map(display, unsplit))}" if unsplit else ""
+    ax.set_title(f"Live at the peak, measured, S = {S} (training{extra}){note}\n{foot}", fontsize=9)
     ax.tick_params(axis="x", rotation=20)
     return fig
 

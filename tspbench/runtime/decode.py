@@ -183,6 +183,7 @@ def summarize_decode(spec: RunSpec, ranks: list[dict[str, Any]], peak_flops: flo
         "peak_mem_bytes_first_step": max(peaks),
         "peak_mem_bytes_first_step_per_rank": peaks,
         "peak_mem_source": "cuda_max_memory_allocated" if "device_peak" in r0 else "tracked",
+        "peak_parts_bytes": None,  # (training and forward steps only)
         "peak_reserved_bytes_per_rank": [r["device_reserved"] for r in ranks]
         if "device_reserved" in r0
         else None,

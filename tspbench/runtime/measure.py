@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from tspbench.core.comm import blocked_in_collective
 from tspbench.core.dtypes import DTYPES
-from tspbench.core.memory import MemoryTracker
+from tspbench.core.memory import REST, STAGING, MemoryTracker
 from tspbench.core.mesh import build_mesh
 from tspbench.core.optim import AdamW
 from tspbench.core.reference import make_batch
@@ -130,7 +130,8 @@ def measure_rank(spec: RunSpec, device: torch.device, beat=lambda: None) -> dict
         beat()
         return loss, gnorm
 
-    found, (loss, gnorm) = probe(step, strat, batch, opt, device, limit=spec.max_memory)
+    tracker = MemoryTracker(limit=spec.max_memory)
+    found, (loss, gnorm) = probe(step, strat, batch, opt, device, tracker=tracker)
     out: dict[str, Any] = {
         **found,
         "loss": float(loss),
@@ -142,8 +143,12 @@ def measure_rank(spec: RunSpec, device: torch.device, beat=lambda: None) -> dict
     if not spec.quiet and rank0:
         print(f"[tspbench] probe steps: loss {out['loss']:.6f}", flush=True)
 
-    for i in range(spec.warmup):
-        step()
+    for i in range(spec.warmup):  # the first: where the steady peak's parts are taken
+        if i == 0:
+            peak = found["tracked_peak"]
+            out["crest_parts"] = crest_parts(step, tracker, strat, batch, opt, peak)
+        else:
+            step()
         if not spec.quiet and rank0:
             print(f"[tspbench] warmup {i + 1}/{spec.warmup}", flush=True)
 
@@ -174,9 +179,46 @@ def at_rest(strat, batch, opt) -> list:
     return [strat.parameters(), opt.masters if opt else [], state, batch.tokens, batch.labels]
 
 
+# the parts of a peak (:func:`crest_parts`), in the order the figures stack them
+PARTS = ("weights", "gradients", "optimizer state", "inputs", STAGING, REST)
+
+
+def part_column(part: str) -> str:
+    """The summary table's column of a part of the peak (``peak_weights_bytes``, ...)."""
+    return f"peak_{part.replace(' ', '_')}_bytes"
+
+
+def crest_parts(
+    step, tracker: MemoryTracker, strat, batch, opt, crest: int
+) -> dict[str, int] | None:  # fmt: skip
+    """What is live at a step's crest, by part: weights, gradients (what ``.grad`` holds then),
+    optimizer state (AdamW's moments, fp32 masters), inputs, collective staging, and the rest:
+    activations and temporaries (a gathered weight, a gradient still in a strategy's buffer).
+    ``step()`` runs under the probe's ``tracker`` (it knows what the earlier steps left alive:
+    a strategy's cached tables), which takes the parts when its live bytes first reach
+    ``crest``, the steady-state probe's peak, which the steps repeat to the byte; None where
+    this step never reaches it. The split of torch's ``MemTracker``, with this suite's tracker,
+    which sees what every strategy's collectives stage."""
+    parts: dict[str, int] = {}
+    params = strat.parameters()
+
+    def take() -> None:
+        parts.update(tracker.live_by({
+            "weights": params,
+            "gradients": [p.grad for p in params if p.grad is not None],
+            "optimizer state": at_rest(strat, batch, opt)[1:3],
+            "inputs": [batch.tokens, batch.labels],
+        }))  # fmt: skip
+
+    tracker.crest(crest, take)
+    with gc_held(), tracker:
+        step()
+    return parts or None
+
+
 def probe(
     step, strat, batch, opt, device: torch.device, limit: int | None = None, also=None,
-    fake: bool = False,
+    fake: bool = False, tracker: MemoryTracker | None = None,
 ) -> tuple[dict, tuple]:  # fmt: skip
     """Peak memory of the first and of a steady-state step, then FLOPs in a step of their own.
 
@@ -193,8 +235,9 @@ def probe(
     peaks, device_peaks, reserved = [], [], []
     first = None
     # one tracker across both steps: whatever the first step leaves alive (AdamW's moments, a
-    # strategy's cached tables) is still counted in the second
-    tracker = MemoryTracker(limit=limit)
+    # strategy's cached tables) is still counted in the second (``tracker``: the caller's, to
+    # follow later steps too)
+    tracker = tracker or MemoryTracker(limit=limit)
     tracker.track(*at_rest(strat, batch, opt))
     flops = counter()
     for i in range(2):
@@ -237,6 +280,7 @@ def summarize(spec: RunSpec, ranks: list[dict[str, Any]], device_peak_flops: flo
     :data:`~tspbench.runtime.record_keys.RUN_SUMMARY`, in its order."""
     r0 = ranks[0]
     peaks = [r.get("device_peak", r["tracked_peak"]) for r in ranks]
+    top = max(range(len(ranks)), key=peaks.__getitem__)
     firsts = [r.get("device_peak_first", r["tracked_peak_first"]) for r in ranks]
     times = r0["step_times"]
     step_time = statistics.median(times)
@@ -251,6 +295,7 @@ def summarize(spec: RunSpec, ranks: list[dict[str, Any]], device_peak_flops: flo
         "peak_mem_bytes_first_step": max(firsts),
         "peak_mem_bytes_first_step_per_rank": firsts,
         "peak_mem_source": "cuda_max_memory_allocated" if "device_peak" in r0 else "tracked",
+        "peak_parts_bytes": ranks[top].get("crest_parts"),
         "peak_reserved_bytes_per_rank": [r["device_reserved"] for r in ranks]
         if "device_reserved" in r0
         else None,

@@ -50,6 +50,7 @@ MEMORY = (  # every ok record's first measurements
     "peak_mem_bytes_first_step",
     "peak_mem_bytes_first_step_per_rank",
     "peak_mem_source",
+    "peak_parts_bytes",
     "peak_reserved_bytes_per_rank",
 )
 DECODE = (  # a decode-mode record's own measurements, between MEMORY and STEP
