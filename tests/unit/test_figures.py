@@ -455,3 +455,87 @@ def test_the_memory_breakdown_draws_the_measured_parts(default_cpu, tmp_path):
         row = rows[rows["label"].map(figures.display) == name].iloc[0]
         assert top == pytest.approx(row["peak_mem_bytes"] / scale)
     plt.close(fig)
+
+
+def _figures(df: pd.DataFrame, tmp_path: Path) -> dict:
+    """Every figure ``write_figures`` draws from ``df``, by name, kept open (nothing written)."""
+    import tspbench.pipeline.decode_figures as decode_figures
+    import tspbench.pipeline.figures as figures
+
+    drawn = {}
+    mp = pytest.MonkeyPatch()
+    for module in (figures, decode_figures):
+        mp.setattr(module, "save", lambda fig, path: drawn.setdefault(path.name, fig) and [])
+    try:
+        figures.write_figures(df, tmp_path)
+    finally:
+        mp.undo()
+    return drawn
+
+
+def test_figures_start_their_axes_at_0_and_draw_bars_at_one_x(default_cpu, paper, tmp_path):
+    """Issue 36: no memory or bytes axis started at 0, and with one x value the error bars'
+    dodge set strategies at places that read as different lengths. Read back: every linear
+    y axis starts at 0 (log axes are the scaling figures'), and a figure of one x value has
+    one bar per strategy with a result, from 0, in the registry's order, its x in the title."""
+    import matplotlib.pyplot as plt
+    from matplotlib.container import BarContainer
+
+    from tspbench.pipeline.figures import display, plots
+
+    ci = yaml.safe_load((ROOT / "workflows/config/ci.yaml").read_text())
+    _, ci_df = summary(ci, tmp_path / "ci", launcher="local", hardware=CPU)  # one length
+    seen_bars = 0
+    for i, (_, df) in enumerate((default_cpu, paper, (None, ci_df))):
+        drawn = _figures(df, tmp_path / str(i))
+        single = {
+            p.name: p for p in plots(df) if p.kind != "breakdown" and p.data[p.x].nunique() == 1
+        }
+        for name, fig in drawn.items():
+            for ax in fig.axes:
+                if ax.get_yscale() == "linear" and ax.has_data():
+                    assert ax.get_ylim()[0] == 0, name
+            if name in single:
+                p, ax = single[name], fig.axes[0]
+                bars = [c for c in ax.containers if isinstance(c, BarContainer)]
+                ok = p.data[p.data["status"] == "ok"]
+                assert len(bars) == 1 and len(bars[0]) == ok["label"].nunique(), name
+                names = [t.get_text() for t in ax.get_xticklabels()]
+                assert names == [display(k) for k in figures_order(ok["label"])], name
+                assert f"= {p.data[p.x].iloc[0]:g}" in ax.get_title(), name
+                seen_bars += 1
+            plt.close(fig)
+    assert seen_bars >= 3  # ci.yaml's forward-only figures: one length
+
+
+def figures_order(labels) -> list[str]:
+    from tspbench.pipeline.tables import label_order
+
+    return label_order(set(labels))
+
+
+def test_the_crossover_is_marked_only_inside_the_swept_lengths(default_cpu, tmp_path):
+    """Issue 36: the analytic crossover sat on the border with no tick, and read as where the
+    measured lines cross. Marked only inside the swept lengths, and named as the layers'
+    alone; outside, the title says where it is."""
+    import matplotlib.pyplot as plt
+
+    import tspbench.pipeline.figures as figures
+
+    _, df = default_cpu
+    plot = next(p for p in figures.plots(df) if p.kind == "comm")
+    lo, hi = plot.data["seq_len"].min(), plot.data["seq_len"].max()
+    colors, marks = figures.palette(df["label"]), figures.styles(df["label"])
+    for hidden in (64, 4096):  # the crossover inside, then far above the swept lengths
+        data = plot.data.assign(hidden=hidden, kv_dim=hidden, ffn=4 * hidden, q_dim=hidden)
+        p = figures.Plot(**{**plot.__dict__, "data": data})
+        s_star = 8 * hidden / int(data["batch"].iloc[0])
+        fig = figures.comm_figure(p, colors, marks, "", "")
+        ax = fig.axes[0]
+        vlines = [ln for ln in ax.get_lines() if list(ln.get_xdata()) == [s_star, s_star]]
+        inside = lo <= s_star <= hi
+        assert len(vlines) == (1 if inside else 0), (hidden, s_star, lo, hi)
+        texts = " ".join(t.get_text() for t in ax.texts) + ax.get_title()
+        assert "layers alone" in texts
+        assert inside or "outside" in ax.get_title()
+        plt.close(fig)

@@ -209,9 +209,12 @@ def plots(df: pd.DataFrame) -> list[Plot]:
 
 
 def line(p: Plot, colors: dict, marks: dict, note: str = "", foot: str = "") -> plt.Figure:
-    """Lines per strategy over a log2 x axis; failed cells as red crosses."""
+    """Lines per strategy over a log2 x axis, the y axis from 0 (or log, ``logy``); failed
+    cells as red crosses. With one x value, a bar per strategy instead (:func:`bars`)."""
     df = p.data
     ok, failed = df[df["status"] == "ok"], df[df["status"] != "ok"]
+    if df[p.x].nunique() == 1:
+        return bars(p, colors, note, foot)
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     if ok.empty:  # nothing succeeded: an empty axis that still carries the failure marks
         ax.set_ylim(0, 1)
@@ -224,6 +227,8 @@ def line(p: Plot, colors: dict, marks: dict, note: str = "", foot: str = "") -> 
     if p.logy and not ok.empty:
         ax.set_yscale("log")
         log_ticks(ax.yaxis, pd.concat([ok[p.y], *(ok[c] for c in p.spread or ())]))
+    else:  # memory, bytes, tokens/s: read as ratios, so from 0
+        ax.set_ylim(bottom=0)
     ax.set_xlabel(p.xlabel)
     ax.set_ylabel(p.ylabel)
     sub = f"{foot}; {SPREAD}" if p.spread else foot
@@ -231,6 +236,36 @@ def line(p: Plot, colors: dict, marks: dict, note: str = "", foot: str = "") -> 
     ax.grid(True, which="major", alpha=0.3)
     failed_markers(ax, failed, p.x)
     legend(ax, drawn, "OOM / failed" if len(failed) else "")
+    return fig
+
+
+def bars(p: Plot, colors: dict, note: str = "", foot: str = "") -> plt.Figure:
+    """One bar per strategy where a figure has a single x value (a line would be one point, and
+    the error bars' dodge would look like several x values), from 0, with the timed steps'
+    spread as error bars; strategies without a result are named in the title."""
+    df = p.data
+    ok = df[df["status"] == "ok"]
+    x = df[p.x].iloc[0]
+    order = [k for k in colors if k in set(ok["label"])]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    rows = [ok[ok["label"] == k].iloc[0] for k in order]
+    heights = [float(r[p.y]) for r in rows]
+    err = None
+    if p.spread and rows:
+        lo, hi = p.spread
+        err = [[h - float(r[lo]) for h, r in zip(heights, rows, strict=True)],
+               [float(r[hi]) - h for h, r in zip(heights, rows, strict=True)]]  # fmt: skip
+    ax.bar([display(k) for k in order], heights, color=[colors[k] for k in order], yerr=err,
+           capsize=3)  # fmt: skip
+    ax.set_ylim(bottom=0)
+    ax.set_ylabel(p.ylabel)
+    failed = label_order(df.loc[df["status"] != "ok", "label"])
+    extra = f"; no result: {', '.join(map(display, failed))}" if failed else ""
+    where = f"{p.xlabel} = {x:g}" if isinstance(x, (int, float, np.number)) else str(x)
+    sub = f"{foot}; bars: min-max over the timed steps" if p.spread else foot
+    ax.set_title(f"{p.title}, {where}{extra}{note}\n{sub}", fontsize=9)
+    ax.tick_params(axis="x", rotation=20)
+    ax.grid(True, axis="y", alpha=0.3)
     return fig
 
 
@@ -243,25 +278,32 @@ def crossover_bs(hidden: int, kv_dim: int, ffn: int, q_dim: int | None = None) -
 
 
 def comm_figure(p: Plot, colors: dict, marks: dict, note: str, foot: str) -> plt.Figure:
-    """Bytes per forward pass with the analytic TSP = TP crossover marked."""
+    """Bytes per forward pass with the analytic TSP = TP crossover of the layers marked where it
+    falls inside the swept lengths (the measured lines add the embedding's and the loss's
+    traffic, so they cross elsewhere: the mark says so), else named in the title."""
     fig = line(p, colors, marks, note, foot)
     ok = p.data[p.data["status"] == "ok"]
-    if len(ok):
+    if len(ok) and p.data[p.x].nunique() > 1:
         r = ok.iloc[0]
         q = int(r["q_dim"]) if "q_dim" in r and pd.notna(r["q_dim"]) else None  # older tables
         bs = crossover_bs(int(r["hidden"]), int(r["kv_dim"]), int(r["ffn"]), q)
         s_star = bs / int(r["batch"])
         ax = fig.axes[0]
-        ax.axvline(s_star, color="gray", linestyle="--", linewidth=1)
-        ax.annotate(
-            f"TSP = TP at BS = {bs:.0f}\n(= 8h for MHA, f = 4h; layers only)",
-            (s_star, ax.get_ylim()[1] * 0.95),
-            fontsize=7,
-            ha="left",
-            va="top",
-            xytext=(4, 0),
-            textcoords="offset points",
-        )
+        lo, hi = p.data[p.x].min(), p.data[p.x].max()
+        what = f"analytic TSP = TP of the layers alone at BS = {bs:.0f}"
+        if lo <= s_star <= hi:
+            ax.axvline(s_star, color="gray", linestyle="--", linewidth=1)
+            ax.annotate(
+                f"{what}\n(= 8h for MHA, f = 4h; the measured lines\nadd embedding and loss)",
+                (s_star, ax.get_ylim()[1] * 0.95),
+                fontsize=7,
+                ha="left",
+                va="top",
+                xytext=(4, 0),
+                textcoords="offset points",
+            )
+        else:
+            ax.set_title(f"{ax.get_title()}; {what}: S = {s_star:g}, outside", fontsize=9)
     return fig
 
 
