@@ -539,3 +539,43 @@ def test_the_crossover_is_marked_only_inside_the_swept_lengths(default_cpu, tmp_
         assert "layers alone" in texts
         assert inside or "outside" in ax.get_title()
         plt.close(fig)
+
+
+def test_projected_throughput_axes_share_one_range_from_0(projected, tmp_path):
+    """Issue 36: the projected throughput panels had different y ranges. Every preset's panel
+    shares one range from 0; the scaling ratio and the micro-batch sweep start at 0 too (the
+    log axes excepted)."""
+    import tspbench.pipeline.projected as projected_module
+    from tspbench.pipeline.projected import load, write_report
+
+    figs = {}
+    cfg = load(str(ROOT / "workflows/config/projected.yaml"))
+    cfg["hardware"] = ["h100", "mi300x"]  # two panels
+    mp = pytest.MonkeyPatch()
+    mp.setattr(projected_module, "save", lambda fig, path: figs.setdefault(Path(path).name, fig))
+
+    def faster_on_h100(spec, preset, ops=None):  # the panels' own ranges would differ 3x
+        out = _fake_project(spec, preset)
+        k = 3.0 if preset["name"] == "h100" else 1.0
+        return {
+            **out,
+            "tokens_per_s": k * out["tokens_per_s"],
+            "step_time_s": out["step_time_s"] / k,
+        }
+
+    mp.setattr(projected_module, "project", faster_on_h100)
+    mp.setattr(projected_module, "project_range", _fake_range)
+    mp.setattr(projected_module, "ratio_ranges", lambda cases, preset: [(1.0, 1.0)] * len(cases))
+    try:
+        write_report(
+            cfg, ROOT / "results/reference/projected-7b/estimates", tmp_path, tmp_path, "t"
+        )
+    finally:
+        mp.undo()
+    panels = figs["throughput_projected"].axes
+    assert len(panels) == 2 and len({ax.get_ylim() for ax in panels}) == 1
+    assert panels[0].get_ylim()[0] == 0
+    for name in ("scaling_projected", "microbatch_projected"):
+        for ax in figs[name].axes:
+            if ax.get_yscale() == "linear":
+                assert ax.get_ylim()[0] == 0, name

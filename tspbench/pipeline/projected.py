@@ -366,7 +366,8 @@ def _plot_throughput(cfg: dict, ts: pd.DataFrame, plots: Path, colors: dict, mar
     """throughput_projected: training tokens/s per GPU by S, one panel per hardware preset."""
     n_hw = len(cfg["hardware"])
     size = (4.2 * n_hw + 1.2, 3.8)
-    with _figure(plots / "throughput_projected", n_hw, figsize=size) as (fig, axes):
+    # one y range for every preset's panel (they compare hardware), from 0
+    with _figure(plots / "throughput_projected", n_hw, figsize=size, sharey=True) as (fig, axes):
         oom = False
         for ax, hw in zip(np.atleast_1d(axes), cfg["hardware"]):
             d = ts[(ts.hardware == hw) & (ts["mode"] == "train")]
@@ -374,6 +375,7 @@ def _plot_throughput(cfg: dict, ts: pd.DataFrame, plots: Path, colors: dict, mar
             _ranges(ax, d, colors)
             chosen = (f"{k} {'/'.join(map(str, d[k].dropna().unique()))}" for k in preset_chosen())
             ax.set(xlabel="sequence length", ylabel="tokens/s per GPU")
+            ax.set_ylim(bottom=0)
             ax.set_title(f"{hw.upper()} (projected; {'; '.join(chosen)})")
             seq_axis(ax, d.seq_len)
         _legend(np.atleast_1d(axes)[-1], ts, oom)
@@ -400,6 +402,7 @@ def _plot_scaling(cfg: dict, sc: pd.DataFrame, plots: Path, colors: dict, marks:
         oom |= _lines(ax2, rel, "gpus", "ratio", colors, marks)
         vs = f"relative to {display(ref)}"
         ax2.set(xlabel="GPUs", ylabel=f"tokens/s {vs}", title=vs)
+        ax2.set_ylim(bottom=0)
         for a in (ax, ax2):
             log_x(a, d.gpus, str)
         _legend(ax2, d, oom)
@@ -418,6 +421,7 @@ def _plot_microbatch(cfg: dict, mb: pd.DataFrame, plots: Path, colors: dict, mar
         ax.set(
             xlabel="micro-batch",
             ylabel="tokens/s (train)",
+            ylim=(0, None),
             title=f"PROJECTED micro-batch sweep, {cfg['throughput']['batch_gpus']} x {hw0.upper()}"
             f"\n{_fits(oom, hw0)} (analytic memory)",
         )
