@@ -535,3 +535,30 @@ def test_published_model_files_plan(capsys, counted, tmp_path):
     rc, out, _ = plan_cli(capsys, "--model", str(models / "llama3.1-8b.json"), "--hardware",
                           "h100", "--seq-len", 32768, "--gpus", 8, "--cache", tmp_path)  # fmt: skip
     assert rc == 0 and "best plan:" in out and "--set rope_scaling=llama3," in out
+
+
+def test_the_margin_map_says_where_one_side_recomputes(tmp_path, monkeypatch):
+    """Issue 36: the MI300X margin map's column of +23% at 256K was unexplained. Drawn from
+    the committed map, those cells say that only the other side recomputes there (FSDP+CP's
+    best plan at 256K recomputes, TSP's does not: docs/planning.md has the memory), and no cell
+    where both sides do the same says anything."""
+    import pandas as pd
+
+    from tests.helpers.runner import ROOT
+    from tspbench.projection.plan import figures
+
+    table = pd.read_csv(ROOT / "results/reference/plan/7b-mi300x/map.csv")
+    cfg = {"seq_lens": sorted(table.seq_len.unique()), "gpus": sorted(table.gpus.unique()),
+           "focus": "tsp"}  # fmt: skip
+    cells = table.drop_duplicates(["seq_len", "gpus"]).set_index(["seq_len", "gpus"])
+    drawn = {}
+    monkeypatch.setattr(figures, "_save", lambda fig, out, name: drawn.setdefault(name, fig))
+    figures._margin_figure(table, cells, cfg, "7b on mi300x", tmp_path)
+    texts = {(round(t.get_position()[0]), round(t.get_position()[1])): t.get_text()
+             for t in drawn["margin"].axes[0].texts}  # fmt: skip
+    col = cfg["seq_lens"].index(262144)
+    marked = {j for (j, _), text in texts.items() if "other rc" in text}
+    assert marked == {col}, texts
+    assert all(texts[(col, i)].startswith("+22.9%") for i in range(len(cfg["gpus"])))
+    note = drawn["margin"].texts[0].get_text()
+    assert "other rc: the best other strategy's best plan recomputes" in note

@@ -166,6 +166,21 @@ def _feasible_panel(ax, rows, S, G, norm):
     return ax.imshow(grid, cmap=cm, norm=norm, origin="lower", aspect="auto")
 
 
+def _recomputes(table, seq_len: int, gpus: int, focus: str) -> str:
+    """A cell's note where one side of the margin recomputes and the other does not: the focus
+    strategy's best against the best other strategy's (both fitting)."""
+    rows = table[(table.seq_len == seq_len) & (table.gpus == gpus) & table.fits.astype(bool)]
+    own = rows[rows.strategy == focus]
+    others = rows[rows.strategy != focus]
+    if own.empty or others.empty:
+        return ""
+    theirs = others.loc[others.tokens_per_s.astype(float).idxmax(), "recompute"]
+    mine = own.recompute.iloc[0]
+    if mine == theirs:
+        return ""
+    return "\nother rc" if theirs == "full" else f"\n{focus} rc"
+
+
 def _margin_figure(table, cells, cfg: dict, what: str, out: Path) -> None:
     """margin: the focus strategy's margin over the best other strategy in every cell."""
     import matplotlib.pyplot as plt
@@ -188,8 +203,9 @@ def _margin_figure(table, cells, cfg: dict, what: str, out: Path) -> None:
                 grid[i, j] = m
                 dark = abs(math.log(m)) > 0.6 * span
                 pct = (m - 1) * 100
-                ax.text(j, i, f"{pct:+.{1 if abs(pct) >= 0.1 else 2}f}%", ha="center",
-                        va="center", fontsize=7,
+                why = _recomputes(table, s, g, focus)
+                ax.text(j, i, f"{pct:+.{1 if abs(pct) >= 0.1 else 2}f}%{why}", ha="center",
+                        va="center", fontsize=7 if not why else 6,
                         color="white" if dark else "black")  # fmt: skip
             elif row["only_focus_fits"]:
                 ax.text(j, i, f"only\n{focus}", ha="center", va="center", fontsize=7,
@@ -209,7 +225,10 @@ def _margin_figure(table, cells, cfg: dict, what: str, out: Path) -> None:
     fig.colorbar(
         im, ax=ax, shrink=0.85, label=f"{focus} tokens/s / best other's (>1: {focus} wins)"
     )
-    fig.text(0.01, -0.02, f"cell: {focus}'s projected tokens/s against the best other strategy's "
+    fig.text(0.01, -0.04, f"cell: {focus}'s projected tokens/s against the best other strategy's "
              f"(+: {focus} faster); only {focus}: no other strategy fits; {focus} OOM: {focus} "
-             "does not fit; grey: no strategy fits.", fontsize=7)  # fmt: skip
+             f"does not fit; grey: no strategy fits.\nother rc: the best other strategy's best "
+             f"plan recomputes activations (a second forward pass) and {focus}'s does not; "
+             f"{focus} rc: the reverse. That pass is then most of the margin.",
+             fontsize=7)  # fmt: skip
     _save(fig, out, "margin")
