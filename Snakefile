@@ -5,6 +5,7 @@
 # Helpers live in the tspbench package; this file only wires them.
 import json
 import os
+import re
 import sys
 
 import yaml
@@ -64,6 +65,7 @@ wildcard_constraints:
 # cheap table work runs where snakemake runs, never as cluster jobs
 localrules:
     all,
+    sweep,
     aggregate,
     tables,
     figures,

@@ -76,6 +76,26 @@ def test_the_gpu_node_config_reserves_what_the_readme_says():
     assert row and hours == pytest.approx(float(row[1]), abs=0.05), hours
 
 
+def test_one_sweep_is_a_named_target(tmp_path):
+    """Issue 36: one sweep of a config ran through `--config 'sweeps=...'`. Now its own target:
+    `results/<name>/sweeps/<sweep>.txt` schedules exactly that sweep's cells (those it shares
+    with other sweeps included) and lists their records; a name the config lacks matches no
+    rule. (The target goes before --configfile, which takes several files.)"""
+    from tspbench.pipeline.cells import sweep_cells
+
+    cfg = ROOT / "workflows/config/paper.yaml"
+    cells, _ = sweep_cells(yaml.safe_load(cfg.read_text()))
+    want = sorted(c.id for c in cells if "degree" in c.sweeps)
+    p = smk("results/paper/sweeps/degree.txt", "-n", "--profile", "workflows/profiles/slurm",
+            "--configfile", str(cfg))  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = p.stdout + p.stderr
+    assert sorted(set(re.findall(r"wildcards: cell=(\S+)", out))) == want and len(want) == 24
+    assert re.search(r"^sweep\s+1$", out, re.M), out[-2000:]
+    p = smk("results/paper/sweeps/nosuch.txt", "-n", "--configfile", str(cfg))
+    assert p.returncode != 0 and "No rule to produce" in p.stdout + p.stderr
+
+
 def test_a_gpu_sweep_with_a_cpu_only_torch_stops_before_any_cell(tmp_path):
     """gpu: true on a torch built without CUDA/ROCm (e.g. the CUDA wheel's CPU twin) would run
     every cell on the CPU with gloo: the pipeline stops first, naming why; a dry run still

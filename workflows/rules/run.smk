@@ -26,3 +26,23 @@ rule run:
         line=run_line,
     shell:
         "{params.line}"
+
+
+# One sweep's cells alone, a named target: `snakemake --profile slurm --configfile
+# workflows/config/paper.yaml results/paper/sweeps/degree.txt` runs the degree sweep's cells
+# (cells several sweeps share run once) and lists their records; the sweep names are the
+# config's, so another name matches no rule.
+rule sweep:
+    input:
+        lambda wc: expand(
+            f"{OUT}/runs/{{cell}}.json",
+            cell=[c.id for c in CELLS_LIST if wc.sweep in c.sweeps],
+        ),
+    output:
+        f"{OUT}/sweeps/{{sweep}}.txt",
+    log:
+        f"logs/{NAME}/sweeps/{{sweep}}.log",
+    wildcard_constraints:
+        sweep="|".join(sorted({re.escape(s["name"]) for s in config["sweeps"]})),
+    shell:
+        "printf '%s\\n' {input:q} > {output:q} 2> {log:q}"
