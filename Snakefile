@@ -49,6 +49,10 @@ PYTHON = "python" if SDM & {"conda", "apptainer"} else sys.executable
 include: "workflows/rules/environments.smk"
 
 
+# the report's landing page: the claims table and the figures
+report: "workflows/report/workflow.rst"
+
+
 # --sdm apptainer: every rule runs in this image (build it: env/tspbench.def)
 container: config.get("container", "tspbench.sif")
 

@@ -165,3 +165,24 @@ def test_report_labels_name_the_hardware_of_the_records(report):
     for e in shown:
         if e["name"] != "failures.html":
             assert e["labels"]["hardware"] == where, e["labels"]
+
+
+def test_the_landing_page_shows_the_claims_table_and_links_every_figure(report):
+    """Issue 36: the report opened on the rule graph alone. Its landing page
+    (workflows/report/workflow.rst) now holds the claims table itself, every row, and a link to
+    every figure of the run."""
+    import html
+
+    import pandas as pd
+
+    work, _ = report
+    page = (work / "report.html").read_text()
+    claims = pd.read_csv(work / "results/rep/claims.csv")
+    assert len(claims)
+    for claim in claims["claim"]:  # (docutils escapes double quotes, not single ones)
+        text = html.escape(claim, quote=False).replace('"', "&quot;")
+        assert f"<td>{text}</td>" in page, claim
+    figures = sorted(p.name for p in (work / "plots/rep/png").glob("*.png"))
+    assert figures
+    for name in figures:
+        assert f"showResultInfo('plots/rep/png/{name}')" in page, name
