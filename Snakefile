@@ -7,6 +7,7 @@ import json
 import os
 import re
 import sys
+from pathlib import Path
 
 import yaml
 from snakemake.utils import min_version, validate

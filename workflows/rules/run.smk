@@ -44,5 +44,6 @@ rule sweep:
         f"logs/{NAME}/sweeps/{{sweep}}.log",
     wildcard_constraints:
         sweep="|".join(sorted({re.escape(s["name"]) for s in config["sweeps"]})),
-    shell:
-        "printf '%s\\n' {input:q} > {output:q} 2> {log:q}"
+    run:
+        # (no shell line: nothing of a path reaches a shell)
+        Path(output[0]).write_text("".join(f"{path}\n" for path in input))
