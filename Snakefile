@@ -23,10 +23,18 @@ from tspbench.pipeline.cells import (
 
 min_version("9.0")
 
-if (
-    "sweeps" not in config
-):  # no --configfile: the embedded default, --config keys on top
-    with open(workflow.source_path("workflows/config/default.yaml")) as f:
+# No --configfile: the working directory's config/config.yaml where there is one (the workflow
+# catalog's convention: `snakemake --directory .test` runs .test/config/config.yaml), else the
+# embedded default; --config keys on top. By hand, not `configfile:`, which merges dictionaries:
+# the default's keys (model_overrides, note, launcher) would leak into every other config.
+if "sweeps" not in config:
+    _own = Path("config/config.yaml")
+    _cfg = (
+        _own
+        if _own.is_file()
+        else workflow.source_path("workflows/config/default.yaml")
+    )
+    with open(_cfg) as f:
         config = {**yaml.safe_load(f), **config}
 try:  # tspbench's checks first: strict integers, finite numbers, no aliases, runnable cells
     CELLS_LIST, FILTERED = sweep_cells(config)

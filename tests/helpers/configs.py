@@ -1,26 +1,12 @@
 """Small sweep configs the pipeline tests share."""
 
+import yaml
+
+from tests.helpers.runner import ROOT
+
 # two strategies x two lengths on 2 local ranks: the smallest sweep that exercises every rule
-MINI = {
-    "name": "mini",
-    "model": "tiny",
-    "dtype": "fp32",
-    "warmup": 0,
-    "steps": 1,
-    "gpus_per_node": 2,
-    "launcher": "local",
-    "sweeps": [
-        {
-            "name": "seq",
-            "strategies": ["tsp", "tp"],
-            "degrees": [2],
-            "gpus": [2],
-            "seq_lens": [32, 64],
-            "batches": [1],
-            "modes": ["train"],
-        }
-    ],
-}
+# (the workflow catalog's test config, which `snakemake --directory .test` runs)
+MINI = yaml.safe_load((ROOT / ".test/config/config.yaml").read_text())
 
 # Llama 3.1's RoPE scaling with an original context short enough that it changes the tiny
 # model's rotations at the test lengths (head dim 8: three of its four frequencies)

@@ -59,7 +59,8 @@ def copy_workflow(dst: Path) -> Path:
     writes its results there and not into the repository."""
     import shutil
 
-    for item in ("Snakefile", "workflows", "env", "profiles", "results/reference"):
+    for item in ("Snakefile", "workflows", "env", "profiles", "results/reference", ".test/config"):
         src = ROOT / item
+        (dst / item).parent.mkdir(parents=True, exist_ok=True)
         (shutil.copytree if src.is_dir() else shutil.copy)(src, dst / item)
     return dst

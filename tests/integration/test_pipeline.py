@@ -151,15 +151,20 @@ def test_bad_config_stops_the_dry_run_naming_the_field(tmp_path, change, needle)
     assert needle in p.stdout + p.stderr, (p.stdout + p.stderr)[-2000:]
 
 
+def _in_test_dir(mini: Path, *args: str):
+    """snakemake as the workflow catalog's CI runs it: from the root, in .test/ (``mini``)."""
+    return smk(*args, "--directory", ".test", cwd=mini.parent, timeout=900)
+
+
 @pytest.fixture(scope="module")
 def mini(tmp_path_factory) -> Path:
-    """A mini sweep (4 cells) run for real in a scratch copy of the workflow."""
+    """The catalog's test config (.test/config/config.yaml, a mini sweep of 4 cells) run for
+    real in a scratch copy of the workflow by the catalog's command; its folder, .test/."""
     work = tmp_path_factory.mktemp("wf")
     copy_workflow(work)
-    cfg = _write(work, MINI)
-    p = smk("--cores", "2", "--configfile", str(cfg), cwd=work, timeout=900)
+    p = _in_test_dir(work / ".test", "--cores", "2")
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
-    return work
+    return work / ".test"
 
 
 def test_mini_sweep_produces_table_tables_and_figures(mini):
@@ -195,12 +200,30 @@ def test_mini_sweep_produces_table_tables_and_figures(mini):
     assert (mini / "plots/mini/pdf/memory_vs_seq.pdf").exists()
 
 
+def test_every_file_the_sweep_writes_is_a_declared_output(mini):
+    """Issue 36: the tables' LaTeX and the figures' PDF are outputs too (snakemake deletes and
+    remakes only what it knows of): every file under the sweep's results and plots is a declared
+    output or lies in a declared output folder (``--summary`` lists them)."""
+    p = _in_test_dir(mini, "--summary")
+    assert p.returncode == 0, (p.stdout + p.stderr)[-2000:]
+    declared = {line.split("\t")[0] for line in p.stdout.splitlines()[1:] if "\t" in line}
+    assert {"results/mini/tables/tex", "plots/mini/pdf"} <= declared
+    written = [
+        f.relative_to(mini).as_posix()
+        for top in ("results/mini", "plots/mini")
+        for f in (mini / top).rglob("*")
+        if f.is_file()
+    ]
+    undeclared = [f for f in written if not any(f == d or f.startswith(d + "/") for d in declared)]
+    assert written and undeclared == [], undeclared
+
+
 def test_rerun_redoes_only_missing_cells(mini):
     """The state an interruption leaves: some records written, the rest and the aggregate not."""
     (mini / "results/mini/runs/tp.D2.g2.S64.B1.train.json").unlink()
     for p in ("results/mini/summary.csv", "results/mini/summary.parquet"):
         (mini / p).unlink()
-    p = smk("-n", "--cores", "2", "--configfile", str(mini / "cfg.yaml"), cwd=mini)
+    p = _in_test_dir(mini, "-n", "--cores", "2")
     assert p.returncode == 0
     jobs = re.findall(r"rule run:\n.*?wildcards: cell=(\S+)", p.stdout + p.stderr, re.S)
     assert jobs == ["tp.D2.g2.S64.B1.train"]

@@ -369,6 +369,17 @@ def test_projected_figures_keep_every_strategy_visible(projected):
     assert _red_crosses(figures["throughput_projected"].axes) == (~train["fits"]).sum() > 0
 
 
+def test_the_workflow_declares_every_projected_table(projected):
+    """Issue 36: the projected_report rule declares each table it writes (report_files) and the
+    figures' folder; nothing else is written beside them."""
+    from tspbench.pipeline.projected import report_files
+
+    cfg, tmp, _ = projected
+    written = {p.name for p in tmp.iterdir() if p.is_file()}
+    assert written == set(report_files(cfg))
+    assert {p.name for p in tmp.iterdir() if p.is_dir()} == {"png", "pdf"}
+
+
 def test_projected_tables_follow_the_strategy_order(projected):
     _, out, _ = projected
     text = (out / "memory.md").read_text()

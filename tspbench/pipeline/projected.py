@@ -279,6 +279,19 @@ def _ordered(df: pd.DataFrame, hardware: list[str]) -> pd.DataFrame:
     return df.sort_values(["hardware", "strategy"], key=lambda c: c.map(rank), kind="stable")
 
 
+THROUGHPUT_TABLES = ("throughput_vs_seq", "scaling", "microbatch")  # throughput_tables' keys
+
+
+def report_files(cfg: dict) -> list[str]:
+    """The tables ``write_report`` writes under ``out``, by name: the workflow declares each as
+    an output (its figures are the ``plots`` folder)."""
+    names = ["memory.md", "memory.csv"]
+    names += [f"{t}.{ext}" for t in THROUGHPUT_TABLES for ext in ("csv", "md")]
+    if "decode" in cfg:
+        names += ["decode_context.md", "decode_kv_cache.csv", "decode_context.csv"]
+    return names
+
+
 def write_report(cfg: dict, estimates: Path, out: Path, plots: Path, command: str) -> None:
     """Tables (Markdown, CSV) under ``out`` and figures under ``plots``, all marked projected."""
     import seaborn as sns

@@ -1,6 +1,8 @@
 # Helpers for the rules (functions only; the logic lives in tspbench.pipeline).
 import shlex
 
+from tspbench.pipeline.claim_checks import Sources
+
 
 def cell_of(wildcards):
     return CELLS[wildcards.cell]
@@ -33,3 +35,12 @@ def run_line(wildcards, output, resources):
     if config["launcher"] == "local":
         return f"exec {line}"
     return f"{line} || true; test -s {out}"
+
+
+def claims_projected() -> str:
+    """Fresh projected tables under the workdir, else the committed references beside the
+    Snakefile (a workdir of its own, such as .test/, has none)."""
+    here = Sources.find().projected
+    if here.exists():
+        return str(here)
+    return str(Sources.find(Path(workflow.basedir)).projected)

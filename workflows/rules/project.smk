@@ -2,7 +2,11 @@
 # One fake-tensor estimate per memory cell, then projected tables and figures.
 import shlex
 
-from tspbench.pipeline.projected import load as load_projected, memory_cells
+from tspbench.pipeline.projected import (
+    load as load_projected,
+    memory_cells,
+    report_files,
+)
 
 PROJ_CONFIG = os.path.join(workflow.basedir, "workflows/config/projected.yaml")
 try:  # checked against tspbench/schemas/projected.schema.yaml before any shell line
@@ -39,7 +43,9 @@ rule projected_report:
     input:
         expand(f"{PROJ_OUT}/estimates/{{pcell}}.json", pcell=PROJ_CELLS),
     output:
-        f"{PROJ_OUT}/memory.md",
+        f"{PROJ_OUT}/memory.md",  # first: the directory the tables go to
+        [f"{PROJ_OUT}/{name}" for name in report_files(PROJ) if name != "memory.md"],
+        plots=directory(PROJ_PLOTS),
     log:
         "logs/projected/report.log",
     conda:
@@ -49,7 +55,7 @@ rule projected_report:
         config=PROJ_CONFIG,
         estimates=lambda wc, input: os.path.dirname(input[0]),
         out=lambda wc, output: os.path.dirname(output[0]),
-        plots=PROJ_PLOTS,
+        plots=lambda wc, output: output.plots,
     shell:
         "{params.python:q} -m tspbench projected-report --config {params.config:q}"
         " --estimates {params.estimates:q} --out {params.out:q} --plots {params.plots:q}"

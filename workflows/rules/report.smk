@@ -39,6 +39,7 @@ rule tables:
             labels={"table": "failures"},
         ),
         tables=directory(f"{OUT}/tables/md"),
+        tex=directory(f"{OUT}/tables/tex"),
         html=report(
             directory(f"{OUT}/tables/html"),
             patterns=["{name}.html"],
@@ -70,6 +71,7 @@ rule figures:
             category="Figures",
             labels=lambda wc, input: report_labels(input[0], "figure", wc.name),
         ),
+        pdf=directory(f"{PLOTS}/pdf"),
     log:
         f"logs/{NAME}/figures.log",
     conda:
