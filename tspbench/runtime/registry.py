@@ -27,6 +27,7 @@ STRATEGIES = (
     "baselines.dp:DP",
     "baselines.dp:Single",
     "baselines.fsdp2_cp:FSDP2CP",
+    "baselines.tp_torch:TPTorch",
 )
 PLUGINS = "TSPBENCH_STRATEGIES"  # environment: more "module:Class" entries, comma-separated
 
