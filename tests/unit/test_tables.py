@@ -150,3 +150,26 @@ def test_an_implementation_is_tabled_beside_the_layout_it_implements():
     assert list(table.index) == [*cells, cells[0].replace("gpus=4", "gpus=8")]
     ratios = table.loc[table.index[0], [c for c in table.columns if c.endswith("ratio")]]
     assert list(ratios) == ["1.500", "1.500", "0.500"]  # peak, bytes, tokens/s
+
+
+def test_an_implementation_with_options_of_its_own_has_a_row_per_setting():
+    """tp_torch's sequence parallelism (an option TP lacks): each of its settings is a row of
+    its own beside the same TP cell, named by the setting."""
+    from tspbench.pipeline.tables import specs
+
+    rows = [
+        {"cell": f"{s}.{sp}", "sweep": "seq", "label": s, "strategy": s, "seq_len": 512,
+         "gpus": 4, "degree": 4, "batch": 1, "mode": "train", "dtype": "fp32",
+         "recompute": "none", "sequence_parallel": sp, "status": "ok",
+         "peak_mem_bytes": peak, "comm_bytes_total": 1e6, "tokens_per_s": 100.0}
+        for s, sp, peak in (("tp", False, 2e6), ("tp_torch", False, 3e6), ("tp_torch", True, 1e6))
+    ]  # fmt: skip
+    table = {name: t for name, _, t in specs(pd.DataFrame(rows))}["implementations_tp_torch"]
+    cell = "seq_len=512 degree=4 gpus=4 batch=1 dtype=fp32 recompute=none"
+    assert list(table.index) == [
+        f"{cell} sequence_parallel=False",
+        f"{cell} sequence_parallel=True",
+    ]
+    assert list(
+        table[[c for c in table.columns if c.startswith("peak") and "ratio" in c]].iloc[:, 0]
+    ) == ["1.500", "0.500"]

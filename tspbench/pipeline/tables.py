@@ -244,23 +244,27 @@ def implementation_specs(df: pd.DataFrame, unit: str) -> list[tuple[str, str, pd
         for o in base.options:  # the suite's options the other implementation does not have
             if o.name not in shared and o.name in ours:
                 ours = ours[ours[o.name].isna() | (ours[o.name] == o.default)]
-        theirs = ok[ok["strategy"] == name].drop_duplicates(cols).set_index(cols)
-        ours = ours.drop_duplicates(cols).set_index(cols)
-        both = theirs.index.intersection(ours.index)
+        own = [o.name for o in impl.options if o.name not in shared and o.name in ok]
+        theirs = ok[ok["strategy"] == name].drop_duplicates(cols + own)  # each of its settings
+        both = theirs.merge(ours.drop_duplicates(cols), on=cols, suffixes=(" t", " o"))
         if both.empty:
             continue
-        t, o = theirs.loc[both], ours.loc[both]
         us, them = base.display, impl.display
-        table = pd.DataFrame(index=both)
+        table = pd.DataFrame(index=both.index)
         for what, col, fmt in (
             (f"peak ({unit})", "peak", "{:.2f}"),
             ("kB sent", "kbytes", "{:.0f}"),
             ("tokens/s", "tokens_per_s", "{:.0f}"),
         ):
-            table[f"{what} {us}"] = o[col].map(fmt.format)
-            table[f"{what} {them}"] = t[col].map(fmt.format)
-            table[f"{what} ratio"] = (t[col] / o[col]).map("{:.3f}".format)
-        table.index = [" ".join(f"{k}={v}" for k, v in zip(cols, i)) for i in both]
+            t, o = both[f"{col} t"], both[f"{col} o"]
+            table[f"{what} {us}"] = o.map(fmt.format)
+            table[f"{what} {them}"] = t.map(fmt.format)
+            table[f"{what} ratio"] = (t / o).map("{:.3f}".format)
+        keys = [*cols, *(f"{k} t" if k in ours else k for k in own)]
+        table.index = [
+            " ".join(f"{k.removesuffix(' t')}={v}" for k, v in zip(keys, row))
+            for row in both[keys].itertuples(index=False)
+        ]
         table.index.name = "cell"
         out.append(
             (
