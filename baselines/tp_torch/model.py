@@ -38,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from baselines.tp_torch.costs import TPTorchCosts
 from tspbench.core.attention import attention
 from tspbench.core.comm import Comm
-from tspbench.core.config import ConfigError, ModelConfig
+from tspbench.core.config import ModelConfig
 from tspbench.core.init import chunk_slice
 from tspbench.core.layers import cached, rms_norm, rope_on, rotate_qk
 from tspbench.core.mesh import Axis, Mesh
@@ -79,21 +79,11 @@ def module_path(name: str) -> str:
 
 
 def _tp_api():
-    """torch's tensor-parallel styles and ``loss_parallel``, or a one-line ConfigError."""
-    try:
-        from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor.parallel import (
-            ColwiseParallel,
-            PrepareModuleInput,
-            RowwiseParallel,
-            SequenceParallel,
-            loss_parallel,
-            parallelize_module,
-        )
-    except ImportError as e:  # pragma: no cover - every supported torch has them
-        raise ConfigError(f"strategy=tp_torch: this torch lacks DTensor's TP API ({e})") from e
-    return (Replicate, Shard, ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-            SequenceParallel, loss_parallel, parallelize_module)  # fmt: skip
+    """torch's tensor-parallel package (``parallelize_module``, the styles, ``loss_parallel``):
+    imported when a tp_torch model is built or checked, not when the registry loads."""
+    import torch.distributed.tensor.parallel as tp
+
+    return tp
 
 
 # the functional collectives :class:`Counted` does not run (DTensor's TP plan issues none)
@@ -225,7 +215,15 @@ class Model(nn.Module):
 
 def _plan(cfg: ModelConfig, seq_par: bool) -> dict[str, object]:
     """torchtitan's Llama TP plan (``apply_tp``), with or without its sequence parallelism."""
-    (Replicate, Shard, Colwise, PrepareInput, Rowwise, SeqPar, _, _) = _tp_api()
+    from torch.distributed.tensor import Replicate, Shard
+
+    tp = _tp_api()
+    Colwise, Rowwise, PrepareInput, SeqPar = (
+        tp.ColwiseParallel,
+        tp.RowwiseParallel,
+        tp.PrepareModuleInput,
+        tp.SequenceParallel,
+    )
     between = Shard(1) if seq_par else Replicate()  # the activations between the projections
     plan: dict[str, object] = {
         "embed": Rowwise(input_layouts=Replicate(), output_layouts=between),
@@ -297,7 +295,6 @@ class TPTorch(Strategy):
         cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, **options: Value
     ) -> None:
         super().validate(cfg, layout, seq_len, batch)
-        _tp_api()
         for field in ("heads", "kv_heads", "ffn", "vocab"):
             cls.require_divisible(f"model.{field}", getattr(cfg, field), layout.degree, "T")
         if options.get("sequence_parallel"):
@@ -320,6 +317,7 @@ class TPTorch(Strategy):
         self.names = list(shapes)
         # (the module's parameter, the optimizer's alias of this rank's shard of it)
         self._shards: list[tuple[nn.Parameter, nn.Parameter]] = []
+        self._dims: list[int | None] = []  # each one's split dim over the group (None: whole)
         with torch.no_grad():
             for name in self.names:
                 p = modules[module_path(name)]
@@ -330,16 +328,18 @@ class TPTorch(Strategy):
                 local = p.to_local() if _is_dtensor(p) else p
                 local.copy_(self.init_block(name, *blocks))
                 self._shards.append((p, nn.Parameter(local) if _is_dtensor(p) else p))
+                self._dims.append(dim)
 
     def _parallelize(self) -> None:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
         from torch.distributed.device_mesh import DeviceMesh
 
-        parallelize_module = _tp_api()[-1]
         assert self.comm.group is not None  # D > 1: the model group has a process group
         with unset_fake_temporarily():  # the mesh's rank table is real even on fake tensors
             device_mesh = DeviceMesh.from_group(self.comm.group, self.device.type)
-        parallelize_module(self.model, device_mesh, _plan(self.cfg, self.sequence_parallel))
+        _tp_api().parallelize_module(
+            self.model, device_mesh, _plan(self.cfg, self.sequence_parallel)
+        )
 
     @contextlib.contextmanager
     def _torch_tp(self) -> Iterator[None]:
@@ -347,7 +347,7 @@ class TPTorch(Strategy):
         if not self.parallel:
             yield
             return
-        with Counted(self.comm), _tp_api()[6]():
+        with Counted(self.comm), _tp_api().loss_parallel():
             yield
 
     # -- the model ------------------------------------------------------------------------------
@@ -408,8 +408,8 @@ class TPTorch(Strategy):
 
     def grad_sq_norm(self) -> torch.Tensor:
         shards = self.parameters()
-        sharded = [s for s, (p, _) in zip(shards, self._shards) if _shard_dim(p) is not None]
-        whole = [s for s, (p, _) in zip(shards, self._shards) if _shard_dim(p) is None]
+        sharded = [s for s, dim in zip(shards, self._dims) if dim is not None]
+        whole = [s for s, dim in zip(shards, self._dims) if dim is None]
         return self.comm.all_reduce_metric(grad_sq_sum(sharded)) + grad_sq_sum(whole)
 
     def hidden(self, batch: Batch) -> torch.Tensor:
@@ -419,9 +419,8 @@ class TPTorch(Strategy):
 
     def full_params(self, grads: bool = False) -> dict[str, torch.Tensor]:
         out = {}
-        for name, (p, shard) in zip(self.names, self._shards):
+        for name, (_, shard), dim in zip(self.names, self._shards, self._dims):
             t = shard.grad if grads else shard
             assert t is not None, f"{name}: no gradient (gather grads after the backward)"
-            dim = _shard_dim(p)
             out[name] = t.detach() if dim is None else self.comm.all_gather(t.detach(), dim=dim)
         return out
