@@ -66,6 +66,22 @@ class TPTorchCosts(costs.Costs):
     def metric_reductions(self, layout: Layout, train: bool) -> tuple[int, int]:
         return 1, layout.degree if train else 1  # every rank holds the whole loss
 
+    def inference_working_set(self, spec: costs.Spec) -> tuple[int, int]:
+        """A forward-only step in ``nn.Module``s: the attention's locals (Q, K/V, its output) die
+        when the module returns, before the MLP runs (TP's one function keeps them). A layer
+        then crests at the larger of the attention's (the block's input and normed input, Q,
+        K/V, the output, Wo's output and its all-reduced copy), the MLP's gate (input, its sum
+        with the attention's output and normed, three [t, f/T] buffers) and W2's (the three,
+        the gate's product, W2's output and its all-reduced copy); the loss as TP's."""
+        if spec.options.get("sequence_parallel"):
+            return super().inference_working_set(spec)
+        cfg, e, t = spec.cfg, spec.e, spec.tokens
+        nh, kvl, fl, _ = costs.local_dims(cfg, spec.degree)
+        act, o, kvu = t * cfg.hidden * e, t * nh * cfg.d_head * e, costs.kv_unit(spec, kvl)
+        attention = 4 * act + 2 * o + kvu
+        layer = max(attention, 3 * act + 3 * t * fl * e, 5 * act + t * fl * e)
+        return layer, super().inference_working_set(spec)[1]
+
     def saved_per_layer(self, spec: costs.Spec) -> int:
         """TP's layer; under sequence parallelism the two norms keep this rank's tokens only
         (the projections keep the gathered normed inputs, as TP's do)."""

@@ -213,9 +213,12 @@ def allocator_peak(prof) -> int:
 def allocator_case(case: dict) -> dict:
     """A steady-state training step (AdamW's state made by a first) seen twice at once: by the
     memory tracker (what the step adds to what is at rest, as the record's peak counts it) and
-    by the profiler's allocator events (the allocator's own high-water mark over the step)."""
+    by the profiler's allocator events (the allocator's own high-water mark over the step), and
+    the largest backend staging buffer the step counted (``staged``: the one that can outlive
+    its wait in the allocator's events)."""
     from torch.profiler import ProfilerActivity, profile
 
+    from tspbench.core import memory
     from tspbench.runtime.measure import at_rest, gc_held, one_step
 
     strat, cfg = make_strategy(case)
@@ -226,7 +229,22 @@ def allocator_case(case: dict) -> dict:
     tracker = MemoryTracker()
     tracker.track(*at_rest(strat, batch, opt))
     rest = tracker.live
-    with gc_held(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        with tracker:
-            one_step(strat, batch, opt)
-    return {"tracked": tracker.peak - rest, "allocator": allocator_peak(prof), "at_rest": rest}
+    staged, charge = [0], memory.charge
+
+    def charge_seen(nbytes: int):
+        staged[0] = max(staged[0], nbytes)
+        return charge(nbytes)
+
+    memory.charge = charge_seen  # (tspbench.core.comm charges through the module)
+    try:
+        with gc_held(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            with tracker:
+                one_step(strat, batch, opt)
+    finally:
+        memory.charge = charge
+    return {
+        "tracked": tracker.peak - rest,
+        "allocator": allocator_peak(prof),
+        "at_rest": rest,
+        "staged": staged[0],
+    }

@@ -7,7 +7,8 @@ The tracker sees what is dispatched. Gloo also holds staging buffers no dispatch
 input), which :mod:`tspbench.core.comm` counts from the issue to the wait, the same for every
 strategy. The allocator frees an all-gather's when the work completes (an FSDP prefetch can
 complete long before its wait: the tracked peak is then above the allocator's), and a staging
-buffer can outlive the wait by a scheduler tick (the allocator's then above, at random).
+buffer can outlive the wait by a scheduler tick (the allocator's then above, at random, by at
+most that buffer).
 
 The model has few tokens and wide units (small, S = 512) so that gathered weights weigh: without
 the staging counted, FSDP+CP's allocator peak was 17-24% above its tracked peak here.
@@ -47,8 +48,13 @@ def test_tracked_peak_is_the_allocators_for_every_strategy():
             got = res[c["id"]]
             ratio = got["allocator"] / got["tracked"]
             # measured here over 4 runs: 0.93-1.034 (the races above); 1.17-1.24 for FSDP+CP
-            # before its staging was counted
-            assert 0.9 <= ratio <= 1.05, (c["id"], r, got)
+            # before its staging was counted. One staging buffer outliving its wait puts the
+            # allocator above by that buffer: FSDP2+CP at 1.12 (4 MiB, a unit's reduce-scatter
+            # input) in 4 of 5 runs on 2026-12-06, on ranks 1-3 at random, 3 of 14 later
+            over = got["allocator"] - got["tracked"]
+            assert ratio >= 0.9 and over <= max(0.05 * got["tracked"], got["staged"]), (
+                c["id"], r, got,
+            )  # fmt: skip
             ratios[(c["id"], r)] = ratio
     # most ranks of most strategies have no staging buffer at their crest: the very bytes
     assert statistics.median(ratios.values()) == 1.0, ratios

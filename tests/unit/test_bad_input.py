@@ -203,8 +203,6 @@ BAD = [
     ("estimate", ["--device-memory", "nan"], {}, "'nan': must be above 0 and at most 65536 GiB"),
     ("estimate", ["--device-memory", "-5"], {}, "'-5': must be above 0 and at most 65536 GiB"),
     ("estimate", ["--hardware", "a100"], {}, "--hardware='a100': must be one of h100, h200"),
-    # a strategy whose fake-tensor peak is not its measured one (Strategy.fake_peak_gap)
-    ("estimate", ["--strategy", "tp_torch"], {}, "--strategy=tp_torch: no fake-tensor estimate"),
 ]
 
 

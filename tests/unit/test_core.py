@@ -156,6 +156,24 @@ def test_memory_tracker_follows_storage_resizes():
     assert torch.UntypedStorage.resize_ is memory._resize
 
 
+def test_memory_tracker_counts_a_wrapper_subclass_by_its_inner_tensors():
+    """A wrapper subclass (the AsyncCollectiveTensor a functional collective returns, a DTensor)
+    has a storage of its own size that holds no data: counted, it doubled what TP (torch) held
+    after each of its all-reduces. The tracker counts the tensors it wraps, once."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    m = MemoryTracker()
+    with m:
+        a = torch.zeros(1000)
+        wrapped = torch.ops._c10d_functional._wrap_tensor_autograd(a)
+        assert isinstance(wrapped, AsyncCollectiveTensor) and m.live == 4000
+        del a
+    m.track(wrapped)
+    assert m.live == 4000 and m.peak == 4000
+    del wrapped
+    assert m.live == 0
+
+
 BAD = [
     ("fsdp2_cp", {}, Layout(degree=2), 30, "seq_len=30: must be divisible by 2*D=4"),
     ("tp", {"kv_heads": 2}, Layout(degree=4), 32, "model.kv_heads=2: must be divisible by T=4"),

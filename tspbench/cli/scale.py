@@ -12,7 +12,6 @@ from typing import Any
 from tspbench.cli.args import add_run_args, gib, out_dir, out_file, progress
 from tspbench.core.config import ConfigError
 from tspbench.core.dtypes import DTYPES
-from tspbench.runtime.registry import get_strategy
 from tspbench.runtime.spec import RunSpec
 
 
@@ -52,9 +51,6 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from tspbench.projection.report import estimate_report
 
     spec = _spec(args)
-    gap = get_strategy(spec.strategy).fake_peak_gap
-    if gap:
-        raise ConfigError(f"--strategy={spec.strategy}: no fake-tensor estimate: {gap}")
     ranks = _ranks(args.ranks, spec.layout.degree)
     preset = load_preset(args.hardware)  # before the estimate: a bad name costs nothing
     if args.device_memory is not None:

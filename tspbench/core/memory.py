@@ -1,6 +1,7 @@
 """Peak live tensor bytes on any device, including fake tensors: a TorchDispatchMode tracker.
 
-Every tensor an op returns is recorded by its storage (views share one), and forgotten when that
+Every tensor an op returns is recorded by its storage (views share one; a wrapper subclass, such
+as a DTensor, by its inner tensors: its own storage holds no data), and forgotten when that
 storage is freed, so ``peak`` is the high-water mark of live storage bytes created under the
 mode plus what was registered with :meth:`track` or :func:`charge`. A recorded storage that is
 resized in place (``UntypedStorage.resize_``, which no dispatch mode sees: FSDP2 frees a gathered
@@ -16,7 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -128,6 +129,10 @@ class MemoryTracker(TorchDispatchMode):
         raise TrackedOOM(f"tracked live tensor bytes {self.live} exceed the budget {self.limit}")
 
     def _add(self, t: torch.Tensor) -> None:
+        if is_traceable_wrapper_subclass(t):  # (a DTensor, an AsyncCollectiveTensor) holds no
+            for name in t.__tensor_flatten__()[0]:  # memory of its own: its inner tensors do
+                self._add(getattr(t, name))
+            return
         st = t.untyped_storage()
         if st in self._seen:
             return

@@ -68,9 +68,6 @@ class Strategy(ABC):
     # another strategy's layout in another library's code (PyTorch's FSDP2 for FSDP+CP): measured
     # beside it, never planned or projected apart from it (the planner chooses layouts)
     implements: ClassVar[str | None] = None
-    # why the fake-tensor estimator's peak is not this strategy's measured one ("": it is, to the
-    # byte, as the scale tests check); where not, `estimate` and the rank probe refuse it
-    fake_peak_gap: ClassVar[str] = ""
 
     def __init_subclass__(cls, **kw: Any) -> None:
         """Refuse a concrete strategy that lacks a part, at its definition (import) time: a

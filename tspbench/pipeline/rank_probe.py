@@ -171,9 +171,6 @@ def probe_specs(
         if names is not None and name not in names:
             continue
         lays = layouts(impl, degree)
-        if impl.fake_peak_gap:  # nothing to compare the measured peak with
-            out.append((f"rank probe {name} D={degree}", None, impl.fake_peak_gap))
-            continue
         if not lays:
             why = "the single-device reference" if impl.reference else "takes no model group"
             out.append(
