@@ -67,12 +67,12 @@ def test_the_gpu_node_config_reserves_what_the_readme_says():
     assert p.returncode == 0, p.stderr[-3000:]
     jobs = re.findall(r"resources: (.*)", p.stdout + p.stderr)
     cells = [dict(kv.split("=", 1) for kv in j.split(", ")) for j in jobs if "gres=gpu" in j]
-    assert len(cells) == 28
+    assert len(cells) == 32
     assert all(int(c["runtime"]) * 60 > config["startup_s"] for c in cells)
     hours = sum(
         int(c["runtime"]) / 60 * int(c["nodes"]) * int(c["gres"].split(":")[1]) for c in cells
     )
-    row = re.search(r"gpu-node.yaml` \(one node.*?\| 28 \| ([0-9.]+) \|", README.read_text())
+    row = re.search(r"gpu-node.yaml` \(one node.*?\| 32 \| ([0-9.]+) \|", README.read_text())
     assert row and hours == pytest.approx(float(row[1]), abs=0.05), hours
 
 
