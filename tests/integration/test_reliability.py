@@ -35,10 +35,13 @@ def wait_for_rank(marker: str, rank: int, timeout: float = 60) -> int:
     while time.monotonic() < deadline:
         for line in leftovers(marker):
             pid = int(line.split()[0])
-            try:
+            try:  # a forked rank names itself; a spawned one has its own environment
+                comm = Path(f"/proc/{pid}/comm").read_text().strip()
                 env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             except OSError:
                 continue
+            if comm == f"tspbench-r{rank}":
+                return pid
             if f"RANK={rank}".encode() in env and b"TSPBENCH_LAUNCHER=local" in env:
                 return pid
         time.sleep(0.1)
@@ -80,20 +83,20 @@ def baseline_s(tmp_path_factory) -> float:
 
 
 @pytest.mark.parametrize(
-    "fault, needle",
+    "fault, needle, start",
     [
-        ("kill:rank=2:step=2", "rank 2 killed by SIGKILL"),
-        ("kill:rank=0:step=1", "rank 0 killed by SIGKILL"),
-        ("stall:rank=1:step=1", "rank 1 hung"),
-        ("error:rank=3:step=1", "injected fault"),
+        ("kill:rank=2:step=2", "rank 2 killed by SIGKILL", "fork"),
+        ("kill:rank=2:step=2", "rank 2 killed by SIGKILL", "spawn"),  # a GPU build's ranks
+        ("kill:rank=0:step=1", "rank 0 killed by SIGKILL", "fork"),
+        ("stall:rank=1:step=1", "rank 1 hung", "fork"),
+        ("error:rank=3:step=1", "injected fault", "fork"),
     ],
 )
-def test_a_dead_or_stalled_rank_ends_every_rank(tmp_path, baseline_s, fault, needle):
+def test_a_dead_or_stalled_rank_ends_every_rank(tmp_path, baseline_s, fault, needle, start):
     out = tmp_path / "f.json"
     t0 = time.monotonic()
-    p = tspbench(
-        *FAULT_RUN, "--out", str(out), "--timeout", str(TIMEOUT), env={"TSPBENCH_FAULT": fault}
-    )
+    env = {"TSPBENCH_FAULT": fault, "TSPBENCH_RANK_START": start}
+    p = tspbench(*FAULT_RUN, "--out", str(out), "--timeout", str(TIMEOUT), env=env)
     took = time.monotonic() - t0
     rec = json.loads(out.read_text())
     assert p.returncode == 1 and rec["status"] == "error", rec
@@ -296,8 +299,10 @@ def test_a_signal_at_any_moment_leaves_a_record_saying_so(tmp_path, sig, when):
 
 @pytest.mark.slow  # test_cli's launcher test already compares two runs' losses bit for bit
 def test_same_seed_same_loss_bitwise(tmp_path):
+    """Twice, the ranks forked from the launcher (a CPU-only torch's default) and spawned as
+    fresh interpreters (a GPU build's): the same bits, the same peak."""
     recs = []
-    for i in range(2):
+    for i, start in enumerate(("fork", "spawn")):
         out = tmp_path / f"d{i}.json"
         p = tspbench(
             "run",
@@ -316,10 +321,12 @@ def test_same_seed_same_loss_bitwise(tmp_path):
             "--quiet",
             "--out",
             str(out),
+            env={"TSPBENCH_RANK_START": start},
         )
         assert p.returncode == 0, p.stderr[-2000:]
         recs.append(json.loads(out.read_text()))
     assert recs[0]["loss"] == recs[1]["loss"] and recs[0]["grad_norm"] == recs[1]["grad_norm"]
+    assert recs[0]["peak_mem_bytes"] == recs[1]["peak_mem_bytes"]
 
 
 def test_sweep_with_a_failing_and_an_oom_cell_finishes_and_marks_both(tmp_path):

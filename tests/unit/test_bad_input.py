@@ -137,6 +137,12 @@ BAD = [
     ("run", S32, {**SLURM, "SLURM_PROCID": "-1"}, "SLURM_PROCID='-1': must be between"),
     # inputs that would exhaust the machine
     ("run", ["--launch", "local", "--dp", "65536"], {}, "--launch local starts at most"),
+    (
+        "run",
+        ["--degree", "2", "--launch", "local"],
+        {"TSPBENCH_RANK_START": "exec"},
+        "TSPBENCH_RANK_START='exec': must be fork or spawn",
+    ),  # fmt: skip
     ("run", ["--set", "vocab=2000000000"], {}, "model.vocab=2000000000: must be between 1"),
     ("run", ["--set", "init_std=inf"], {}, "model.init_std=inf: must be between"),
     ("run", ["--set", "init_std=nan"], {}, "model.init_std=nan: must be between"),

@@ -86,6 +86,11 @@ def start_heartbeat() -> None:
     threading.Thread(target=beat, daemon=True, name="tspbench-heartbeat").start()
 
 
+def reset_held() -> None:
+    """Forget held signals (a rank forked from a launcher starts with none of its own)."""
+    _held.clear()
+
+
 def held_signal() -> int | None:
     """The first signal that arrived while held, if any."""
     return _held[0] if _held else None

@@ -53,6 +53,15 @@ def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> Cal
     return arm
 
 
+def name_process(name: str) -> None:
+    """This process's name as ``ps -o comm`` and ``top`` show it (Linux; 15 bytes kept)."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return
+    prctl(15, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)  # PR_SET_NAME = 15
+
+
 @dataclass
 class LocalRanks:
     """What ``spawn_local`` saw: each rank's exit code (negative: killed by that signal), the
@@ -101,12 +110,10 @@ def spawn_local(
         _watch(ranks, beats, silent, silent_s, grace_s, after_rank0_s, start, deadline_s)
     finally:
         ranks.kill_all()
-        for p in ranks.procs:
-            p.wait()
+        codes = [p.wait() for p in ranks.procs]
         for s, h in old.items():
             signal.signal(s, h)
         shutil.rmtree(beats, ignore_errors=True)
-    codes = [p.returncode for p in ranks.procs]
     killed = sorted(r for r in ranks.mine if codes[r] < 0)
     return LocalRanks(codes, killed, ranks.got[0] if ranks.got else None, silent)
 
@@ -116,7 +123,7 @@ class _Ranks:
     """The ranks ``spawn_local`` started, those it signalled itself (``mine``) and the signals
     the launcher received (``got``)."""
 
-    procs: list[subprocess.Popen] = field(default_factory=list)
+    procs: list[subprocess.Popen | _Forked] = field(default_factory=list)
     mine: set[int] = field(default_factory=set)
     got: list[int] = field(default_factory=list)
 
@@ -153,17 +160,115 @@ def _rank_env(r: int, nproc: int, port: int, beat: Path) -> dict[str, str]:
     return env
 
 
+START_ENV = "TSPBENCH_RANK_START"  # fork | spawn: how ranks start (default: see rank_start)
+
+
+def rank_start() -> str:
+    """``fork`` where the launcher can hand its imported torch to the ranks: a CPU-only torch
+    build, which cannot have touched a GPU before the fork (a forked rank skips the 2-3 s of CPU
+    each rank spends importing torch and torch._dynamo: with 4 ranks on 2 cores, most of a tiny
+    cell's start-up); else ``spawn``, a fresh interpreter per rank, as torchrun starts them.
+    ``$TSPBENCH_RANK_START`` chooses (a bad value is refused)."""
+    import torch
+
+    choice = os.environ.get(START_ENV, "")
+    if choice not in ("", "fork", "spawn"):
+        raise ConfigError(f"{START_ENV}={choice!r}: must be fork or spawn")
+    if choice:
+        return choice
+    gpu_build = torch.version.cuda is not None or torch.version.hip is not None
+    return "spawn" if gpu_build or not hasattr(os, "fork") else "fork"
+
+
+class _Forked:
+    """A rank forked from this launcher, with what ``spawn_local`` uses of ``subprocess.Popen``
+    (``returncode`` negative when a signal killed it)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def _reaped(self, flags: int) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, flags)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def poll(self) -> int | None:
+        return self._reaped(os.WNOHANG)
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            _, status = os.waitpid(self.pid, 0)
+            self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _fork_rank(argv: list[str], env: dict[str, str], arm: Callable[[], None]) -> _Forked:
+    """Fork one rank that runs ``tspbench <argv>`` in ``env`` as ``python -m tspbench`` would:
+    signals held and its heartbeat started first, then the command; it never returns here."""
+    from tspbench.runtime import guard
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, guard.SIGNALS)  # the launcher's handlers
+    pid = os.fork()  # must not run in the child: it holds them until its own are set
+    if pid:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        return _Forked(pid)
+    code = 1
+    try:
+        guard.reset_held()
+        guard.hold_signals()
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        arm()
+        name_process(f"tspbench-r{env['RANK']}")  # its command line is the launcher's
+        os.environ.clear()
+        os.environ.update(env)
+        guard.start_heartbeat()
+        from tspbench.cli import main
+
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
 def _start_ranks(
     ranks: _Ranks, argv: list[str], nproc: int, port: int, beats: Path, arm: Callable[[], None]
 ) -> None:
-    """Start the ranks one by one; none after a signal reached the launcher."""
+    """Start the ranks one by one (:func:`rank_start`); none after a signal reached the
+    launcher."""
+    how = rank_start()
+    if how == "fork":
+        import torch._dynamo  # noqa: F401  (every rank imports it: once, here)
     for r in range(nproc):
         if ranks.got:
             break
         env = _rank_env(r, nproc, port, beats / str(r))
-        cmd = [sys.executable, "-m", "tspbench", *argv]
         (beats / str(r)).touch()  # its start counts as its first beat
-        ranks.procs.append(subprocess.Popen(cmd, env=env, preexec_fn=arm))
+        if how == "fork":
+            ranks.procs.append(_fork_rank(argv, env, arm))
+        else:
+            cmd = [sys.executable, "-m", "tspbench", *argv]
+            ranks.procs.append(subprocess.Popen(cmd, env=env, preexec_fn=arm))
 
 
 def _watch(
@@ -202,7 +307,10 @@ MIN_SILENT_S = 10.0  # a rank may hold the GIL this long while loading torch's l
 
 
 def _silent_ranks(
-    procs: list[subprocess.Popen], beats: Path, seen: dict[int, tuple[int, float]], silent_s: float
+    procs: list[subprocess.Popen | _Forked],
+    beats: Path,
+    seen: dict[int, tuple[int, float]],
+    silent_s: float,
 ) -> dict[int, float]:
     """Running ranks whose heartbeat file has not changed for more than ``silent_s`` seconds:
     rank -> seconds. ``seen`` keeps, per rank, the file's last modification time and when (on
@@ -308,6 +416,7 @@ def run_local(
     """
     world = spec.layout.world_size
     check_local_world(world, nproc)
+    rank_start()  # a bad choice is refused before any rank starts
     die_with_parent(signal.SIGTERM, os.getppid())()
     argv = [command, *spec.to_argv(), *launch_argv, "--out", out, "--launch", "env"]
     path = Path(out)
