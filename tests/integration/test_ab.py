@@ -1,6 +1,6 @@
 """`tspbench regress-ab` run for real (the promise of issue 35): the baseline commit's code and
 this code time the same cells on this machine, interleaved. The same code passes with a CPU hog
-running beside it; a 15% slowdown of every cell fails the median over cells (the ``slower``
+running beside it; a 20% slowdown of every cell fails the median over cells (the ``slower``
 fault, which only the current code's runs see); a cell the current code cannot run fails. Two
 cells each: every run is a real 2-rank process world (about 6 s). The baseline commit is this
 clone's HEAD: in a clean clone (CI) A and B are the same code."""
@@ -81,11 +81,13 @@ def test_the_same_code_passes_on_a_loaded_machine(tmp_path):
     assert "0 regression(s)" in r.stdout and (tmp_path / "ab.md").is_file()
 
 
-def test_a_uniform_15_percent_slowdown_fails(tmp_path):
-    """Every cell 15% slower: the median over cells fails, a uniform slowdown that no machine
+def test_a_uniform_20_percent_slowdown_fails(tmp_path):
+    """Every cell 20% slower: the median over cells fails, a uniform slowdown that no machine
     difference excuses here (one strategy's larger slowdown failing its own cell is checked on
     scripted runs in tests/unit/test_ab.py: two cells keep this real run short)."""
-    r = ab(tmp_path, "tp, sp", "slower:fraction=0.15")
+    # (15% once read 0.999 and 1.131 in CI at bf20cee, a median of 1.065: a cell's reading still
+    # moves by 12-15% on this VM; 20% stays under the cells' +25% and clears the median's +8%)
+    r = ab(tmp_path, "tp, sp", "slower:fraction=0.20")
     assert r.returncode == 1, r.stdout + r.stderr
     assert row(r.stdout, "(median over cells)").endswith("| regression |"), r.stdout
 
