@@ -213,8 +213,11 @@ class _Forked:
 
 
 def _fork_rank(argv: list[str], env: dict[str, str], arm: Callable[[], None]) -> _Forked:
-    """Fork one rank that runs ``tspbench <argv>`` in ``env`` as ``python -m tspbench`` would:
-    signals held and its heartbeat started first, then the command; it never returns here."""
+    """Fork one rank that runs ``tspbench <argv>`` in ``env``: ``python -m tspbench``'s own
+    module, run again in the child (signals held and its heartbeat started first, then the
+    command, as in a spawned rank); it never returns here."""
+    import runpy
+
     from tspbench.runtime import guard
 
     sys.stdout.flush()
@@ -233,10 +236,9 @@ def _fork_rank(argv: list[str], env: dict[str, str], arm: Callable[[], None]) ->
         name_process(f"tspbench-r{env['RANK']}")  # its command line is the launcher's
         os.environ.clear()
         os.environ.update(env)
-        guard.start_heartbeat()
-        from tspbench.cli import main
-
-        code = main(argv)
+        sys.argv = ["tspbench", *argv]
+        sys.modules.pop("tspbench.__main__", None)  # (the launcher's, when it is the script)
+        runpy.run_module("tspbench", run_name="__main__", alter_sys=True)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else int(e.code is not None)
     except BaseException:
