@@ -136,7 +136,10 @@ def _metadata_unrecorded() -> Iterator[None]:
     from torch.distributed.tensor import DTensor
 
     prop = DTensor._op_dispatcher.sharding_propagator
-    propagate = prop._propagate_tensor_meta_non_cached
+    propagate = getattr(prop, "_propagate_tensor_meta_non_cached", None)
+    if propagate is None:  # a torch without this private method: counted as it runs
+        yield
+        return
 
     def unrecorded_propagate(op_schema):
         with unrecorded():
