@@ -6,9 +6,9 @@ diverged run), ``error`` (raises), ``oom`` (raises an out-of-memory error), ``sl
 step, from the first, lasts ``1 + fraction`` times as long: after the step the rank sleeps
 ``fraction`` (default 0.1) x its seconds, read on the host clock, so a CPU drill; the A/B
 regression tests slow code down with it, a step's time being the slowest rank's). Keys select:
-``rank`` (global rank, default 0), ``step`` (0-2 are the probe steps, then warmup and timed
-steps; default 0; ``slower`` ignores it), ``seq_len`` and ``strategy`` (only runs of that
-sequence length / strategy). Several faults: comma-separated.
+``rank`` (global rank, default 0), ``step`` (0-1 are the probe steps, 0-2 on CUDA, then
+warmup and timed steps; default 0; ``slower`` ignores it), ``seq_len`` and ``strategy`` (only
+runs of that sequence length / strategy). Several faults: comma-separated.
 Unset, nothing happens.
 """
 

@@ -226,13 +226,14 @@ def probe(
     first step gave them, beside the measurements (tensors: fake ones stay fake). The memory
     probes track what is at rest plus every tensor the steps create (a TorchDispatchMode that
     only records storages: it changes no kernel); on CUDA the allocator's peak of the same step
-    is read as well. The FLOP counter runs alone in a third step (with ``also``, another
-    counting mode, beside it), after which the mesh's byte counter holds that one step's bytes.
-    On ``fake`` tensors, where no memory is real, the counter instead runs in the steady-state
-    step *beneath* the tracker (entered first): the temporaries of the kernels it decomposes
-    never reach the tracker, which sees exactly the ops of a step without it (one step fewer
-    per estimated rank). Collective: every rank runs the same steps."""
-    peaks, device_peaks, reserved = [], [], []
+    is read as well. Where only the tracker measures (``fake`` tensors, and every device but
+    CUDA) the FLOP counter (with ``also``, another counting mode, beside it) runs in the
+    steady-state step *beneath* the tracker (entered first): the temporaries of the kernels it
+    decomposes never reach the tracker, which sees exactly the ops of a step without it. On
+    CUDA the allocator would see them, so the counter runs alone in a third step. Either way
+    the mesh's byte counter then holds that one step's bytes. Collective: every rank runs the
+    same steps."""
+    peaks, unstaged, device_peaks, reserved = [], [], [], []
     first = None
     # one tracker across both steps: whatever the first step leaves alive (AdamW's moments, a
     # strategy's cached tables) is still counted in the second (``tracker``: the caller's, to
@@ -240,11 +241,12 @@ def probe(
     tracker = tracker or MemoryTracker(limit=limit)
     tracker.track(*at_rest(strat, batch, opt))
     flops = counter()
+    beneath = fake or device.type != "cuda"  # no allocator peak the counter could move
     for i in range(2):
         tracker.reset_peak()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        counting = fake and i == 1
+        counting = beneath and i == 1
         if counting:
             strat.mesh.counter.reset()
         with gc_held(), flops if counting else nullcontext(), tracker:
@@ -254,11 +256,12 @@ def probe(
             first = tuple(None if t is None else t.detach().clone() for t in result)
         del result
         peaks.append(tracker.peak)
+        unstaged.append(tracker.peak_unstaged)
         if device.type == "cuda":
             device_peaks.append(torch.cuda.max_memory_allocated(device))
             reserved.append(torch.cuda.max_memory_reserved(device))
     del tracker
-    if not fake:
+    if not beneath:
         strat.mesh.counter.reset()
         with gc_held(), flops, also or nullcontext():
             step()
@@ -267,6 +270,10 @@ def probe(
         "flops_executed": int(flops.get_total_flops()),
         "tracked_peak_first": peaks[0],
         "tracked_peak": peaks[1],
+        # without the collective backend's staging buffers (:func:`~tspbench.core.memory.charge`):
+        # the same step's peaks on NCCL, which stages none in torch's allocator
+        "tracked_peak_unstaged_first": unstaged[0],
+        "tracked_peak_unstaged": unstaged[1],
     }
     if device.type == "cuda":
         out.update(device_peak_first=device_peaks[0], device_peak=device_peaks[1])
