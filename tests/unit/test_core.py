@@ -125,6 +125,25 @@ def test_memory_tracker_counts_storages_and_enforces_budget():
         _ = [torch.zeros(1000) for _ in range(3)]
 
 
+def test_memory_tracker_keeps_the_peak_without_staging_beside_the_peak():
+    """A staging buffer (``charge``) at the crest moves ``peak`` but not ``peak_unstaged``,
+    which is the high-water mark of the tensors alone (NCCL's peak of the same ops)."""
+    m = MemoryTracker()
+    with m:
+        a = torch.zeros(1000)  # 4000 bytes
+        release = memory.charge(3000)  # staged while a is live: 7000 with staging
+        release()
+        b = torch.zeros(1500)  # 4000 + 6000: the tensors' own crest, nothing staged
+        del b
+    assert (m.peak, m.peak_unstaged) == (10_000, 10_000)
+    with m:
+        m.reset_peak()
+        release = memory.charge(8000)  # 12000 with staging, the tensors still 4000
+        release()
+    assert (m.peak, m.peak_unstaged, m.live, m.staged) == (12_000, 4000, 4000, 0)
+    del a
+
+
 def test_memory_tracker_follows_storage_resizes():
     """FSDP2 frees a gathered parameter by resizing its storage to 0 and re-allocates it the same
     way, which no dispatch mode sees: the tracker counts the storage at its current size (and

@@ -86,6 +86,9 @@ class MemoryTracker(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self.staged = 0  # of live: buffers counted by :func:`charge`
+        # the high-water mark of live - staged: the peak of the same ops on a backend that
+        # stages nothing in torch's allocator (NCCL), from the same step
+        self.peak_unstaged = 0
         self._crest: int | None = None
         self._on_crest: Callable[[], None] | None = None
         self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()  # storage -> [its bytes]
@@ -116,6 +119,8 @@ class MemoryTracker(TorchDispatchMode):
         self.live += n
         if self.live > self.peak:
             self.peak = self.live
+        if self.live - self.staged > self.peak_unstaged:
+            self.peak_unstaged = self.live - self.staged
         if self._crest is not None and self.live >= self._crest and self._on_crest:
             self._crest = None
             self._paused += 1
@@ -183,6 +188,7 @@ class MemoryTracker(TorchDispatchMode):
 
     def reset_peak(self) -> None:
         self.peak = self.live
+        self.peak_unstaged = self.live - self.staged
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))

@@ -126,6 +126,8 @@ def estimate_rank(
             "at_rest_bytes": at_rest_bytes.live,
             "peak_first_bytes": found["tracked_peak_first"],
             "peak_bytes": found["tracked_peak"],
+            "peak_first_bytes_unstaged": found["tracked_peak_unstaged_first"],
+            "peak_bytes_unstaged": found["tracked_peak_unstaged"],
             "flops": found["flops"],
             "flops_executed": found["flops_executed"],
             "comm_by_kind": dict(mesh.counter.by_kind()),
@@ -160,6 +162,8 @@ def _decode_rank(spec: RunSpec, strat, mesh) -> dict[str, Any]:
         "at_rest_bytes": at_rest_bytes,
         "peak_first_bytes": tracker.peak,
         "peak_bytes": tracker.peak,
+        "peak_first_bytes_unstaged": tracker.peak_unstaged,
+        "peak_bytes_unstaged": tracker.peak_unstaged,
         "flops": int(step_flops),
         "flops_executed": int(step_flops),  # generation recomputes nothing
         "comm_by_kind": comm,
