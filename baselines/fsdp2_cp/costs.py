@@ -69,7 +69,10 @@ class FSDP2CPCosts(costs.Costs):
         CPU: the all-gather's output lives through the copy-out into the parameters; on a GPU
         the next unit's gather, prefetched on FSDP2's all-gather stream, takes its place)."""
         base = super().inference_working_set(spec)
-        return costs.gathered_unit_working_set(spec, base, self.unit_bytes(spec), True)
+        units = self.unit_bytes(spec)
+        layer, loss = costs.gathered_unit_working_set(spec, base, units, True)
+        # the head's unit's gather buffer beside it, as a layer's (tied: the embedding's unit)
+        return layer, loss + units[0 if spec.cfg.tie_embeddings else 2]
 
     def backward_transients(self, spec: costs.Spec) -> tuple[int, int, int]:
         """The plain model's, with FSDP2's backward prefetch (the unit below gathered when a

@@ -68,8 +68,8 @@ class TPTorchCosts(costs.Costs):
 
     def inference_working_set(self, spec: costs.Spec) -> tuple[int, int]:
         """A forward-only step in ``nn.Module``s: the attention's locals (Q, K/V, its output) die
-        when the module returns, before the MLP runs (TP's one function keeps them). A layer
-        then crests at the larger of the attention's (the block's input and normed input, Q,
+        when the module returns, before the MLP runs (as in TP's functions). A layer
+        crests at the larger of the attention's (the block's input and normed input, Q,
         K/V, the output, Wo's output and its all-reduced copy), the MLP's gate (input, its sum
         with the attention's output and normed, three [t, f/T] buffers) and W2's (the three,
         the gate's product, W2's output and its all-reduced copy); the loss as TP's."""

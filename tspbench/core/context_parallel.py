@@ -57,13 +57,16 @@ def cp_tables(
     """(cos, sin, hooks) of context parallelism over ``comm`` at ``seq_len`` for activations
     like ``like``: :func:`zigzag_rope` and the hooks of the exchange (``cp_comm``:
     :func:`context_parallel_hooks`, :func:`ulysses_hooks` or :func:`ring_hooks`, whose hops
-    hide behind the attention unless ``overlap`` is off), built once and kept with ``owner``
+    hide behind the attention unless ``overlap`` is off; over one rank none, so no K/V copy),
+    built once and kept with ``owner``
     (:func:`tspbench.core.layers.cached`)."""
     device = like.device
     kind = cp_comm if comm.size > 1 else "all_gather"
     key = ("cp", seq_len, like.dtype, device, id(comm), kind, overlap, *sorted(tp_hooks))
 
     def hooks() -> LayerHooks:
+        if comm.size == 1:  # no context parallelism: K/V as projected, plain causal attention
+            return LayerHooks(attn=attention, **tp_hooks)
         if kind == "ring":
             return ring_hooks(seq_len, comm, device, overlap, **tp_hooks)
         make = ulysses_hooks if kind == "a2a" else context_parallel_hooks

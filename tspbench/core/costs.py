@@ -319,32 +319,38 @@ def saved_loss(c: Spec, T: int, vocab_parallel: bool) -> int:
 
 
 def inference_working_set(c: Spec, T: int, vocab_parallel: bool) -> tuple[int, int]:
-    """(layer, loss) working sets of a forward-only step: a plain layer keeps its locals (normed
-    input, Q, K/V, attention output) alive while its MLP runs; or the loss's logits (two fp32
-    [t, V/T] buffers, three for the vocabulary-parallel cross-entropy)."""
+    """(layer, loss) working sets of a forward-only step. A plain layer's attention and MLP are
+    functions of their own (:func:`tspbench.core.layers.transformer_layer`), so the attention's
+    locals (normed input, Q, K/V, its output) die before the MLP runs: the layer crests at the
+    larger of its attention (beside the layer's input) and its MLP's gate (the input, the
+    residual sum, the normed sum and three [t, f/T] buffers). The loss keeps the final norm's
+    output and its logits (two fp32 [t, V/T] buffers, three for the vocabulary-parallel
+    cross-entropy)."""
     cfg, e, t = c.cfg, c.e, c.tokens
     nh, kvl, fl, vl = local_dims(cfg, T)
     o = t * nh * cfg.d_head * e  # one attention output (or Q)
     act, kvu, logits = t * cfg.hidden * e, kv_unit(c, kvl), 4 * t * vl
+    mlp = 3 * act + 3 * t * fl * e
+    loss = act + (3 if vocab_parallel else 2) * logits
     if ring(c):  # the locals are this rank's tokens'; at the crest of a ring step: its K/V
         # stacked and two chunks (in use, in flight), the fp32 output sum, a block's output
         # and the merge's product
         kvp, o32 = 2 * t * kvl * e, 4 * t * nh * cfg.d_head
-        layer = 2 * act + 2 * o + kvp + 2 * act + 3 * t * fl * e
-        layer = max(layer, 2 * act + 2 * o + 3 * kvp + 2 * o32)
-        return layer, 2 * act + (3 if vocab_parallel else 2) * logits
+        return max(mlp, 2 * act + 2 * o + 3 * kvp + 2 * o32), loss
     if ulysses(c):  # the locals are this rank's tokens' (the output merges heads by a view)
         kvp = 2 * t * kvl * e
-        layer = 2 * act + 2 * o + kvp + 2 * act + 3 * t * fl * e
         # the exchanges: K/V's (local, stacked, sent, received, reordered), the output's (Q,
         # its heads, K/V's, the output, sent, received, merged)
-        layer = max(layer, 2 * act + 2 * o + 4 * kvp, 2 * act + 6 * o + 2 * kvp)
-        return layer, 2 * act + (3 if vocab_parallel else 2) * logits
-    attn_locals = 2 * act + 2 * o + kvu + (c.cp > 1) * o
-    layer = attn_locals + 2 * act + 3 * t * fl * e  # + residual, normed, MLP crest
+        return max(mlp, 2 * act + 2 * o + 4 * kvp, 2 * act + 6 * o + 2 * kvp), loss
+    # the attention's locals, W_o's output and the residual sum; or RoPE on Q (the input and
+    # normed input, Q, K, the rotated Q and two temporaries; with QK norms the normed Q and K)
+    attention = 2 * act + 2 * o + kvu + (c.cp > 1) * o + 2 * act
+    k1 = t * kvl * e  # one local K
+    rope = 2 * act + 3 * o + k1 + cfg.qk_norm * (o + k1)
+    layer = max(attention, rope, mlp)
     if c.cp > 1:  # the K/V gather: local K/V, stacked, gathered, reordered
         layer = max(layer, 2 * act + o + 4 * t * kvl * e + 2 * kvu)
-    return layer, 2 * act + (3 if vocab_parallel else 2) * logits
+    return layer, loss
 
 
 def backward_transients(c: Spec, T: int) -> tuple[int, int]:

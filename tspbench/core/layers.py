@@ -196,7 +196,23 @@ def transformer_layer(
     output and MLP biases).
 
     Head counts follow from the weight shapes, so a TP shard of Wq simply yields fewer heads.
+    The attention and the MLP are functions of their own, as ``nn.Module``s are: a forward-only
+    step frees the attention's locals (normed input, Q, K/V, output) before the MLP runs.
     """
+    x = x + attention_block(x, p, eps, head_dim, cos, sin, hooks)
+    return x + mlp_block(x, p, eps, hooks)
+
+
+def attention_block(
+    x: torch.Tensor,
+    p: dict[str, torch.Tensor],
+    eps: float,
+    head_dim: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    hooks: LayerHooks,
+) -> torch.Tensor:
+    """The attention of :func:`transformer_layer`: W_o's output, before the residual add."""
     B, L, _ = x.shape
 
     def heads(t: torch.Tensor) -> torch.Tensor:
@@ -206,6 +222,12 @@ def transformer_layer(
     q, k = rotate_qk(heads(in_proj(a, p, "wq")), heads(in_proj(a, p, "wk")), p, eps, cos, sin)
     k, v = hooks.gather_kv(k, heads(in_proj(a, p, "wv")))
     o = hooks.attn(q, k, v).transpose(1, 2).flatten(2)
-    x = x + out_proj(o, p, "wo", hooks.exit)
+    return out_proj(o, p, "wo", hooks.exit)
+
+
+def mlp_block(
+    x: torch.Tensor, p: dict[str, torch.Tensor], eps: float, hooks: LayerHooks
+) -> torch.Tensor:
+    """The gated MLP of :func:`transformer_layer`: W_2's output, before the residual add."""
     m = hooks.enter(rms_norm(x, p["mlp_norm"], eps))
-    return x + out_proj(F.silu(in_proj(m, p, "w1")) * in_proj(m, p, "w3"), p, "w2", hooks.exit)
+    return out_proj(F.silu(in_proj(m, p, "w1")) * in_proj(m, p, "w3"), p, "w2", hooks.exit)

@@ -190,9 +190,9 @@ def memory(c: RunSpec) -> Memory:
       end of backward  all gradients + the gradient reduction's staging (TSP: the embedding
                        gradient's [V, h] buffer, twice; SP/DP/TP+SP: one packed copy)
       optimizer step   all gradients + AdamW moments (+ fp32 gradient copies for bf16 weights)
-      inference        the layer's working set: a plain layer keeps its locals (normed input,
-                       Q, K/V, attention output) alive while its MLP runs; TSP's gather stages
-                       three copies of a head group's K/V; or the loss's logits
+      inference        the layer's working set: a plain layer's attention (its locals, W_o's
+                       output) or its MLP's gate (the locals die in between); TSP's gather
+                       stages three copies of a head group's K/V; or the loss's logits
     The transients are the strategy's (``inference_working_set``, ``backward_transients``).
     Activations under recomputation: each layer keeps its input, and the top layer's saved
     tensors come back while its backward runs. The tests compare the result with measured and
