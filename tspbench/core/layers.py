@@ -199,35 +199,21 @@ def transformer_layer(
     The attention and the MLP are functions of their own, as ``nn.Module``s are: a forward-only
     step frees the attention's locals (normed input, Q, K/V, output) before the MLP runs.
     """
-    x = x + attention_block(x, p, eps, head_dim, cos, sin, hooks)
-    return x + mlp_block(x, p, eps, hooks)
-
-
-def attention_block(
-    x: torch.Tensor,
-    p: dict[str, torch.Tensor],
-    eps: float,
-    head_dim: int,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    hooks: LayerHooks,
-) -> torch.Tensor:
-    """The attention of :func:`transformer_layer`: W_o's output, before the residual add."""
     B, L, _ = x.shape
 
     def heads(t: torch.Tensor) -> torch.Tensor:
         return t.view(B, L, -1, head_dim).transpose(1, 2)
 
-    a = hooks.enter(rms_norm(x, p["attn_norm"], eps))
-    q, k = rotate_qk(heads(in_proj(a, p, "wq")), heads(in_proj(a, p, "wk")), p, eps, cos, sin)
-    k, v = hooks.gather_kv(k, heads(in_proj(a, p, "wv")))
-    o = hooks.attn(q, k, v).transpose(1, 2).flatten(2)
-    return out_proj(o, p, "wo", hooks.exit)
+    def attention(x: torch.Tensor) -> torch.Tensor:
+        a = hooks.enter(rms_norm(x, p["attn_norm"], eps))
+        q, k = rotate_qk(heads(in_proj(a, p, "wq")), heads(in_proj(a, p, "wk")), p, eps, cos, sin)
+        k, v = hooks.gather_kv(k, heads(in_proj(a, p, "wv")))
+        o = hooks.attn(q, k, v).transpose(1, 2).flatten(2)
+        return out_proj(o, p, "wo", hooks.exit)
 
+    def mlp(x: torch.Tensor) -> torch.Tensor:
+        m = hooks.enter(rms_norm(x, p["mlp_norm"], eps))
+        return out_proj(F.silu(in_proj(m, p, "w1")) * in_proj(m, p, "w3"), p, "w2", hooks.exit)
 
-def mlp_block(
-    x: torch.Tensor, p: dict[str, torch.Tensor], eps: float, hooks: LayerHooks
-) -> torch.Tensor:
-    """The gated MLP of :func:`transformer_layer`: W_2's output, before the residual add."""
-    m = hooks.enter(rms_norm(x, p["mlp_norm"], eps))
-    return out_proj(F.silu(in_proj(m, p, "w1")) * in_proj(m, p, "w3"), p, "w2", hooks.exit)
+    x = x + attention(x)
+    return x + mlp(x)
