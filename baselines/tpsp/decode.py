@@ -1,5 +1,5 @@
 """TP+SP's decode path (docs/decode.md): Megatron over T, the cache split by sequence over
-Sigma; each step's attention merged over Sigma."""
+Sigma; each step's attention merged over Sigma. The prefill exchanges by the run's ``cp_comm``."""
 
 from __future__ import annotations
 
@@ -36,11 +36,6 @@ class TPSPDecoder(Decoder):
         batch: int, **options,
     ) -> None:  # fmt: skip
         super().validate(strategy, cfg, layout, prompt_len, new_tokens, batch)
-        if options.get("cp_comm", "all_gather") != "all_gather":
-            raise ConfigError(
-                f"cp_comm={options['cp_comm']}: TP+SP's decode prefill all-gathers K/V over "
-                "Sigma (only cp_comm=all_gather decodes)"
-            )
         if layout.tp * layout.sp != layout.degree:
             raise ConfigError(
                 f"tp={layout.tp} x sp={layout.sp} = {layout.tp * layout.sp}: must equal "
@@ -78,7 +73,9 @@ class TPSPDecoder(Decoder):
         slots = KVCache.capacity(P, max_len, sp.size)
         heads = kv_heads_local(cfg.kv_heads, tp.size)
         cache = KVCache.empty(cfg.layers, B, heads, slots, cfg.d_head, x, sp.size, sp.rank)
-        cos, sin, hooks = cp_tables(m, P, sp, cfg, x, exit=lambda t: reduce_from(t, tp))
+        # the prefill exchanges over Sigma as training does (cp_comm); the cache keeps each
+        # rank's own tokens' K/V either way
+        cos, sin, hooks = cp_tables(m, P, sp, cfg, x, m.cp_comm, exit=lambda t: reduce_from(t, tp))
         x = prefill_layers(cfg, self._layers(), x, cos, sin, hooks, cache)
         cache.start(P // sp.size, P)
         last = x[:, -1].contiguous()  # position P-1 ends chunk 2 Sigma - 1: sp rank 0's last

@@ -59,12 +59,16 @@ def _cases() -> list[dict]:
                   "B": 2, "N": 5, "mlp_schedule": "broadcast", "overlap": False})  # fmt: skip
     cases.append({"id": "tsp-D2-bucket1", "strategy": "tsp", "D": 2, "P": 16, "B": 2, "N": 5,
                   "kv_bucket": 1, "model": MODELS["gqa"]})  # fmt: skip
-    # SP's prefill over the Ulysses all-to-alls (cp_comm=a2a) and the ring (cp_comm=ring): the
-    # cache keeps the same K/V
+    # SP's and TP+SP's prefill over the Ulysses all-to-alls (cp_comm=a2a) and the ring
+    # (cp_comm=ring): the cache keeps the same K/V
     for comm in ("a2a", "ring"):
         for D, model in ((2, "mha"), (4, "gqa")):
             cases.append({"id": f"sp-D{D}-{model}-{comm}", "strategy": "sp", "D": D, "P": 16,
                           "B": 2, "N": 5, "cp_comm": comm, "model": MODELS[model]})  # fmt: skip
+        for T, Sigma, model in ((1, 2, "mha"), (2, 2, "gqa")):
+            cases.append({"id": f"tpsp-D{T}x{Sigma}-{model}-{comm}", "strategy": "tpsp",
+                          "D": T * Sigma, "tp": T, "sp": Sigma, "P": 16, "B": 2, "N": 5,
+                          "cp_comm": comm, "model": MODELS[model]})  # fmt: skip
     # bf16 (small: bf16 matmul is ~90x slower than fp32 on this CPU), GQA, kv_heads < T for TP
     for strat, lay, model in [
         ("single", {"D": 1}, "gqa"), ("tsp", {"D": 2}, "gqa"), ("tsp", {"D": 4}, "gqa"),
