@@ -61,11 +61,11 @@ def cp_tables(
     built once and kept with ``owner``
     (:func:`tspbench.core.layers.cached`)."""
     device = like.device
-    kind = cp_comm if comm.size > 1 else "all_gather"
+    kind = cp_comm if comm.size > 1 else None  # over one rank: no exchange
     key = ("cp", seq_len, like.dtype, device, id(comm), kind, overlap, *sorted(tp_hooks))
 
     def hooks() -> LayerHooks:
-        if comm.size == 1:  # no context parallelism: K/V as projected, plain causal attention
+        if kind is None:  # K/V as projected, plain causal attention
             return LayerHooks(attn=attention, **tp_hooks)
         if kind == "ring":
             return ring_hooks(seq_len, comm, device, overlap, **tp_hooks)

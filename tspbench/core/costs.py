@@ -322,10 +322,10 @@ def inference_working_set(c: Spec, T: int, vocab_parallel: bool) -> tuple[int, i
     """(layer, loss) working sets of a forward-only step. A plain layer's attention and MLP are
     functions of their own (:func:`tspbench.core.layers.transformer_layer`), so the attention's
     locals (normed input, Q, K/V, its output) die before the MLP runs: the layer crests at the
-    larger of its attention (beside the layer's input) and its MLP's gate (the input, the
-    residual sum, the normed sum and three [t, f/T] buffers). The loss keeps the final norm's
-    output and its logits (two fp32 [t, V/T] buffers, three for the vocabulary-parallel
-    cross-entropy)."""
+    largest of its attention (beside the layer's input), RoPE on Q, and its MLP's gate (the
+    input, the residual sum, the normed sum and three [t, f/T] buffers). The loss keeps the
+    final norm's output and its logits (two fp32 [t, V/T] buffers, three for the
+    vocabulary-parallel cross-entropy)."""
     cfg, e, t = c.cfg, c.e, c.tokens
     nh, kvl, fl, vl = local_dims(cfg, T)
     o = t * nh * cfg.d_head * e  # one attention output (or Q)
@@ -344,7 +344,7 @@ def inference_working_set(c: Spec, T: int, vocab_parallel: bool) -> tuple[int, i
         return max(mlp, 2 * act + 2 * o + 4 * kvp, 2 * act + 6 * o + 2 * kvp), loss
     # the attention's locals, W_o's output and the residual sum; or RoPE on Q (the input and
     # normed input, Q, K, the rotated Q and two temporaries; with QK norms the normed Q and K)
-    attention = 2 * act + 2 * o + kvu + (c.cp > 1) * o + 2 * act
+    attention = 4 * act + 2 * o + kvu + (c.cp > 1) * o
     k1 = t * kvl * e  # one local K
     rope = 2 * act + 3 * o + k1 + cfg.qk_norm * (o + k1)
     layer = max(attention, rope, mlp)
