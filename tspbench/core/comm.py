@@ -10,8 +10,6 @@ all-gather / reduce-scatter (D-1)/D of the full tensor, all-reduce 2(D-1)/D, bro
 from __future__ import annotations
 
 import functools
-import sys
-import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -91,51 +89,31 @@ class CommCounter:
         return out
 
 
-def _refs(t: torch.Tensor) -> tuple[int, int]:
-    """References to ``t`` itself (a work holding the very tensor) and to its storage (a work
-    holding views of it)."""
-    uses = t._use_count()  # type: ignore[attr-defined]  # a C method torch's stubs do not declare
-    return uses, torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+def _alias(t: torch.Tensor, flat: bool) -> torch.Tensor:
+    """``t``'s memory under a storage that owns none of it, for gloo to hold (``flat``: 1-D, of
+    a contiguous ``t``).
+
+    Gloo marks a collective complete *before* its worker thread drops the work, and the work
+    holds what it was handed; so a buffer the step dropped right after ``wait()`` died on the
+    worker's thread a moment later, at random, and the CPU memory tracker counted it at random
+    (seen: peaks +7% for tp, +16% for tsp, +30% for sp on some ranks over 15 repeats of tiny
+    D = 4 inference steps; in CI +0.2% on a GQA TSP training step, +6% and +4 KiB on TP+SP ring
+    steps). Waiting for the worker's references to fall did not close it: torch keeps a
+    tensor's Python object alive while C++ holds it, and the worker drops that last, once it
+    has the GIL (measured on 2 ranks: 90 of 3000 small buffers still died on the worker). A
+    work holding this alias holds no reference to ``t``'s storage, so the step's own thread
+    frees every buffer, when the step drops it; :class:`Pending` keeps the buffers until the
+    wait, which is all the memory must outlive."""
+    shape, stride = ((t.numel(),), (1,)) if flat else (t.shape, t.stride())
+    st = t.untyped_storage()
+    with memory.unrecorded():  # (nothing allocated: not the step's memory)
+        view = torch._C._construct_storage_from_data_pointer(st.data_ptr(), t.device, st.nbytes())
+        return t.new_empty(0).set_(view, t.storage_offset(), shape, stride)
 
 
 def _wait_all(works: Sequence[dist.Work]) -> None:
     for w in works:  # (in a function of its own, so no loop variable outlives the wait)
         w.wait()
-
-
-def _settle(
-    held: Sequence[tuple[torch.Tensor, tuple[bool, ...]]], works: list, timeout: float = 5.0
-) -> None:
-    """Drop finished works and wait until gloo's worker thread has let go of them too.
-
-    Gloo marks a collective complete *before* its worker thread drops the work, so a buffer the
-    step frees right after ``wait()`` could outlive its last use by a scheduler tick, and the CPU
-    memory tracker would count it at random (seen over 15 repeats of tiny D=4 inference steps:
-    peaks +7% for tp, +16% for tsp, +30% for sp, on some ranks in some runs; and in CI, +0.2% on
-    a GQA TSP training step). A gloo work holds references to its buffers until it is destroyed
-    (``held``: each buffer with the counts, of :func:`_refs`, that rose when the work was
-    issued), and nothing else changes them while we wait here: so once our last reference to
-    the works is gone, every one of those counts falls as soon as the worker's is gone too (all
-    of them: a destruction in progress on the worker thread releases them one by one). Usually
-    it already is gone, and this costs one check. Bounded: after ``timeout`` s it stops waiting
-    (memory accounting only, never correctness) and says so on stderr, since the step's tracked
-    peak may then count a buffer the worker still held (suspected, not shown, in two rare
-    measured-above-fake peaks on a loaded 2-core machine with a 1 s bound: +0.1% and +6%)."""
-    alive = [(t, rose, _refs(t)) for t, rose in held]
-    works.clear()
-    deadline = None
-    for t, rose, counts in alive:
-        while not all(n < c for n, c, r in zip(_refs(t), counts, rose) if r):
-            deadline = deadline or time.monotonic() + timeout
-            if time.monotonic() > deadline:
-                print(
-                    f"[tspbench] gloo held a collective's buffer over {timeout:g} s after it "
-                    "completed: this step's tracked peak may count it",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                return
-            time.sleep(1e-5)
 
 
 _blocked = [0]  # collectives this process's main thread is waiting in
@@ -156,19 +134,22 @@ def in_collective() -> bool:
     return _blocked[0] > 0
 
 
+Work = dist.Work | list[dist.Work]  # what a backend returns for an asynchronous operation
+
+
 class Pending:
     """An in-flight collective; :meth:`wait` returns its result (for overlap with compute)."""
 
     def __init__(
         self,
-        work: dist.Work | list[dist.Work] | None,
+        work: Work | None,
         finish: Callable[[], object],
-        held: Sequence[tuple[torch.Tensor, tuple[bool, ...]]] = (),
+        keep: Sequence[torch.Tensor] = (),
         release: Callable[[], None] | None = None,
     ):
         self._work = work if isinstance(work, list) else ([work] if work is not None else [])
         self._finish = finish
-        self._held = held
+        self._keep = keep  # the buffers a backend's alias of works on, until the wait
         self._release = release  # the backend's staging buffer, counted until the wait
 
     @classmethod
@@ -177,13 +158,13 @@ class Pending:
         return cls(None, lambda: value)
 
     def wait(self):
-        work, self._work = self._work, []  # the work objects hold the buffers too: let go
+        work, self._work = self._work, []  # (what the works hold is freed where they die)
         # (gloo's wait hands a staged reduce-scatter's copy back through the dispatcher:
         # counted by the charge already)
         with blocked_in_collective(), memory.unrecorded() if self._release else nullcontext():
             _wait_all(work)
-        _settle(self._held, work)
-        self._held = ()
+        del work
+        self._keep = ()
         if self._release is not None:
             self._release, release = None, self._release
             release()
@@ -239,40 +220,40 @@ class Comm:
         self, op: Callable, args: tuple, finish, async_op: bool, flat: bool = False,
         staged: int = 0,
     ):  # fmt: skip
-        """Issue ``op(*args)`` on this group (``flat``: on 1-D views of ``args``) and return its
-        result (or :class:`Pending`), the backend's ``staged`` bytes counted until its wait.
-        The views are temporaries, so no frame of ours keeps the buffers alive."""
+        """Issue ``op(*args)`` on this group (``flat``: on 1-D views of ``args``' tensors) and
+        return its result (or :class:`Pending`), the backend's ``staged`` bytes counted until
+        its wait."""
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
 
-        def start():
-            return op(*[a.view(-1) for a in tensors] if flat else args, group=self.group,
-                      async_op=True)  # fmt: skip
+        def start(given: list[torch.Tensor]) -> Work:
+            it = iter(given)
+            call = [next(it) if isinstance(a, torch.Tensor) else a for a in args]
+            return op(*call, group=self.group, async_op=True)
 
-        return self._pending(start, finish, async_op, tensors, staged)
+        return self._pending(start, finish, async_op, tensors, flat, staged)
 
     def _pending(
-        self, start: Callable, finish, async_op: bool, buffers: Sequence[torch.Tensor],
-        staged: int = 0,
+        self, start: Callable[[list[torch.Tensor]], Work], finish, async_op: bool,
+        buffers: Sequence[torch.Tensor], flat: bool = False, staged: int = 0,
     ):  # fmt: skip
-        """Start a work and wrap it; on gloo, note the references it holds to ``buffers`` for
-        :func:`_settle`. The work object goes straight to :class:`Pending`, whose ``wait()``
-        drops the last reference to it (and stops counting the ``staged`` bytes)."""
-        before = [_refs(t) for t in buffers] if self._gloo else []
-        if staged:  # the staging buffer, counted from here to the wait, and nothing else
-            release = memory.charge(staged)
-            try:
-                with memory.unrecorded():
-                    pending = Pending(start(), finish, release=release)
-            except BaseException:
-                release()
-                raise
+        """Start a work on ``buffers`` and wrap it: ``start`` gets what to hand the backend (on
+        gloo the buffers' aliases, :func:`_alias`, while :class:`Pending` keeps the buffers
+        until its wait). The work object goes straight to :class:`Pending`, whose ``wait()``
+        drops the last reference to it (and stops counting the ``staged`` bytes). No frame of
+        ours keeps what the backend was handed."""
+        if self._gloo:
+            given = [_alias(t, flat) for t in buffers]
         else:
-            pending = Pending(start(), finish)
-        if self._gloo:  # the buffers the work took references to, and which counts rose
-            rose = [
-                (t, tuple(n > b for n, b in zip(_refs(t), was))) for t, was in zip(buffers, before)
-            ]
-            pending._held = [(t, r) for t, r in rose if any(r)]
+            given = [t.view(-1) for t in buffers] if flat else list(buffers)
+        release = memory.charge(staged) if staged else None  # counted until the wait
+        try:
+            with memory.unrecorded():  # (a collective's outputs are buffers counted already)
+                pending = Pending(start(given), finish, buffers if self._gloo else (), release)
+        except BaseException:
+            if release is not None:
+                release()
+            raise
+        given.clear()
         return pending if async_op else pending.wait()
 
     @staticmethod
@@ -381,14 +362,14 @@ class Comm:
             recv.copy_(send)
             return self._ret(None, lambda: recv, async_op)
         nxt, prv = self.ranks[(self.rank + 1) % self.size], self.ranks[(self.rank - 1) % self.size]
-        send = send.contiguous()
-        ops = [
-            dist.P2POp(dist.isend, send, nxt, group=self.group),
-            dist.P2POp(dist.irecv, recv, prv, group=self.group),
-        ]
-        return self._pending(
-            lambda: dist.batch_isend_irecv(ops), lambda: recv, async_op, (send, recv)
-        )
+
+        def start(given: list[torch.Tensor]) -> Work:
+            return dist.batch_isend_irecv([
+                dist.P2POp(dist.isend, given[0], nxt, group=self.group),
+                dist.P2POp(dist.irecv, given[1], prv, group=self.group),
+            ])  # fmt: skip
+
+        return self._pending(start, lambda: recv, async_op, (send.contiguous(), recv))
 
     def replay(self, method: str, shape: tuple[int, ...], dtype: torch.dtype, kw: dict) -> None:
         """Issue one traced collective again, synchronously, on fresh buffers of its shape."""
@@ -405,6 +386,5 @@ class Comm:
     def all_reduce_metric(self, t: torch.Tensor) -> torch.Tensor:
         """Sum a reported metric (loss, norms): not training traffic, deliberately not counted."""
         if self.size > 1:
-            with blocked_in_collective():
-                dist.all_reduce(t, group=self.group)
+            self._issue(dist.all_reduce, (t,), lambda: t, False)
         return t
