@@ -48,11 +48,12 @@ def attn_shard_numel(cfg: ModelConfig, D: int) -> int:
     return _plain(cfg, D) + bias_rows(cfg, D) * cfg.hidden
 
 
-def schedule(c: Spec) -> Schedule:
+def schedule(c: Spec, loss: bool = True) -> Schedule:
     """Every shard of every weight is broadcast by its owner (attention, embedding, LM head; the
     MLP's with ``mlp_schedule = broadcast``) or passed around the ring (the MLP's); one head
     group's K/V are all-gathered along the sequence. In backward the weights come again, and
     their gradients are reduced to their owners (the ring's accumulators travel behind them).
+    ``loss`` off: the forward pass without the LM head's loss (a decoder's prefill).
 
     Overlapped (``ov``: with ``overlap`` on), as the code does it (tsp_impl/overlap.py, mlp.py):
     each broadcast loop prefetches shard r+1 while shard r computes (its first broadcast is
@@ -78,7 +79,8 @@ def schedule(c: Spec) -> Schedule:
     ev.add("forward", M, "broadcast", D, wv, D, overlapped=ov, exposed=1)  # embedding shards
     for _ in range(L):
         layer_fwd("forward")
-    ev.add("forward", M, "broadcast", D, wv, D, overlapped=ov, exposed=1)  # LM head shards
+    if loss:
+        ev.add("forward", M, "broadcast", D, wv, D, overlapped=ov, exposed=1)  # LM head shards
     if c.train:
         ev.add("backward", M, "broadcast", D, wv, D, overlapped=ov, exposed=1)
         ev.add("backward", M, "reduce", D, wv, D, overlapped=True, exposed=1)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from tsp_impl import costs
 from tsp_impl.attention import attention_forward, bias_rows
 from tsp_impl.mlp import BroadcastMLP, RingMLP
 from tsp_impl.mlp import biases as mlp_biases
@@ -30,7 +31,16 @@ from tspbench.core.collectives import reduce_from
 from tspbench.core.comm import Comm
 from tspbench.core.config import ModelConfig
 from tspbench.core.costs import Schedule, Spec
-from tspbench.core.decode import FP32, PHASE, DecodeHooks, Decoder, greedy, run_layers
+from tspbench.core.decode import (
+    FP32,
+    PHASE,
+    DecodeHooks,
+    Decoder,
+    greedy,
+    greedy_events,
+    last_token_events,
+    run_layers,
+)
 from tspbench.core.kvcache import KVCache, Step, merge_scatter, partial_attention
 from tspbench.core.layers import rms_norm
 from tspbench.core.mesh import Axis
@@ -127,7 +137,14 @@ class TSPDecoder(Decoder):
             ev.add(PHASE, ax, "all_reduce", D, B * nh * FP32)
             ev.add(PHASE, ax, "reduce_scatter", D, B * nh * (d + 1) * FP32)
             ev.add(PHASE, ax, "all_reduce", D, B * h * e, times=2)
-        ev.add(PHASE, ax, "all_gather", D, D * B * 2 * FP32)
+        greedy_events(ev, spec, D, ax)
+        return ev
+
+    @classmethod
+    def prefill_schedule(cls, spec: Spec) -> Schedule:
+        ev = costs.schedule(spec, loss=False)
+        last_token_events(ev, spec, spec.degree, Axis.MODEL)
+        greedy_events(ev, spec, spec.degree, Axis.MODEL, "forward")
         return ev
 
     def _step(self, x: torch.Tensor) -> Step:

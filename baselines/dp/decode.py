@@ -30,6 +30,10 @@ class SingleDecoder(Decoder):
     def schedule(cls, spec: costs.Spec) -> costs.Schedule:
         return costs.Schedule()
 
+    @classmethod
+    def prefill_schedule(cls, spec: costs.Spec) -> costs.Schedule:
+        return costs.Schedule()
+
     def _layers(self) -> list[dict]:
         model, n = self.model.model, self.model.cfg.layers
         return [{k: model.p(f"layers.{i}.{k}") for k in layer_params(model.cfg)} for i in range(n)]

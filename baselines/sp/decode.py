@@ -13,6 +13,7 @@ from tspbench.core.decode import (
     DecodeHooks,
     Decoder,
     head_step,
+    last_token_events,
     merge_events,
     named_layers,
     prefill_layers,
@@ -43,6 +44,12 @@ class SPDecoder(Decoder):
         ev = costs.Schedule()
         merge_events(ev, spec, spec.degree, spec.cfg.heads, Axis.MODEL)
         return ev
+
+    @classmethod
+    def prefill_schedule(cls, spec: costs.Spec) -> costs.Schedule:
+        ev = costs.context_parallel(spec, Axis.MODEL, spec.degree)  # its loss is local
+        last_token_events(ev, spec, spec.degree, Axis.MODEL)
+        return ev  # (every rank holds the LM head: the pick is local)
 
     def _layers(self) -> list[dict]:
         return named_layers(self.model.params, self.model.cfg)

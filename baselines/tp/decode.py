@@ -12,6 +12,7 @@ from tspbench.core.decode import (
     DecodeHooks,
     Decoder,
     check_kv_split,
+    greedy_events,
     head_step,
     kv_heads_local,
     local_attend,
@@ -47,6 +48,12 @@ class TPDecoder(Decoder):
     def schedule(cls, spec: costs.Spec) -> costs.Schedule:
         ev = costs.Schedule()
         megatron_events(ev, spec, spec.degree, Axis.MODEL)
+        return ev
+
+    @classmethod
+    def prefill_schedule(cls, spec: costs.Spec) -> costs.Schedule:
+        ev = costs.megatron(spec, spec.degree, Axis.MODEL, loss=False)
+        greedy_events(ev, spec, spec.degree, Axis.MODEL, "forward")
         return ev
 
     def _layers(self) -> list[dict]:

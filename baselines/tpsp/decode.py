@@ -13,8 +13,10 @@ from tspbench.core.decode import (
     DecodeHooks,
     Decoder,
     check_kv_split,
+    greedy_events,
     head_step,
     kv_heads_local,
+    last_token_events,
     megatron_events,
     merge_events,
     named_layers,
@@ -55,6 +57,13 @@ class TPSPDecoder(Decoder):
         ev = costs.Schedule()
         megatron_events(ev, spec, spec.tp, Axis.TP)
         merge_events(ev, spec, spec.sp, spec.cfg.heads // spec.tp, Axis.SP)
+        return ev
+
+    @classmethod
+    def prefill_schedule(cls, spec: costs.Spec) -> costs.Schedule:
+        ev = costs.megatron(spec, spec.tp, Axis.TP, Axis.SP, spec.sp, loss=False)
+        last_token_events(ev, spec, spec.sp, Axis.SP)
+        greedy_events(ev, spec, spec.tp, Axis.TP, "forward")
         return ev
 
     def _layers(self) -> list[dict]:

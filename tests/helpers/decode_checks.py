@@ -13,6 +13,7 @@ from tests.helpers.checks import case_spec, close, err, mesh_for
 from tspbench.core.decode import bytes_per_step
 from tspbench.core.dtypes import DTYPES
 from tspbench.core.reference import ReferenceModel, make_batch
+from tspbench.projection.decode import prefill_bytes
 
 
 def reference_generation(
@@ -62,6 +63,7 @@ def check_decode(case: dict) -> dict:
     mesh.counter.reset()
     dec = strat.decoding()
     cache, step = dec.prefill(tokens, spec.seq_len + spec.new_tokens - 1)
+    prefill = {k: b for k, b in mesh.counter.by_kind(axes=("model", "tp", "sp")).items() if b}
     steps, counted = [step], []
     for _ in range(spec.new_tokens - 1):
         mesh.counter.reset()
@@ -84,6 +86,8 @@ def check_decode(case: dict) -> dict:
         "bytes": counted,
         "expect": expect,
         "bytes_exact": all(c == expect for c in counted),
+        "prefill_bytes": prefill,
+        "prefill_expect": prefill_bytes(spec),
         "cache_bytes": cache.nbytes(),
         "cache_expect": spec.impl.decoder.kv_cache_bytes(spec),
         "cache_length": cache.length,
@@ -97,6 +101,7 @@ def check_decode(case: dict) -> dict:
         and res["tokens_equal"]
         and res["logits_close"]
         and res["bytes_exact"]
+        and res["prefill_bytes"] == res["prefill_expect"]
         and res["cache_bytes"] == res["cache_expect"]
     )
     return res

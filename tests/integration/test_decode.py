@@ -100,8 +100,11 @@ def test_generation_equals_reference(results, case):
 
 @pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
 def test_bytes_per_step_equal_closed_form(results, case):
+    """Every decode step's bytes, and the prefill's (its forward without the loss, then the
+    last position's hidden state and the greedy pick), by collective kind."""
     res = results[case["id"]]
     assert res["bytes_exact"], f"counted {res['bytes']}, closed form {res['expect']}"
+    assert res["prefill_bytes"] == res["prefill_expect"]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])

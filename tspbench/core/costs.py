@@ -248,10 +248,13 @@ def grads_all_reduce(ev: Schedule, c: Spec, axis: str, size: int, numel: int) ->
         ev.add("backward", axis, "all_reduce", size, numel * c.e)
 
 
-def megatron(c: Spec, T: int, axis: str, cp_axis: str | None = None, cp: int = 1) -> Schedule:
+def megatron(
+    c: Spec, T: int, axis: str, cp_axis: str | None = None, cp: int = 1, loss: bool = True
+) -> Schedule:
     """Megatron tensor parallelism over the T ranks of ``axis`` (TP; TP+SP, whose local heads
     are also exchanged over the ``cp`` ranks of ``cp_axis`` in every phase, by its
-    ``cp_comm``)."""
+    ``cp_comm``); ``loss`` off: the forward pass without the vocabulary-parallel loss (a
+    decoder's prefill, which picks one next token instead)."""
     L, act = c.cfg.layers, c.tokens * c.cfg.hidden * c.e  # one [t, h] activation
     ev = Schedule()
     ev.add("forward", axis, "all_reduce", T, act)  # embedding
@@ -263,7 +266,8 @@ def megatron(c: Spec, T: int, axis: str, cp_axis: str | None = None, cp: int = 1
         ev.add(phase, axis, "all_reduce", T, act, n)
         if cp_axis is not None:
             cp_exchange(ev, c, phase, cp_axis, cp, T)
-    ev.add("forward", axis, "all_reduce", T, c.tokens * FP32, 3)  # CE max, sum-exp, target
+    if loss:
+        ev.add("forward", axis, "all_reduce", T, c.tokens * FP32, 3)  # CE max, sum-exp, target
     if c.train:
         ev.add("backward", axis, "all_reduce", T, act)  # copy_to before the LM head
         # QK norms: each rank's gradient sums over its heads only (Megatron-Core all-reduces

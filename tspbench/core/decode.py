@@ -92,6 +92,14 @@ class Decoder(ABC):
 
     @classmethod
     @abstractmethod
+    def prefill_schedule(cls, spec: costs.Spec) -> costs.Schedule:
+        """The collectives one rank issues in the prefill of ``spec`` (a forward pass over the
+        prompt, ``--mode infer``): the strategy's forward without its loss, then what brings
+        the last position's hidden state to the ranks holding the LM head and picks the next
+        token (:func:`last_token_events`, :func:`greedy_events`)."""
+
+    @classmethod
+    @abstractmethod
     def cache_split(cls, layout) -> tuple[int, int]:
         """(ranks splitting the cached sequence, ranks splitting the KV heads)."""
 
@@ -279,7 +287,21 @@ def megatron_events(ev: costs.Schedule, spec: costs.Spec, T: int, axis: str) -> 
     [B, h]; the greedy all-gather over the vocabulary split."""
     cfg, B, e = spec.cfg, spec.batch, spec.e
     ev.add(PHASE, axis, "all_reduce", T, B * cfg.hidden * e, times=2 * cfg.layers + 1)
-    ev.add(PHASE, axis, "all_gather", T, T * B * 2 * FP32)
+    greedy_events(ev, spec, T, axis)
+
+
+def greedy_events(
+    ev: costs.Schedule, spec: costs.Spec, T: int, axis: str, phase: str = PHASE
+) -> None:
+    """The greedy pick over a vocabulary split T ways: each rank's best (value, index) per
+    sequence, all-gathered."""
+    ev.add(phase, axis, "all_gather", T, T * spec.batch * 2 * FP32)
+
+
+def last_token_events(ev: costs.Schedule, spec: costs.Spec, P: int, axis: str) -> None:
+    """A prefill over a sequence split P ways: the prompt's last position ends the zigzag
+    chunk of the axis' rank 0, which broadcasts its [B, h] hidden state."""
+    ev.add("forward", axis, "broadcast", P, spec.batch * spec.cfg.hidden * spec.e)
 
 
 def merge_events(ev: costs.Schedule, spec: costs.Spec, P: int, heads: int, axis: str) -> None:

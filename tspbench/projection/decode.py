@@ -39,6 +39,15 @@ def bytes_per_token(c: RunSpec) -> dict[str, float]:
     return {k: b for k, b in out.items() if b}
 
 
+def prefill_bytes(c: RunSpec) -> dict[str, float]:
+    """Per-rank bytes of the prefill by collective kind (the record's ``prefill_comm_bytes``
+    is their sum)."""
+    out: dict[str, float] = {}
+    for _, _, kind, size, nbytes in _decoder(c).prefill_schedule(prefill_spec(c)):
+        out[kind] = out.get(kind, 0.0) + bus_bytes(kind, nbytes, size)
+    return {k: b for k, b in out.items() if b}
+
+
 def _split(c: RunSpec) -> tuple[int, int, int]:
     """(ranks splitting the sequence, KV heads per rank, query heads per rank)."""
     seq, heads = _decoder(c).cache_split(c.layout)
