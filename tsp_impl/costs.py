@@ -145,6 +145,9 @@ def inference_working_set(c: Spec) -> tuple[int, int]:
       in global order (the previous group's tensors are freed by then);
     - MLP, at a slice s > 0: the layer input, x + attention, its normed copy, Y; this slice's
       [h1 h3] and its gate; this slice and the next;
+    - the embedding, at an owner r > 0: this shard and the next, the output so far, this
+      owner's lookup and the merged output (what a prefill, which has no loss, crests at when
+      the vocabulary is large against the local tokens);
     at D = 1 there is no previous group or slice, no Y yet and no shard in flight.
     The loss: a shard's logits in x's dtype and in fp32, the head shard in use and in flight."""
     cfg, e, t, D = c.cfg, c.e, c.tokens, c.degree
@@ -155,8 +158,9 @@ def inference_working_set(c: Spec) -> tuple[int, int]:
     attn = (2 + many) * act + t * (cfg.q_dim + 2 * kv) // D * e + 2 * kv_unit
     attn += many * 2 * wa
     mlp = 4 * act + 3 * tf + many * 2 * sl
+    embed = 3 * act + many * 2 * vl * h * e
     loss = 2 * act + logits + t * vl * e + 2 * vl * h * e
-    return max(attn, mlp) + plan_tables(c), loss + plan_tables(c)
+    return max(attn, mlp, embed) + plan_tables(c), loss + plan_tables(c)
 
 
 def backward_transients(c: Spec) -> tuple[int, int, int]:

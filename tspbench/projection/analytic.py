@@ -175,8 +175,10 @@ class Memory(TypedDict, total=False):
     peak_at: str
 
 
-def memory(c: RunSpec) -> Memory:
-    """Bytes per rank by part, and the peak of the first step and of the steady state.
+def memory(c: RunSpec, loss: bool = True) -> Memory:
+    """Bytes per rank by part, and the peak of the first step and of the steady state
+    (``loss`` off, forward only: a decoder's prefill, which computes one position's logits,
+    not the loss over every token's; its [B, V/T] row is not modelled).
 
     The peak is the largest of the moments where a step's memory crests, each a sum of parts:
       loss backward    saved activations + the loss's transients (logit buffers; TSP: one
@@ -211,7 +213,8 @@ def memory(c: RunSpec) -> Memory:
         "optimizer": 8 * n if c.train else 0,
     }
     if not c.train:
-        work = max(impl.costs.inference_working_set(c))
+        layer, loss_work = impl.costs.inference_working_set(c)
+        work = max(layer, loss_work) if loss else layer
         parts.update({"saved_activations": 0, "transient": work, "peak_at": "inference"})
         parts["peak_first"] = parts["peak"] = rest + work
         return parts

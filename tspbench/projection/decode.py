@@ -65,10 +65,11 @@ def prefill_spec(c: RunSpec) -> RunSpec:
 
 def memory(c: RunSpec) -> dict[str, Any]:
     """Bytes per rank: weights, the cache, the prefill's peak (a forward pass with the cache
-    alive) and the decode step's (scores and probabilities of every local key, fp32; logits),
-    and the larger of the two."""
+    alive, whose LM head sees the last position only: no loss over every token's logits) and
+    the decode step's (scores and probabilities of every local key, fp32; logits), and the
+    larger of the two."""
     kv = _decoder(c).kv_cache_bytes(c)
-    prefill = analytic.memory(prefill_spec(c))["peak"] + kv
+    prefill = analytic.memory(prefill_spec(c), loss=False)["peak"] + kv
     seq, _, q_heads = _split(c)
     slots = c.seq_len // seq + -(-(c.new_tokens - 1) // seq)
     vocab = c.cfg.vocab // c.impl.costs.weight_split(c.layout)
