@@ -13,7 +13,8 @@ from tests.helpers.records import written_keys
 from tests.helpers.runner import tspbench
 from tspbench.core.config import get_config
 from tspbench.core.decode import bytes_per_step
-from tspbench.projection.decode import memory, prefill_bytes
+from tspbench.projection.analytic import flop_parts
+from tspbench.projection.decode import memory, prefill_bytes, prefill_spec
 from tspbench.projection.estimate import estimate
 from tspbench.runtime.registry import schema
 from tspbench.runtime.spec import RunSpec
@@ -90,12 +91,18 @@ def test_fake_estimate_is_the_measured_decode_run(records, name):
     [("tp", {"degree": 4}), ("tsp", {"degree": 4}), ("sp", {"degree": 4}),
      ("tpsp", {"degree": 4, "tp": 2, "sp": 2})],
 )  # fmt: skip
-def test_decode_memory_model_is_within_10_percent_of_the_run(strategy, layout):
+def test_decode_memory_within_10_percent_prefill_flops_exact(strategy, layout):
     """The closed-form decode peak against the fake-tensor run of the same generation (which
     equals the measured run's, test above), with a vocabulary large against the prompt's
     tokens: the prefill's LM head sees one position, so a model that charged it the loss over
-    every token's logits was 3.8x to 25x too high here."""
+    every token's logits was 3.8x to 25x too high here (and its FLOPs 5.9x)."""
     spec = RunSpec.make(strategy, get_config("tiny", vocab=32000), seq_len=2048, batch=1,
                         mode="decode", new_tokens=4, **layout)  # fmt: skip
-    run = estimate(spec, None, "cpu_flash")["peak_mem_bytes"]
-    assert abs(memory(spec)["peak"] / run - 1) <= 0.10
+    run = estimate(spec, None, "cpu_flash")
+    assert abs(memory(spec)["peak"] / run["peak_mem_bytes"] - 1) <= 0.10
+    # and the prefill's FLOPs, exactly: a generation's less its decode steps' (each step's
+    # recorded as an integer, so up to one FLOP per step lost to truncation)
+    gen = estimate(spec.replace(mode="generate"), None, "cpu_flash")["flops_per_rank"][0]
+    prefill = gen - (spec.new_tokens - 1) * run["flops_per_rank"][0]
+    expect = sum(flop_parts(prefill_spec(spec), loss=False).values())
+    assert 0 <= prefill - expect < spec.new_tokens

@@ -101,9 +101,11 @@ def attention_pairs(c: RunSpec) -> int:
     return 2 * P * s * s + s
 
 
-def flop_parts(c: RunSpec, model: bool = False) -> dict[str, int]:
+def flop_parts(c: RunSpec, model: bool = False, loss: bool = True) -> dict[str, int]:
     """FLOPs one rank executes per step, GEMMs and attention apart, as the FLOP counter counts
-    them (:mod:`tspbench.runtime.flops`); ``model``: without what is recomputed (MFU's count)."""
+    them (:mod:`tspbench.runtime.flops`); ``model``: without what is recomputed (MFU's count);
+    ``loss`` off, forward only: a decoder's prefill, whose LM head multiplies the last position
+    of each sequence, by the rank's share of the head."""
     cfg, B, impl = c.cfg, c.batch, c.impl
     h, kv, f, V, L, d = cfg.hidden, cfg.kv_dim, cfg.ffn, cfg.vocab, cfg.layers, cfg.d_head
     t = c.tokens
@@ -111,7 +113,7 @@ def flop_parts(c: RunSpec, model: bool = False) -> dict[str, int]:
     seqs = B // impl.replica_batch(c.layout)  # sequences of the micro-batch on this rank
     gemm = 2 * t * (2 * h * cfg.q_dim + 2 * h * kv + 3 * h * f) // T  # one layer, forward
     attn = 4 * seqs * (cfg.heads // T) * d * attention_pairs(c)  # one layer, forward
-    head = 2 * t * h * V // T
+    head = 2 * t * h * V // T if loss else 2 * c.batch * h * V // impl.costs.weight_split(c.layout)
     if not c.train:
         return {"gemm": L * gemm + head, "attention": L * attn}
     # backward: GEMMs twice, attention 2.5x; a loss may recompute its logits (TSP's, shard by
@@ -126,10 +128,10 @@ def flop_parts(c: RunSpec, model: bool = False) -> dict[str, int]:
     return {"gemm": g, "attention": a}
 
 
-def flops(c: RunSpec, model: bool = True) -> int:
+def flops(c: RunSpec, model: bool = True, loss: bool = True) -> int:
     """FLOPs one rank counts per step: model FLOPs (the record's ``flops_per_step`` share), or
-    with ``model`` False all it executes."""
-    return sum(flop_parts(c, model).values())
+    with ``model`` False all it executes (``loss``: as :func:`flop_parts`)."""
+    return sum(flop_parts(c, model, loss).values())
 
 
 def gemm_size(c: RunSpec) -> float:

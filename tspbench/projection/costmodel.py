@@ -200,12 +200,16 @@ def count_ops(c: RunSpec) -> int:
     return extrapolate(layer_counts(count_key(c)), c.cfg.layers)
 
 
-def project(c: RunSpec, preset: dict, ops: int | None = None) -> dict[str, Any]:
-    """Projected step time and its parts for one rank of case ``c`` on ``preset``."""
+def project(
+    c: RunSpec, preset: dict, ops: int | None = None, prefill: bool = False
+) -> dict[str, Any]:
+    """Projected step time and its parts for one rank of case ``c`` on ``preset``; with
+    ``prefill``, of a decoder's prefill of the forward-only ``c``: its collectives (the
+    decoder's ``prefill_schedule``) and FLOPs (the LM head on the last positions, no loss)."""
     per_node = preset.get("gpus_per_node", 8)
     world = c.degree * c.dp
     r = rates(preset, min(world, per_node))
-    fl = analytic.flop_parts(c)  # executed: recomputation takes time too
+    fl = analytic.flop_parts(c, loss=not prefill)  # executed: recomputation takes time too
     elem = analytic.elementwise_bytes(c)
     gemm_rate = _rate(r, "gemm_flops", analytic.gemm_size(c))
     attn_rate = _rate(r, "attention_flops", c.cfg.d_head, key="attention_flops_by_d")
@@ -213,7 +217,9 @@ def project(c: RunSpec, preset: dict, ops: int | None = None) -> dict[str, Any]:
     compute += elem / r["memory_bandwidth"]
     ops = count_ops(c) if ops is None else ops
     crit = ovl = 0.0
-    for ev in analytic.schedule(c):
+    decoder = c.impl.decoder
+    events = decoder.prefill_schedule(c) if prefill and decoder else analytic.schedule(c)
+    for ev in events:
         _, axis, kind, size, nbytes = ev
         if size <= 1:
             continue
@@ -240,7 +246,7 @@ def project(c: RunSpec, preset: dict, ops: int | None = None) -> dict[str, Any]:
         "comm_hidden_s": hidden,
         "dispatch_s_per_op": per_op,
         "serial_dispatch": serial_dispatch(preset),
-        "flops_per_rank": analytic.flops(c),  # MFU counts model FLOPs, as a record's
+        "flops_per_rank": analytic.flops(c, loss=not prefill),  # model FLOPs, as a record's
         "flops_executed_per_rank": fl["gemm"] + fl["attention"],
         "tokens_per_step": c.batch * c.seq_len * c.dp,
         "peak_flops": preset.get("peak_flops"),

@@ -106,7 +106,7 @@ def project_decode(c: RunSpec, preset: dict, prefill_ops: int | None = None) -> 
         link = r["inter"] if inter else r.get("groups", {}).get(str(size), r)[kind]
         comm += link["lat"] + bus_bytes(kind, nbytes, size) / link["bw"]
     latency = max(memory_s, compute_s) + comm
-    prefill = project(prefill_spec(c), preset, ops=prefill_ops)["step_time_s"]
+    prefill = project(prefill_spec(c), preset, ops=prefill_ops, prefill=True)["step_time_s"]
     mem = memory(c)
     return {
         "prefill_time_s": prefill,

@@ -24,9 +24,9 @@ def closed_forms(c: RunSpec) -> tuple[Mapping[str, Any], dict, dict]:
     if not c.decoding:
         return analytic.memory(c), analytic.comm_bytes(c), analytic.flop_parts(c)
     pre = decode.prefill_spec(c)
-    comm = {("prefill", k): b for (_, k), b in analytic.comm_bytes(pre).items()}
+    comm = {("prefill", k): b for k, b in decode.prefill_bytes(c).items()}
     comm.update({("decode step", k): b for k, b in decode.bytes_per_token(c).items()})
-    return decode.memory(c), comm, analytic.flop_parts(pre)
+    return decode.memory(c), comm, analytic.flop_parts(pre, loss=False)
 
 
 def model_report(c: RunSpec) -> tuple[dict[str, Any], str]:
