@@ -49,3 +49,37 @@ def test_collective_buffers_die_on_the_steps_thread():
     for rank in run_world(2, "tests.integration.test_comm_threads:frees_by_thread", 3000):
         assert set(rank) == {"MainThread"}, rank
         assert sum(rank.values()) >= 3000
+
+
+def dropped_unwaited() -> dict[str, object]:
+    """Rank 1 issues a broadcast and drops it unwaited (an exception unwinding past it); rank 0
+    sends half a second later. Gloo still runs the work on its alias of the buffer: the buffer
+    must be parked, not freed (else the data lands in whatever reused the memory, or the
+    heap's own bookkeeping: the rank crashes)."""
+    import time
+
+    import torch.distributed as dist
+
+    from tspbench.core import comm as comm_module
+    from tspbench.core.comm import Comm, CommCounter
+
+    comm = Comm(dist.new_group([0, 1]), [0, 1], "model", CommCounter())
+    n = 4096  # 16 KiB: a heap block the allocator hands out again at once
+    out: dict[str, object] = {}
+    if comm.rank == 0:
+        time.sleep(0.5)
+        comm.broadcast(torch.full((n,), 7.0), 0)
+    else:
+        pending = comm.broadcast(torch.zeros(n), 0, async_op=True)
+        del pending
+        fresh = [torch.zeros(n) for _ in range(8)]
+        time.sleep(1.5)
+        out["fresh_written"] = sum(int((t == 7.0).any()) for t in fresh)
+        out["parked_received"] = bool((comm_module._unwaited[-1][1][0] == 7.0).all())
+    dist.barrier()
+    return out
+
+
+def test_a_collective_dropped_unwaited_keeps_its_buffer():
+    rank1 = run_world(2, "tests.integration.test_comm_threads:dropped_unwaited")[1]
+    assert rank1 == {"fresh_written": 0, "parked_received": True}

@@ -37,3 +37,13 @@ def test_pending_keeps_the_buffers_until_its_wait():
     assert gone() is not None  # the backend works on the memory through an alias only
     pending.wait()
     assert gone() is None
+
+
+def test_a_flat_alias_of_a_strided_tensor_is_refused():
+    t = torch.arange(8.0).view(2, 4)
+    try:
+        _alias(t[:, :2], flat=True)  # 1-D over its memory would be elements 0-3, not 0,1,4,5
+    except ValueError as e:
+        assert "contiguous" in str(e)
+    else:
+        raise AssertionError("a strided tensor was flattened over its memory")
