@@ -16,7 +16,7 @@ import dataclasses
 from typing import Any
 
 from tspbench.core.comm import bus_bytes
-from tspbench.core.decode import Decoder, kv_heads_local
+from tspbench.core.decode import Decoder, bytes_per_step, kv_heads_local
 from tspbench.core.mesh import Axis
 from tspbench.projection import analytic
 from tspbench.projection.costmodel import project, rates, usable_memory
@@ -42,10 +42,7 @@ def bytes_per_token(c: RunSpec) -> dict[str, float]:
 def prefill_bytes(c: RunSpec) -> dict[str, float]:
     """Per-rank bytes of the prefill by collective kind (the record's ``prefill_comm_bytes``
     is their sum)."""
-    out: dict[str, float] = {}
-    for _, _, kind, size, nbytes in _decoder(c).prefill_schedule(prefill_spec(c)):
-        out[kind] = out.get(kind, 0.0) + bus_bytes(kind, nbytes, size)
-    return {k: b for k, b in out.items() if b}
+    return bytes_per_step(_decoder(c).prefill_schedule(prefill_spec(c)))
 
 
 def _split(c: RunSpec) -> tuple[int, int, int]:
