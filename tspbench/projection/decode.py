@@ -33,10 +33,7 @@ def _decoder(c: RunSpec) -> type[Decoder]:
 
 def bytes_per_token(c: RunSpec) -> dict[str, float]:
     """Per-rank bytes of one decode step by collective kind."""
-    out: dict[str, float] = {}
-    for _, _, kind, size, nbytes in _decoder(c).schedule(c):
-        out[kind] = out.get(kind, 0.0) + bus_bytes(kind, nbytes, size)
-    return {k: b for k, b in out.items() if b}
+    return bytes_per_step(_decoder(c).schedule(c))
 
 
 def prefill_bytes(c: RunSpec) -> dict[str, float]:
