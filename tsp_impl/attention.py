@@ -227,7 +227,7 @@ def attention_forward(
         if save:
             saved += [raw, a, *lses, *kvs]  # (raw is qkv without QK norms)
             del raw
-        del qkv, a, parts, kvs  # (not alive while the next head group's are computed)
+        del qkv, q, k, v, a, parts, kvs  # (not alive while the next head group's are computed)
     assert y is not None  # (D >= 1 head groups)
     return y.view(B, n, h), saved, len(lses)
 
@@ -276,7 +276,7 @@ def attention_backward(
             dvs.append(dkv[:, :, 1])
             del dq, dk, dv, dkv
         dqkv = torch.cat(dqs + dks + dvs, dim=2)  # [B, S/D, hq + 2 hkv, d]
-        del dqs, dks, dvs, qkv, q, k, v
+        del dqs, dks, dvs, qkv, q, k, v, da
         rotate(dqkv[:, :, : plan.hq + plan.hkv], plan.rot_inv)
         if norms is not None:
             unnorm_grad(dqkv, raw, norms, rstds, plan, dnorms)
@@ -289,6 +289,7 @@ def attention_backward(
         if plan.cfg.qkv_bias:  # the biases' rows: their gradient, then zeros
             dw[rows + plan.hq * plan.cfg.d_head :].zero_()
             torch.sum(dqkv, dim=0, out=qkv_bias(dw, plan))
+        del dqkv  # (not alive while the next head group's are computed)
         reduces.reduce(dw, dst=r)
         if r == plan.rank:
             dw_own = dw
