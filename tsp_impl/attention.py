@@ -32,6 +32,12 @@ are scatter-added into the gathered-order buffer the reduce-scatter takes (two i
 [dQ dK_p dV_p] is one tensor for the dX and dW GEMMs, and the layer's residual input starts the
 accumulation of Y (the Function returns residual + attention).
 
+With ``kv_exchange = ring`` (``plan.ring``) each bucket's local K/V pair goes round the ring
+instead (:mod:`tspbench.core.ring_attention`): forward, the queries meet one arriving chunk pair
+per step, merged by log-sum-exp, nothing of sequence length S allocated; backward, the pair goes
+round again with the fp32 dK/dV sums a hop behind, which the last hop brings home (the
+reduce-scatter's work). The saved tensors are the same, one log-sum-exp per bucket.
+
 The two loops are plain functions, ``attention_forward`` and ``attention_backward`` (tensors and
 the plan in, outputs and what backward needs out), under a thin ``BroadcastAttention``
 autograd.Function that keeps the saved tensors on its ctx. Decode's prefill runs the same
@@ -50,6 +56,7 @@ from tsp_impl.plan import TSPPlan
 from tspbench.core.attention import causal_bwd, causal_fwd
 from tspbench.core.config import ModelConfig
 from tspbench.core.layers import rms_norm_bwd, rms_norm_fwd
+from tspbench.core.ring_attention import ring_backward, ring_forward
 
 Keep = Callable[[int, torch.Tensor, torch.Tensor], None]  # (head group r, its local K, V)
 Norms = tuple[torch.Tensor, torch.Tensor] | None  # Qwen3's QK norm weights [d] each, or none
@@ -212,6 +219,12 @@ def attention_forward(
         parts, lses, kvs = [], [], []
         for _, ks in plan.buckets():
             q, k, v = heads(qkv, plan, ks)
+            if plan.ring:  # [B, b', S/D, d] output laid out as the kernel's: [B, S/D, b', d]
+                o, lse_b = ring_forward(q, torch.stack([k, v]), plan.comm, plan.overlap)
+                parts.append(o.transpose(1, 2))
+                lses.append(lse_b)
+                del o
+                continue
             K, V = gather_kv(k, v, plan)
             a, lse = attend(q, K, V, plan)
             parts.append(a)
@@ -219,7 +232,7 @@ def attention_forward(
             if save and plan.save_kv:
                 kvs += [K, V]  # (views of one gathered buffer)
             del K, V
-        a = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+        a = parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=2)
         # (``res`` None: decode's prefill, no residual)
         y = accumulate(
             y, a.view(B * n, -1), wo_t(w, plan), None if res is None else res.view(B * n, h)
@@ -258,6 +271,16 @@ def attention_backward(
         dqs, dks, dvs = [], [], []
         for i, (qs, ks) in enumerate(plan.buckets()):
             q, k, v = heads(qkv, plan, ks)
+            if plan.ring:  # dK/dV come home round the ring: this rank's chunks' [2, B, b, S/D, d]
+                dq_b, dkv = ring_backward(
+                    da[:, :, qs].transpose(1, 2), q, torch.stack([k, v]),
+                    a[:, :, qs].transpose(1, 2), lses[i], plan.comm, plan.overlap,
+                )  # fmt: skip
+                dqs.append(dq_b.transpose(1, 2))
+                dks.append(dkv[0].transpose(1, 2))
+                dvs.append(dkv[1].transpose(1, 2))
+                del dq_b, dkv
+                continue
             K, V = kvs[2 * i : 2 * i + 2] if kvs else gather_kv(k, v, plan)
             lse = lses[i * n_chunks : (i + 1) * n_chunks]
             dq, dk, dv = [], [], []

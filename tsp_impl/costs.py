@@ -17,7 +17,7 @@ from tsp_impl.attention import bias_rows
 from tsp_impl.mlp import bias_rows as mlp_bias_rows
 from tspbench.core import costs
 from tspbench.core.config import ModelConfig
-from tspbench.core.costs import Schedule, Spec
+from tspbench.core.costs import FP32, Schedule, Spec
 from tspbench.core.mesh import Axis
 from tspbench.core.strategy import Layout
 
@@ -51,7 +51,9 @@ def attn_shard_numel(cfg: ModelConfig, D: int) -> int:
 def schedule(c: Spec, loss: bool = True) -> Schedule:
     """Every shard of every weight is broadcast by its owner (attention, embedding, LM head; the
     MLP's with ``mlp_schedule = broadcast``) or passed around the ring (the MLP's); one head
-    group's K/V are all-gathered along the sequence. In backward the weights come again, and
+    group's K/V are all-gathered along the sequence (``kv_exchange = ring``: passed round the
+    ring, each bucket's pair in D - 1 hops, and in backward again with the fp32 dK/dV sums, whose
+    last hop brings each rank its own). In backward the weights come again, and
     their gradients are reduced to their owners (the ring's accumulators travel behind them).
     ``loss`` off: the forward pass without the LM head's loss (a decoder's prefill).
 
@@ -60,17 +62,28 @@ def schedule(c: Spec, loss: bool = True) -> Schedule:
     waited for at once); every ring hop is in flight during a step's GEMMs but the backward's
     last accumulator hop; a weight-gradient reduce drains while the next gradient computes (its
     last is waited for at once; attention's and the vocabulary's even with overlap off). K/V
-    gathers, their reduce-scatters and the norms' all-reduce are blocking."""
+    gathers, their reduce-scatters and the norms' all-reduce are blocking; the K/V ring's hops
+    hide behind the blocks but the last dK/dV hop of each bucket."""
     cfg, B, S, e, D = c.cfg, c.batch, c.seq_len, c.e, c.degree
     h, kv, V, L = cfg.hidden, cfg.kv_dim, cfg.vocab, cfg.layers
     wa, wm, wv = attn_shard_numel(cfg, D) * e, mlp_slice_numel(cfg, D) * e, V // D * h * e
     kv_full = 2 * B * S * kv // D * e  # one head group's K and V over the whole sequence
     ev, M = Schedule(), Axis.MODEL
     ring, ov = c.options["mlp_schedule"] == "ring", c.options["overlap"]
+    kv_ring = kv_exchange_ring(c)
+    # the ring's hops: per head group, each bucket's local K/V pair [2, B, b, S/D, d]
+    buckets = 1 if not c.options["kv_bucket"] else kv // cfg.d_head // D // c.options["kv_bucket"]
+    kv_hop, hops = 2 * c.tokens * kv // D // buckets, D * buckets * (D - 1)
+
+    def kv_fwd(phase: str) -> None:
+        if kv_ring:  # each arriving pair sent on before its block is computed
+            ev.add(phase, M, "send_recv", D, kv_hop * e, hops, overlapped=ov)
+        else:
+            ev.add(phase, M, "all_gather", D, kv_full, D)
 
     def layer_fwd(phase: str) -> None:
         ev.add(phase, M, "broadcast", D, wa, D, overlapped=ov, exposed=1)
-        ev.add(phase, M, "all_gather", D, kv_full, D)
+        kv_fwd(phase)
         if ring:
             ev.add(phase, M, "send_recv", D, wm, D - 1, overlapped=ov)
         else:
@@ -88,11 +101,14 @@ def schedule(c: Spec, loss: bool = True) -> Schedule:
             if c.rc:
                 layer_fwd("backward")
             ev.add("backward", M, "broadcast", D, wa, D, overlapped=ov, exposed=1)
-            if (
-                c.options["kv_backward"] == "regather"
-            ):  # (save: the forward's gathered K/V are kept)
-                ev.add("backward", M, "all_gather", D, kv_full, D)
-            ev.add("backward", M, "reduce_scatter", D, kv_full, D)
+            if kv_ring:  # K/V round again, the fp32 dK/dV sums a hop behind; the last exposed
+                ev.add("backward", M, "send_recv", D, kv_hop * e, hops, overlapped=ov)
+                ev.add("backward", M, "send_recv", D, kv_hop * FP32, hops, overlapped=ov)
+                ev.add("backward", M, "send_recv", D, kv_hop * FP32, D * buckets)
+            else:
+                if c.options["kv_backward"] == "regather":  # (save: the forward's are kept)
+                    ev.add("backward", M, "all_gather", D, kv_full, D)
+                ev.add("backward", M, "reduce_scatter", D, kv_full, D)
             ev.add("backward", M, "reduce", D, wa, D, overlapped=True, exposed=1)
             if ring:  # D-1 slice hops, D accumulator hops
                 ev.add("backward", M, "send_recv", D, wm, 2 * D - 1, overlapped=ov, exposed=1)
@@ -103,6 +119,11 @@ def schedule(c: Spec, loss: bool = True) -> Schedule:
         ev.add("backward", M, "reduce", D, wv, D, overlapped=True, exposed=1)
         ev.add("backward", M, "all_reduce", D, costs.replicated_numel(cfg) * e)  # norms, bo, b2
     return ev
+
+
+def kv_exchange_ring(c: Spec) -> bool:
+    """Whether head groups' K/V go round the ring (``kv_exchange = ring``, D > 1)."""
+    return c.options["kv_exchange"] == "ring" and c.degree > 1
 
 
 def saved_per_layer(c: Spec) -> int:
@@ -142,7 +163,8 @@ def inference_working_set(c: Spec) -> tuple[int, int]:
     """(layer, loss), with the plan's tables. The layer: the larger of
     - attention, at the K/V gather of a head group r > 0: the layer input, its normed copy and
       Y; this attention shard and the next; the group's [Q K V]; the gathered K/V and its copy
-      in global order (the previous group's tensors are freed by then);
+      in global order (the previous group's tensors are freed by then); with the K/V ring,
+      instead of the gathered pair, the ring's crest (:func:`ring_forward_crest`);
     - MLP, at a slice s > 0: the layer input, x + attention, its normed copy, Y; this slice's
       [h1 h3] and its gate; this slice and the next;
     - the embedding, at an owner r > 0: this shard and the next, the output so far, this
@@ -155,7 +177,8 @@ def inference_working_set(c: Spec) -> tuple[int, int]:
     act, kv_unit, logits = _units(c)
     wa, sl, tf = attn_shard_numel(cfg, D) * e, mlp_slice_numel(cfg, D) * e, t * cfg.ffn // D * e
     many = int(D > 1)
-    attn = (2 + many) * act + t * (cfg.q_dim + 2 * kv) // D * e + 2 * kv_unit
+    exchange = ring_forward_crest(c) if kv_exchange_ring(c) else 2 * kv_unit
+    attn = (2 + many) * act + t * (cfg.q_dim + 2 * kv) // D * e + exchange
     attn += many * 2 * wa
     mlp = 4 * act + 3 * tf + many * 2 * sl
     embed = 3 * act + many * 2 * vl * h * e
@@ -170,7 +193,9 @@ def backward_transients(c: Spec) -> tuple[int, int, int]:
     gathered K/V of a head group, the chunks' dK/dV and dA, less the top layer's MLP saved
     tensors (counted among the saved, freed by then); with QK norms, the head group's normed
     [Q K V], recomputed from its saved projection. On CPU the longer chunk's kernel call is
-    split at the diagonal and its dK/dV concatenated: two more copies of its keys' K/V. At the
+    split at the diagonal and its dK/dV concatenated: two more copies of its keys' K/V. With
+    the K/V ring: the ring's crest (:func:`ring_backward_crest`) and dA, less the MLP's saved
+    tensors and its norm's input and output. At the
     end: the embedding gradient, one owner's [V/D, h] filling and one in flight, and a masked
     copy of dx."""
     cfg, e, D, t = c.cfg, c.e, c.degree, c.tokens
@@ -178,15 +203,50 @@ def backward_transients(c: Spec) -> tuple[int, int, int]:
     act, kv_unit, logits = _units(c)
     tables = plan_tables(c)
     loss_t = 2 * logits + t * vl * e + act + 2 * vl * h * e
-    kv = 2 * kv_unit if D == 1 else 3 * kv_unit + kv_unit // (2 * D)
-    kv -= (
-        kv_unit if c.options["kv_backward"] == "save" else 0
-    )  # kept among the saved, not gathered again
-    attn_t = kv + t * cfg.q_dim // D * e - 2 * t * cfg.ffn * e
+    if kv_exchange_ring(c):
+        # the MLP's norm (its input and output, freed with the MLP's saved tensors) is gone too
+        attn_t = ring_backward_crest(c) + t * cfg.q_dim // D * e - 2 * t * cfg.ffn * e - 2 * act
+    else:
+        kv = 2 * kv_unit if D == 1 else 3 * kv_unit + kv_unit // (2 * D)
+        kv -= (
+            kv_unit if c.options["kv_backward"] == "save" else 0
+        )  # kept among the saved, not gathered again
+        attn_t = kv + t * cfg.q_dim // D * e - 2 * t * cfg.ffn * e
     if cfg.qk_norm:  # the group's [Q K V] normed again from the saved projection (attention.py)
         attn_t += t * (cfg.q_dim + 2 * cfg.kv_dim) // D * e
     layer_t = 2 * act + max(attn_t, mlp_t(c))
     return loss_t + tables, layer_t + tables, 2 * vl * h * e + act + tables
+
+
+def _ring_units(c: Spec) -> tuple[int, int, int]:
+    """(one head group's local attention output, its local K/V pair, its fp32 log-sum-exps)."""
+    cfg, t, D = c.cfg, c.tokens, c.degree
+    return t * cfg.q_dim // D * c.e, 2 * t * cfg.kv_dim // D * c.e, 4 * t * cfg.heads // D
+
+
+def ring_forward_crest(c: Spec) -> int:
+    """A head group's ring attention forward at its crest (core/ring_attention.py), on the
+    rank whose blocks are largest (the last: every block but the first covers all its queries):
+    at the first block, the group's packed K/V and the buffer the next pair arrives in, the
+    block's output (and its fp32 copy, unless fp32); at a later block, the pair in use and (D > 2)
+    the next in flight, the fp32 output sum, the block's output, its fp32 copy (unless fp32) and
+    the merge's product; and the log-sum-exps."""
+    o, kvp, lse = _ring_units(c)
+    o32 = 4 * o // c.e
+    cast = o32 if c.e != 4 else 0  # (fp32: .float() is the tensor itself)
+    first = 2 * kvp + o + cast
+    later = kvp * (1 + int(c.degree > 2)) + o + cast + 2 * o32
+    return max(first, later) + 2 * lse
+
+
+def ring_backward_crest(c: Spec) -> int:
+    """A head group's ring attention backward at its crest: the K/V pair in use and (D > 2)
+    the next in flight, the fp32 dK/dV sum going out and the one arriving, the fp32 dQ sum, and
+    one block's gradients (dQ of every query over a previous rank's first chunk, or of the
+    second chunk over both: the larger)."""
+    o, kvp, _ = _ring_units(c)
+    block = max(o + kvp // 2, o // 2 + kvp)
+    return kvp * (1 + int(c.degree > 2)) + 2 * kvp * FP32 // c.e + o * FP32 // c.e + block
 
 
 def mlp_t(c: Spec) -> int:

@@ -58,6 +58,14 @@ KV_BACKWARD = Option(
     "(save: no backward gather, the full-sequence K/V of every head alive per layer)",
     choices=("regather", "save"), tag="-kv{value}", label=" (K/V saved)",
 )  # fmt: skip
+KV_EXCHANGE = Option(
+    "kv_exchange", "all_gather",
+    "how a head group's K/V cross the ranks: all_gather along the sequence (the paper's; "
+    "reduce-scatter in backward) or ring: chunks passed point-to-point behind each chunk's "
+    "attention, two alive at a time (Megatron-Core's p2p within TSP's head-group loop)",
+    choices=("all_gather", "ring"), searched=True, tag="-kvx-{value}", label=" ({value} K/V)",
+    short="kvx",
+)  # fmt: skip
 
 
 class TSP(Strategy):
@@ -69,7 +77,8 @@ class TSP(Strategy):
     kv_bucket: int
     mlp_schedule: str
     kv_backward: str
-    options = (OVERLAP, KV_BUCKET, MLP_SCHEDULE, KV_BACKWARD)  # the record's order
+    kv_exchange: str
+    options = (OVERLAP, KV_BUCKET, MLP_SCHEDULE, KV_BACKWARD, KV_EXCHANGE)  # the record's order
 
     @classmethod
     def context_parallel(cls, layout: Layout) -> int:
@@ -92,7 +101,8 @@ class TSP(Strategy):
             "mlp_schedule": "broadcast",
             "kv_backward": "save",
         }
-        return [*super().checked_options(), {KV_BUCKET.name: 1}, mix]
+        ring: dict[str, Value] = {**mix, "kv_backward": "regather", "kv_exchange": "ring"}
+        return [*super().checked_options(), {KV_BUCKET.name: 1}, mix, ring]
 
     @classmethod
     def preset_options(cls, preset: dict) -> dict[str, Value]:
@@ -118,6 +128,12 @@ class TSP(Strategy):
             raise ConfigError(
                 f"kv_bucket={kv_bucket}: must divide the KV heads per head group "
                 f"(kv_heads / D = {hkv}), or be 0 for the whole group"
+            )
+        save = options.get(KV_BACKWARD.name, KV_BACKWARD.default) == "save"
+        if save and options.get(KV_EXCHANGE.name, KV_EXCHANGE.default) == "ring":
+            raise ConfigError(
+                "kv_backward=save: needs kv_exchange=all_gather (the ring never holds a head "
+                "group's whole-sequence K/V to keep)"
             )
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, **kw) -> None:
@@ -189,7 +205,7 @@ class TSP(Strategy):
         if seq_len not in self._plans:
             self._plans[seq_len] = TSPPlan.build(
                 self.comm, self.cfg, seq_len, self.dtype, self.device, self.overlap,
-                self.kv_bucket, self.kv_backward == "save",
+                self.kv_bucket, self.kv_backward == "save", self.kv_exchange == "ring",
             )  # fmt: skip
         return self._plans[seq_len]
 

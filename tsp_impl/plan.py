@@ -38,6 +38,7 @@ class TSPPlan:
     overlap: bool = True  # prefetch the next shard while computing on this one
     kv_bucket: int = 0  # KV heads per attention bucket (0: the whole head group at once)
     save_kv: bool = False  # keep the gathered K/V for backward instead of gathering them again
+    ring: bool = False  # pass K/V chunks round the ring instead of all-gathering them
 
     @classmethod
     def build(
@@ -50,6 +51,7 @@ class TSPPlan:
         overlap: bool = True,
         kv_bucket: int = 0,
         save_kv: bool = False,
+        ring: bool = False,
     ) -> TSPPlan:
         D, r = comm.size, comm.rank
         cos, sin = rope_tables(zigzag.positions(seq_len, D, r), cfg, dtype)
@@ -69,6 +71,7 @@ class TSPPlan:
             overlap,
             kv_bucket,
             save_kv,
+            ring and D > 1,  # (one rank: plain attention either way)
         )
 
     @property

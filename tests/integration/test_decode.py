@@ -59,6 +59,10 @@ def _cases() -> list[dict]:
                   "B": 2, "N": 5, "mlp_schedule": "broadcast", "overlap": False})  # fmt: skip
     cases.append({"id": "tsp-D2-bucket1", "strategy": "tsp", "D": 2, "P": 16, "B": 2, "N": 5,
                   "kv_bucket": 1, "model": MODELS["gqa"]})  # fmt: skip
+    # TSP's prefill with each head group's K/V passed round the ring (kv_exchange=ring)
+    for D, model in ((2, "mha"), (4, "gqa")):
+        cases.append({"id": f"tsp-D{D}-{model}-kv-ring", "strategy": "tsp", "D": D, "P": 16,
+                      "B": 2, "N": 5, "kv_exchange": "ring", "model": MODELS[model]})  # fmt: skip
     # SP's and TP+SP's prefill over the Ulysses all-to-alls (cp_comm=a2a) and the ring
     # (cp_comm=ring): the cache keeps the same K/V
     for comm in ("a2a", "ring"):

@@ -1,8 +1,9 @@
 """Context parallelism's exchanges at an odd degree: every strategy that declares ``cp_comm``,
 at D = 3 (a 3-rank gloo world), each sequence-sharding exchange that splits 8 heads over 3
 (all_gather, ring), MHA and GQA, a length that is not a power of two, and bf16 (loose), equals
-the single-device reference (loss, hidden states, gradients, three AdamW steps). The shared
-equivalence test checks D = 1, 2, 4."""
+the single-device reference (loss, hidden states, gradients, three AdamW steps); and so does
+TSP's head-group K/V exchange (``kv_exchange``: all_gather, ring) at D = 3, on heads, vocabulary
+and MLP that split 3 ways. The shared equivalence test checks D = 1, 2, 4."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from tests.helpers.distributed import run_world
 from tspbench.runtime.registry import strategies
 
 D3 = [s for s, impl in strategies().items() if any(o.name == "cp_comm" for o in impl.options)]
+# TSP splits every weight 3 ways: 6 heads 16 wide (Q 96 of h = 64), MLP 192, vocabulary 258
+THIRDS = {"heads": 6, "kv_heads": 6, "head_dim": 16, "ffn": 192, "vocab": 258}
 
 
 def _cases() -> list[dict]:
@@ -29,6 +32,14 @@ def _cases() -> list[dict]:
                 {**base, "id": f"{s}-{comm}-gqa-bf16", "S": 12, "B": 1, "dtype": "bf16",
                  "model": {"kv_heads": 2}},
             ]  # fmt: skip
+    for comm in ("all_gather", "ring"):
+        base = {"strategy": "tsp", "D": 3, "B": 2, "kv_exchange": comm}
+        cases += [
+            {**base, "id": f"tsp-{comm}-mha-S30", "S": 30, "model": THIRDS},
+            {**base, "id": f"tsp-{comm}-gqa-S30", "S": 30, "model": {**THIRDS, "kv_heads": 3}},
+            {**base, "id": f"tsp-{comm}-gqa-bf16", "S": 12, "B": 1, "dtype": "bf16",
+             "model": {**THIRDS, "kv_heads": 3}},
+        ]  # fmt: skip
     return cases
 
 

@@ -66,7 +66,7 @@ def plan_cli(capsys, *argv) -> tuple[int, str, str]:
     return rc, out, err
 
 
-FITS = 11  # the table's "fits" column
+FITS = 8 + len(searched())  # the table's "fits" column: after the searched options' columns
 
 
 def table_rows(out: str) -> list[list[str]]:

@@ -67,9 +67,10 @@ def test_options_belong_to_their_strategy():
     keeps every strategy's option keys, an unused one at its default, as before."""
     tp, tsp = (argv_spec(["--strategy", s, "--seq-len", "64"]) for s in ("tp", "tsp"))
     assert dict(tp.options) == {} and list(tsp.options) == [
-        "overlap", "kv_bucket", "mlp_schedule", "kv_backward"]  # fmt: skip
+        "overlap", "kv_bucket", "mlp_schedule", "kv_backward", "kv_exchange"]  # fmt: skip
     keys = list(tp.header("local", 1))
-    want = ["recompute", "overlap", "kv_bucket", "mlp_schedule", "kv_backward", "cp_comm"]
+    want = ["recompute", "overlap", "kv_bucket", "mlp_schedule", "kv_backward", "kv_exchange"]
+    want += ["cp_comm"]
     want += ["sequence_parallel"]  # (tp_torch's)
     assert keys[keys.index("recompute") :][: len(want) + 1] == [*want, "model_config"]
     assert {k: tp.header("local", 1)[k] for k in tsp.options} == dict(tsp.options)
