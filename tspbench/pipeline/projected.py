@@ -132,9 +132,9 @@ def memory_table(cfg: dict, estimates: Path) -> pd.DataFrame:
 
 
 def _ratio_columns(rows: list[dict], group: list[tuple[int, RunSpec, int]], preset: dict) -> None:
-    """Each row's tokens/s over the fastest other row of its group (same preset, mode and S),
-    lowest and highest over every corner of the preset's rate ranges
-    (:func:`~tspbench.projection.costmodel.ratio_ranges`)."""
+    """Each row's tokens/s over the fastest row of another strategy in its group (same preset,
+    mode and S; not its own variants), lowest and highest over every corner of the preset's
+    rate ranges (:func:`~tspbench.projection.costmodel.ratio_ranges`)."""
     if len(group) < 2:
         return
     ranges = ratio_ranges([(c, n) for _, c, n in group], preset)

@@ -284,14 +284,18 @@ def all_corners(preset: dict) -> list[dict]:
 
 def ratio_ranges(cases: list[tuple[RunSpec, int]], preset: dict) -> list[tuple[float, float]]:
     """For each of ``cases`` (case, operations per step): the (lowest, highest) of its tokens/s
-    over the fastest of the others, over every corner of the preset's rate ranges, each case
-    projected once per corner; the fastest other may change from corner to corner, as it would
-    on a machine whose rates are those."""
+    over the fastest case of another strategy (a variant of its own, e.g. TSP's other K/V
+    exchange, is not an alternative to it; where every case is one strategy's, over the fastest
+    other case), over every corner of the preset's rate ranges, each case projected once per
+    corner; the fastest other may change from corner to corner, as it would on a machine whose
+    rates are those."""
     tokens = [[project(c, corner, n)["tokens_per_s"] for c, n in cases]
               for corner in all_corners(preset)]  # fmt: skip
     out = []
-    for j in range(len(cases)):
-        r = [t[j] / max(x for k, x in enumerate(t) if k != j) for t in tokens]
+    for j, (c, _) in enumerate(cases):
+        rivals = [k for k, (o, _) in enumerate(cases) if o.strategy != c.strategy]
+        rivals = rivals or [k for k in range(len(cases)) if k != j]
+        r = [t[j] / max(t[k] for k in rivals) for t in tokens]
         out.append((min(r), max(r)))
     return out
 
