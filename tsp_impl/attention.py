@@ -233,6 +233,7 @@ def attention_forward(
                 kvs += [K, V]  # (views of one gathered buffer)
             del K, V
         a = parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=2)
+        del parts  # (the ring's output, where the kernel's layout made ``a`` a copy)
         # (``res`` None: decode's prefill, no residual)
         y = accumulate(
             y, a.view(B * n, -1), wo_t(w, plan), None if res is None else res.view(B * n, h)
@@ -240,7 +241,7 @@ def attention_forward(
         if save:
             saved += [raw, a, *lses, *kvs]  # (raw is qkv without QK norms)
             del raw
-        del qkv, q, k, v, a, parts, kvs  # (not alive while the next head group's are computed)
+        del qkv, q, k, v, a, kvs  # (not alive while the next head group's are computed)
     assert y is not None  # (D >= 1 head groups)
     return y.view(B, n, h), saved, len(lses)
 

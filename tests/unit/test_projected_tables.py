@@ -37,3 +37,18 @@ def test_tsp_rows_take_each_presets_mlp_schedule(flat_ops):
     preset = costmodel.load_preset("mi300x")
     projected = costmodel.project(spec.preset_options(preset), preset)
     assert row.step_time_s.item() == projected["step_time_s"]
+
+
+def test_a_combination_of_listed_option_values_that_no_run_takes_is_refused_at_load(tmp_path):
+    """Each listed value may be valid alone and a combination not (TSP's kv_backward=save with
+    the K/V ring): ``load`` says so in one line, before the estimate rule or the report runs."""
+    import yaml
+
+    from tspbench.core.config import ConfigError
+
+    cfg = yaml.safe_load((ROOT / "workflows/config/projected.yaml").read_text())
+    cfg["throughput"]["options"] = {"kv_exchange": ["all_gather", "ring"], "kv_backward": ["save"]}
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    with pytest.raises(ConfigError, match="kv_backward=save: needs kv_exchange=all_gather"):
+        load(str(path))

@@ -106,3 +106,31 @@ def test_project_check_reads_repeated_runs(tmp_path):
     assert table["spread"].tolist() == pytest.approx([2.0] * 3)
     assert table["inside_range"].all()  # projections within 2x of the measurement here
     assert "inside the measured range: 3/3" in check_footer(table)
+
+
+def test_a_rows_rival_is_another_strategys_fastest_row(monkeypatch):
+    """ratio_ranges weighs each row against the fastest row of another strategy: TSP's ring
+    row is not weighed against TSP's all-gather row (a variant is not an alternative), at every
+    corner; where every row is one strategy's, against the fastest other row."""
+    from tspbench.projection import costmodel
+
+    cfg = get_config("tiny")
+
+    def case(strategy: str, **options) -> RunSpec:
+        return RunSpec.make(strategy, cfg, degree=2, seq_len=64, options=options)
+
+    tsp, tsp_ring, sp = case("tsp"), case("tsp", kv_exchange="ring"), case("sp")
+    speed = {  # tokens/s at two corners
+        (tsp, 0): 100.0, (tsp_ring, 0): 90.0, (sp, 0): 50.0,
+        (tsp, 1): 100.0, (tsp_ring, 1): 120.0, (sp, 1): 200.0,
+    }  # fmt: skip
+    preset = {"rate_ranges": {"x": [0, 1]}}
+    monkeypatch.setattr(
+        costmodel, "project", lambda c, corner, n=None: {"tokens_per_s": speed[c, corner["x"]]}
+    )
+    got = costmodel.ratio_ranges([(tsp, 1), (tsp_ring, 1), (sp, 1)], preset)
+    assert got == [(0.5, 2.0), (0.6, 1.8), (0.5, 200 / 120)]  # (SP against either TSP row)
+    # one strategy only: the other row
+    assert costmodel.ratio_ranges([(tsp, 1), (tsp_ring, 1)], preset) == [
+        (100 / 120, 100 / 90), (0.9, 1.2)
+    ]  # fmt: skip

@@ -238,7 +238,8 @@ def _ranges(ax, d: pd.DataFrame, colors: dict) -> None:
     the slowest and at the fastest corner (ten overlapping bands would hide each other)."""
     means = d.groupby("strategy").tokens_per_s_per_gpu.mean()
     first = "tsp" if "tsp" in set(d.strategy) else label_order(d.strategy)[0]
-    shown = [first, means.drop(first).idxmax()] if len(means) > 1 else [first]
+    others = means[[k.split()[0] != first.split()[0] for k in means.index]]  # not its variants
+    shown = [first, others.idxmax()] if len(others) else [first]
     for label, g in d[d.strategy.isin(shown)].groupby("strategy"):
         g = g.sort_values("seq_len")
         tokens = g.tokens_per_s_per_gpu * g.step_time_s  # per step and GPU
@@ -453,5 +454,8 @@ def load(path: str) -> dict[str, Any]:
     )
     t = cfg["throughput"]
     check_option_values("throughput.options", t.get("options", {}), t["strategies"])
+    for s, lay in layouts(cfg, t["strategies"]):  # each combination of the listed values, as
+        for opts in variants(cfg, s):  # the tables will build it (kv_backward=save with the
+            _spec(cfg, s, lay, t["seq_lens"][0], options=opts)  # K/V ring: one line, now)
     usable = usable_memory(load_preset(cfg["hardware"][0])) / GiB  # as every fit decision uses
     return {"device_memory_gib": round(usable, 1), **cfg}
