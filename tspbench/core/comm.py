@@ -76,9 +76,11 @@ class CommCounter:
         self.calls.clear()
 
     def by_kind(self, axes: tuple[str, ...] | None = None) -> dict[str, float]:
+        """Bytes per kind over ``axes`` (None: all); an axis's sub-groups (``model.a2a``,
+        :meth:`tspbench.core.mesh.Mesh.split`) count as the axis."""
         out: dict[str, float] = {}
         for (axis, kind), b in self.bytes.items():
-            if axes is None or axis in axes:
+            if axes is None or axis.split(".")[0] in axes:
                 out[kind] = out.get(kind, 0.0) + b
         return out
 

@@ -3,7 +3,9 @@ zigzag tokens' global positions, and layer hooks that all-gather K/V along the s
 scatter in backward) and run zigzag causal attention, or (``cp_comm="a2a"``, SP and FSDP+CP:
 DeepSpeed-Ulysses) re-shard Q, K/V and the output between sequence and heads with all-to-alls
 and run causal attention over the whole sequence on H/D heads, or (``cp_comm="ring"``) pass
-K/V chunks round the ring behind the attention (:mod:`tspbench.core.ring_attention`)."""
+K/V chunks round the ring behind the attention (:mod:`tspbench.core.ring_attention`), or
+(``cp_comm="a2a+p2p"``, Megatron-Core's hierarchical exchange) the all-to-all inside groups of
+``cp_a2a`` consecutive ranks and the ring across the groups."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from tspbench.core.collectives import GatherSequence, HeadsToSeq, SeqToHeads
 from tspbench.core.comm import Comm
 from tspbench.core.config import ConfigError, ModelConfig
 from tspbench.core.layers import LayerHooks, cached, rope_tables
+from tspbench.core.mesh import Mesh
+from tspbench.core.options import CP_A2A, Value
 from tspbench.core.ring_attention import ring_attention
 
 
@@ -28,12 +32,17 @@ def zigzag_rope(
 
 
 def check_exchange(
-    cfg: ModelConfig, seq_len: int, ranks: int, cp_comm: object, tp: int = 1
+    cfg: ModelConfig, seq_len: int, ranks: int, cp_comm: object, tp: int = 1, cp_a2a: object = 0
 ) -> None:
     """Refuse, in one line, a sequence the zigzag chunks cannot split over ``ranks``, or, for
     ``cp_comm=a2a``, heads the all-to-all cannot split over them: the heads a rank applies,
-    1/``tp`` of them under tensor parallelism (SP, FSDP+CP: all; TP+SP: H/T)."""
+    1/``tp`` of them under tensor parallelism (SP, FSDP+CP: all; TP+SP: H/T); for
+    ``a2a+p2p``, an inner group size that does not fit (:func:`inner_size`)."""
     zigzag.check_divisible(seq_len, ranks)
+    if cp_a2a and cp_comm != "a2a+p2p":
+        raise ConfigError(f"cp_a2a={cp_a2a}: only with cp_comm=a2a+p2p (not {cp_comm})")
+    if cp_comm == "a2a+p2p" and (ranks > 1 or cp_a2a):  # (a size named over one rank: none
+        inner_size(cfg, ranks, tp, int(cp_a2a))  # type: ignore[call-overload]  # fits it)
     if cp_comm != "a2a" or ranks == 1:
         return
     for field in ("heads", "kv_heads"):
@@ -50,14 +59,59 @@ def check_exchange(
             )
 
 
+def a2a_sizes(cfg: ModelConfig, ranks: int, tp: int = 1) -> tuple[int, ...]:
+    """Inner group sizes a2a+p2p can use over ``ranks``: a divides them, below them (a ring of
+    at least two groups), and divides the query and kv heads a rank applies (H/T)."""
+    heads, kv = cfg.heads // tp, cfg.kv_heads // tp
+    return tuple(a for a in range(2, ranks) if ranks % a == 0 and heads % a == 0 and kv % a == 0)
+
+
+def inner_size(cfg: ModelConfig, ranks: int, tp: int, cp_a2a: int) -> int:
+    """a2a+p2p's inner group over ``ranks``: ``cp_a2a``, or (0) the largest of
+    :func:`a2a_sizes`; ConfigError naming the field where none fits."""
+    sizes = a2a_sizes(cfg, ranks, tp)
+    rule = (
+        f"must divide the context-parallel degree {ranks}, be between 2 and {ranks // 2} (a "
+        f"ring of at least two groups) and divide heads/T = {cfg.heads // tp} and kv_heads/T "
+        f"= {cfg.kv_heads // tp} (cp_comm=a2a+p2p)"
+    )
+    if cp_a2a == 0 and not sizes:
+        raise ConfigError(f"cp_a2a=0 (the largest that fits): none does; the inner size {rule}")
+    if cp_a2a and cp_a2a not in sizes:
+        raise ConfigError(f"cp_a2a={cp_a2a}: {rule}")
+    return cp_a2a or max(sizes)
+
+
+def searched_exchange(
+    values: dict[str, tuple[Value, ...]], cfg: ModelConfig, ranks: int, tp: int = 1
+) -> dict[str, tuple[Value, ...]]:
+    """The planner's ``values`` with a2a+p2p's inner sizes over ``ranks`` (each that fits:
+    which is best depends on the links each stays on); where none does, the default, which the
+    run then refuses, saying why (the plan's ``filtered:`` lines)."""
+    return {**values, CP_A2A.name: a2a_sizes(cfg, ranks, tp) or (CP_A2A.default,)}
+
+
+def exchange_groups(
+    mesh: Mesh, axis: str, cfg: ModelConfig, cp_comm: str, cp_a2a: int, tp: int = 1
+) -> tuple[Comm, Comm] | None:
+    """a2a+p2p's (inner, outer) groups over the context-parallel ``axis``, made here
+    (collectively: every rank builds its strategy at once); None for the other exchanges."""
+    ranks = mesh.size(axis)
+    if cp_comm != "a2a+p2p" or ranks == 1:
+        return None
+    return mesh.split(axis, inner_size(cfg, ranks, tp, cp_a2a))
+
+
 def cp_tables(
     owner: object, seq_len: int, comm: Comm, cfg: ModelConfig, like: torch.Tensor,
-    cp_comm: str = "all_gather", overlap: bool = True, **tp_hooks,
+    cp_comm: str = "all_gather", overlap: bool = True,
+    groups: tuple[Comm, Comm] | None = None, **tp_hooks,
 ) -> tuple[torch.Tensor, torch.Tensor, LayerHooks]:  # fmt: skip
     """(cos, sin, hooks) of context parallelism over ``comm`` at ``seq_len`` for activations
     like ``like``: :func:`zigzag_rope` and the hooks of the exchange (``cp_comm``:
-    :func:`context_parallel_hooks`, :func:`ulysses_hooks` or :func:`ring_hooks`, whose hops
-    hide behind the attention unless ``overlap`` is off; over one rank none, so no K/V copy),
+    :func:`context_parallel_hooks`, :func:`ulysses_hooks`, :func:`ring_hooks`, whose hops
+    hide behind the attention unless ``overlap`` is off, or :func:`hierarchical_hooks` over
+    ``groups`` (:func:`exchange_groups`); over one rank none, so no K/V copy),
     built once and kept with ``owner``
     (:func:`tspbench.core.layers.cached`)."""
     device = like.device
@@ -69,6 +123,10 @@ def cp_tables(
             return LayerHooks(attn=attention, **tp_hooks)
         if kind == "ring":
             return ring_hooks(seq_len, comm, device, overlap, **tp_hooks)
+        if kind == "a2a+p2p":
+            if groups is None:
+                raise ValueError("cp_comm=a2a+p2p needs its groups (exchange_groups)")
+            return hierarchical_hooks(seq_len, comm, groups, device, overlap, **tp_hooks)
         make = ulysses_hooks if kind == "a2a" else context_parallel_hooks
         return make(seq_len, comm, device, **tp_hooks)
 
@@ -119,3 +177,30 @@ def ring_hooks(
     travel round the ring while each arriving chunk's attention runs (``overlap`` off: each hop
     waited for at once); the tokens stay local, so nothing is reordered."""
     return LayerHooks(attn=lambda q, k, v: ring_attention(q, k, v, comm, overlap), **tp_hooks)
+
+
+def hierarchical_hooks(
+    seq_len: int, comm: Comm, groups: tuple[Comm, Comm], device: torch.device,
+    overlap: bool = True, **tp_hooks,
+) -> LayerHooks:  # fmt: skip
+    """Megatron-Core's ``a2a+p2p`` over ``comm``'s D ranks, as (inner, outer) ``groups`` of a
+    and D/a ranks: Q and the packed K/V re-sharded by one all-to-all each inside the inner
+    group, from its ranks' zigzag tokens of every head to all of them of H/a heads; ring
+    attention of those heads across the groups; the output back by one all-to-all.
+
+    The inner group g holds chunks ga..ga+a-1 and their mirrors 2D-1-ga-a+1..2D-1-ga: ordered
+    as a zigzag over a ranks orders its gathered tokens, these are the chunks g and
+    2(D/a)-1-g of a zigzag over the D/a groups with chunks a times as long, so the ring of
+    :func:`ring_hooks` runs over the groups unchanged."""
+    inner, outer = groups
+    held = seq_len // comm.size * inner.size  # tokens of the inner group
+    to_g = zigzag.gathered_to_global(held, inner.size).to(device)
+    to_r = zigzag.global_to_gathered(held, inner.size).to(device)
+
+    def attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        qh = SeqToHeads.apply(q, inner, to_g, to_r)
+        kv = SeqToHeads.apply(torch.stack([k, v]), inner, to_g, to_r)
+        o = ring_attention(qh, kv[0], kv[1], outer, overlap)
+        return HeadsToSeq.apply(o, inner, to_g, to_r)
+
+    return LayerHooks(attn=attn, **tp_hooks)

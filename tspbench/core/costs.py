@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from tspbench.core.config import ModelConfig
+from tspbench.core.context_parallel import inner_size
 from tspbench.core.layout import Layout
 
 FP32 = 4
@@ -191,6 +192,16 @@ def ring(c: Spec) -> bool:
     return cp_comm(c) == "ring"
 
 
+def hierarchical(c: Spec) -> bool:
+    """Whether the run's context parallelism is Megatron-Core's ``a2a+p2p``."""
+    return cp_comm(c) == "a2a+p2p"
+
+
+def cp_inner(c: Spec, T: int = 1) -> int:
+    """a2a+p2p's inner all-to-all group (``cp_a2a``, or the largest that fits)."""
+    return inner_size(c.cfg, c.cp, T, int(c.options.get("cp_a2a", 0)))
+
+
 def ring_p2p(ev: Schedule, c: Spec, phase: str, axis: str, size: int, T: int = 1) -> None:
     """Ring attention in one phase (:mod:`tspbench.core.ring_attention`), per layer: forward
     (and a recomputed forward), D-1 hops of this rank's packed K/V (of its kv heads: 1/T of
@@ -224,7 +235,8 @@ def ulysses_a2a(ev: Schedule, c: Spec, phase: str, axis: str, size: int, T: int 
 
 def context_parallel(c: Spec, axis: str, size: int) -> Schedule:
     """The K/V gathers of context parallelism over ``size`` ranks (SP, FSDP+CP), whole heads;
-    or, with ``cp_comm=a2a``, the Ulysses all-to-alls; with ``cp_comm=ring``, the ring's hops."""
+    or, with ``cp_comm=a2a``, the Ulysses all-to-alls; with ``cp_comm=ring``, the ring's hops;
+    with ``a2a+p2p``, both, on the axis's inner and outer groups (``<axis>.a2a``, ``.p2p``)."""
     ev = Schedule()
     for phase in phases(c):
         cp_exchange(ev, c, phase, axis, size)
@@ -236,6 +248,11 @@ def cp_exchange(ev: Schedule, c: Spec, phase: str, axis: str, size: int, T: int 
     applies (1/T of them under tensor parallelism): the run's ``cp_comm``."""
     if ulysses(c):
         ulysses_a2a(ev, c, phase, axis, size, T)
+    elif hierarchical(c):  # the inner groups' all-to-alls, then the ring across them of as
+        # many K/V bytes per rank (a times the tokens of 1/a of the heads)
+        a = cp_inner(c, T)
+        ulysses_a2a(ev, c, phase, f"{axis}.a2a", a, T)
+        ring_p2p(ev, c, phase, f"{axis}.p2p", size // a, T)
     elif ring(c):
         ring_p2p(ev, c, phase, axis, size, T)
     else:
@@ -341,6 +358,14 @@ def inference_working_set(c: Spec, T: int, vocab_parallel: bool) -> tuple[int, i
         # and the merge's product
         kvp, o32 = 2 * t * kvl * e, 4 * t * nh * cfg.d_head
         return max(mlp, 2 * act + 2 * o + 3 * kvp + 2 * o32), loss
+    if hierarchical(c):  # a ring step over the re-sharded heads, as many bytes as a ring
+        # rank's, beside the attention's local Q and K/V and the all-to-alls' Q and K/V (a
+        # chunk in flight only where the ring has three groups or more); or the output's
+        # all-to-all, as Ulysses'
+        kvp, o32 = 2 * t * kvl * e, 4 * t * nh * cfg.d_head
+        flight = c.cp // cp_inner(c, T) > 2
+        ring_step = 2 * act + 2 * o + (4 + flight) * kvp + 2 * o32
+        return max(mlp, ring_step, 2 * act + 6 * o + 2 * kvp), loss
     if ulysses(c):  # the locals are this rank's tokens' (the output merges heads by a view)
         kvp = 2 * t * kvl * e
         # the exchanges: K/V's (local, stacked, sent, received, reordered), the output's (Q,
@@ -370,12 +395,15 @@ def backward_transients(c: Spec, T: int) -> tuple[int, int]:
     nh, kvl, fl, vl = local_dims(c.cfg, T)
     act, kvu, logits = t * c.cfg.hidden * e, kv_unit(c, kvl), 4 * t * vl
     layer_t = act + 2 * t * fl * e
-    if ring(c):
-        # the ring's backward: the output's gradient and its copy, the fp32 dQ and dK/dV sums
-        # (one in flight), two K/V chunks (in use, in flight) and a block's gradients
+    if ring(c) or hierarchical(c):
+        # the ring's backward (a2a+p2p: over the re-sharded heads, as many bytes): the
+        # output's gradient and its copy, the fp32 dQ and dK/dV sums (one in flight), two
+        # K/V chunks (in use, in flight: a2a+p2p's ring of two groups has none in flight at
+        # its last block) and a block's gradients
         kvp, o, o32 = 2 * t * kvl * e, t * nh * c.cfg.d_head * e, 4 * t * nh * c.cfg.d_head
         freed = 4 * t * fl * e + 2 * act
-        layer_t = max(layer_t, act + 3 * o + o32 + 2 * kvp * FP32 // e + 3 * kvp - freed)
+        chunks = 3 if ring(c) else 2 + (c.cp // cp_inner(c, T) > 2)
+        layer_t = max(layer_t, act + 3 * o + o32 + 2 * kvp * FP32 // e + chunks * kvp - freed)
     elif c.cp > 1 and ulysses(c):
         # Ulysses: the output's all-to-all backward (its gradient, sent, received, reordered)
         # beside the residual's gradient; fitted to the fake-tensor peaks (within 1% where it

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -34,12 +34,44 @@ class Mesh:
     dims: dict[str, int]
     comms: dict[str, Comm]
     counter: CommCounter
+    lines: dict[str, list[list[int]]]  # every group of each axis (global ranks)
+    splits: dict[tuple[str, int], tuple[Comm, Comm]] = field(default_factory=dict)  # split()'s
 
     def __getitem__(self, axis: str) -> Comm:
         return self.comms[axis]
 
     def size(self, axis: str) -> int:
         return self.dims[axis]
+
+    def split(self, axis: str, inner: int) -> tuple[Comm, Comm]:
+        """(inner, outer) groups of ``axis``: its ``inner`` consecutive ranks (a node's share of
+        the axis), and the ranks at the same place in each inner group, across them. Counted as
+        ``<axis>.a2a`` and ``<axis>.p2p`` (:meth:`CommCounter.by_kind` takes them as
+        ``axis``'s) and kept among the mesh's comms under those names, so that whatever walks
+        them (``tspbench overlap``'s trace, replay and skip) sees them; made once per mesh and
+        size (a test's mesh serves cases of several sizes).
+        Collective: every rank must call it with the same arguments."""
+        names = (f"{axis}.a2a", f"{axis}.p2p")
+        if (axis, inner) not in self.splits:
+            inner_lines, outer_lines = split_lines(self.lines[axis], inner)
+            self.splits[(axis, inner)] = (
+                _comm(inner_lines, names[0], self.counter),
+                _comm(outer_lines, names[1], self.counter),
+            )
+        pair = self.splits[(axis, inner)]
+        self.comms.update(zip(names, pair))  # the latest split (one per run)
+        return pair
+
+
+def split_lines(lines: list[list[int]], inner: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(inner, outer) groups of an axis's ``lines``: each line's runs of ``inner`` consecutive
+    ranks, and the ranks at the same place in each run."""
+    size = len(lines[0])
+    if inner < 1 or size % inner:
+        raise ValueError(f"groups of {size} ranks: no inner groups of {inner}")
+    inner_lines = [ln[j : j + inner] for ln in lines for j in range(0, size, inner)]
+    outer_lines = [ln[j::inner] for ln in lines for j in range(inner)]
+    return inner_lines, outer_lines
 
 
 def rank_grid(dims: dict[str, int]) -> torch.Tensor:
@@ -53,15 +85,21 @@ def build_mesh(dims: dict[str, int], counter: CommCounter | None = None) -> Mesh
     world = dist.get_world_size() if dist.is_initialized() else 1
     if math.prod(dims.values()) != world:
         raise ValueError(f"mesh {dims} has {math.prod(dims.values())} ranks, world has {world}")
-    me = dist.get_rank() if dist.is_initialized() else 0
     grid = rank_grid(dims)
-    comms = {}
-    for i, (axis, size) in enumerate(dims.items()):
-        lines = grid.movedim(i, -1).reshape(-1, size).tolist()
-        mine = next(line for line in lines if me in line)
-        if size == 1:
-            comms[axis] = Comm(None, mine, axis, counter)
-            continue
-        group, _ = dist.new_subgroups_by_enumeration(lines)
-        comms[axis] = Comm(group, mine, axis, counter)
-    return Mesh(dict(dims), comms, counter)
+    lines = {
+        axis: grid.movedim(i, -1).reshape(-1, size).tolist()
+        for i, (axis, size) in enumerate(dims.items())
+    }
+    comms = {axis: _comm(lines[axis], axis, counter) for axis in dims}
+    return Mesh(dict(dims), comms, counter, lines)
+
+
+def _comm(lines: list[list[int]], axis: str, counter: CommCounter) -> Comm:
+    """This rank's :class:`Comm` among ``lines`` (disjoint groups covering the world; one
+    process group each, made by every rank)."""
+    me = dist.get_rank() if dist.is_initialized() else 0
+    mine = next(line for line in lines if me in line)
+    if len(mine) == 1:
+        return Comm(None, mine, axis, counter)
+    group, _ = dist.new_subgroups_by_enumeration(lines)
+    return Comm(group, mine, axis, counter)

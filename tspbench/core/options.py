@@ -34,6 +34,8 @@ class Option:
     note: str = ""  # under the plan's table where a candidate is not at the default
     bounded_by_default: bool = False  # its default issues no more operations than any value
     # (the planner bounds an uncounted value's dispatch by its counted default twin)
+    only_with: tuple[str, Value] | None = None  # (option, value) it matters under; elsewhere
+    # the planner and the projected report use its default only (:func:`only_where_used`)
 
     @property
     def flag(self) -> str:
@@ -119,12 +121,53 @@ CP_COMM = Option(
     "context parallelism's exchange: all_gather K/V along the sequence (reduce-scatter in "
     "backward), or a2a: DeepSpeed-Ulysses all-to-alls of Q, K/V and the output between "
     "sequence and heads (heads and kv_heads divisible by D), or ring: K/V chunks passed "
-    "point-to-point round the ring behind each chunk's attention (Megatron-Core's p2p)",
-    choices=("all_gather", "a2a", "ring"),
+    "point-to-point round the ring behind each chunk's attention (Megatron-Core's p2p), or "
+    "a2a+p2p: an all-to-all inside groups of cp_a2a consecutive ranks (a node's), the ring "
+    "across the groups (Megatron-Core's hierarchical exchange)",
+    choices=("all_gather", "a2a", "ring", "a2a+p2p"),
     searched=True,  # the planner weighs TSP against the best exchange, not only the all-gather
     tag="-cp-{value}",
     label=" ({value})",
     short="cp",
+)
+
+
+def only_where_used(
+    declared: tuple[Option, ...], combos: list[dict[str, Value]]
+) -> list[dict[str, Value]]:
+    """``combos`` of option values with each option that matters only under another's value
+    (``only_with``) set to its default elsewhere, repeats dropped: no run twice."""
+    out: list[dict[str, Value]] = []
+    for combo in combos:
+        combo = dict(combo)
+        for o in declared:
+            if o.only_with and o.name in combo and combo.get(o.only_with[0]) != o.only_with[1]:
+                combo[o.name] = o.default
+        if combo not in out:
+            out.append(combo)
+    return out
+
+
+def _id_safe(text: str, what: str) -> str:
+    """A tag as cell ids take it (letters, digits, ``_.-``: ``a2a+p2p`` is ``a2a_p2p``)."""
+    return text.replace("+", "_") if what == "tag" else text
+
+
+# a2a+p2p's inner group; the planner tries each size that divides the degree and the heads
+# (the strategies' searched_values), since which is best depends on the links it stays on
+CP_A2A = Option(
+    "cp_a2a",
+    0,
+    "cp_comm=a2a+p2p: ranks of each inner all-to-all group (consecutive ranks; the ring runs "
+    "over degree/cp_a2a groups); 0: the largest that divides the context-parallel degree below "
+    "it and the heads a rank applies, which knows no node: where the group spans nodes, name "
+    "the ranks a node holds of it (the planner tries every size)",
+    bounds=(0, 65536),
+    searched=True,
+    tag="-a2a{value}",
+    label=" (a2a over {value})",
+    short="a2a",
+    only_with=("cp_comm", "a2a+p2p"),
 )
 
 
@@ -147,7 +190,7 @@ class Options(Mapping[str, Value]):
         """The ``tag`` or ``label`` suffixes of the values that are not their defaults (a run
         at every default is named as before the options existed)."""
         return "".join(
-            getattr(o, what).format(value=o.text(v))
+            _id_safe(getattr(o, what).format(value=o.text(v)), what)
             for o, (_, v) in zip(self._declared, self._items)
             if v != o.default
         )
