@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from tsp_impl.attention import bias_rows
 from tsp_impl.mlp import bias_rows as mlp_bias_rows
+from tsp_impl.plan import bucket_count
 from tspbench.core import costs
 from tspbench.core.config import ModelConfig
 from tspbench.core.costs import FP32, Schedule, Spec
@@ -72,7 +73,7 @@ def schedule(c: Spec, loss: bool = True) -> Schedule:
     ring, ov = c.options["mlp_schedule"] == "ring", c.options["overlap"]
     kv_ring = kv_exchange_ring(c)
     # the ring's hops: per head group, each bucket's local K/V pair [2, B, b, S/D, d]
-    buckets = 1 if not c.options["kv_bucket"] else kv // cfg.d_head // D // c.options["kv_bucket"]
+    buckets = bucket_count(kv // cfg.d_head // D, int(c.options["kv_bucket"]))
     kv_hop, hops = 2 * c.tokens * kv // D // buckets, D * buckets * (D - 1)
 
     def kv_fwd(phase: str) -> None:

@@ -113,6 +113,12 @@ class TSPPlan:
         return [(slice(i * g, (i + b) * g), slice(i, i + b)) for i in range(0, self.hkv, b)]
 
 
+def bucket_count(hkv: int, kv_bucket: int) -> int:
+    """Attention buckets per head group of ``hkv`` KV heads (:meth:`TSPPlan.buckets`'s count,
+    which the closed forms charge)."""
+    return hkv // (kv_bucket or hkv)
+
+
 def chunk_ranges(seq_len: int, D: int, rank: int) -> list[tuple[int, int, int]]:
     """Local chunk j (global chunk r or 2D-1-r) is one lower-right causal call over the first
     (j+1) S/2D keys; with D = 1 the whole sequence is one call."""

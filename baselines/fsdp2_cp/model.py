@@ -32,12 +32,18 @@ from baselines.fsdp2_cp.costs import FSDP2CPCosts
 from tspbench.core import zigzag
 from tspbench.core.comm import Comm
 from tspbench.core.config import ConfigError, ModelConfig
-from tspbench.core.context_parallel import check_exchange, cp_tables
+from tspbench.core.context_parallel import (
+    check_exchange,
+    cp_tables,
+    exchange_groups,
+    searched_exchange,
+)
+from tspbench.core.costs import Spec
 from tspbench.core.init import chunk_slice
 from tspbench.core.layers import LayerHooks, rms_norm, transformer_layer
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.optim import grad_sq_sum
-from tspbench.core.options import CP_COMM, Value
+from tspbench.core.options import CP_A2A, CP_COMM, Value
 from tspbench.core.reference import param_shapes, unit_names
 from tspbench.core.strategy import Batch, Layout, Strategy, tensor_of
 
@@ -158,8 +164,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class FSDP2CP(Strategy):
     name = "fsdp2_cp"
     display = "FSDP2+CP (torch)"  # legends, titles and tables' captions
-    options = (CP_COMM,)
+    options = (CP_COMM, CP_A2A)
     cp_comm: str
+    cp_a2a: int
     implements = "fsdp_cp"  # the layout it runs, in torch's code (see Strategy.implements)
     costs = FSDP2CPCosts()
     decoder = None  # no decode path (docs/decode.md), as FSDP+CP
@@ -174,11 +181,18 @@ class FSDP2CP(Strategy):
     ) -> None:
         super().validate(cfg, layout, seq_len, batch)
         _fsdp2()
-        check_exchange(cfg, seq_len, layout.degree, options.get("cp_comm"))
+        cp_comm, cp_a2a = options.get("cp_comm"), options.get("cp_a2a", 0)
+        check_exchange(cfg, seq_len, layout.degree, cp_comm, cp_a2a=cp_a2a)
+
+    @classmethod
+    def searched_values(cls, spec: Spec | None) -> dict[str, tuple[Value, ...]]:
+        out = super().searched_values(spec)
+        return out if spec is None else searched_exchange(out, spec.cfg, spec.cp)
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, **kw) -> None:
         super().__init__(cfg, mesh, **kw)
         self.comm = mesh[Axis.MODEL]
+        self.cp_groups = exchange_groups(mesh, Axis.MODEL, cfg, self.cp_comm, self.cp_a2a)
         shapes = param_shapes(cfg)
         groups = unit_names(cfg)
         kinds = [Embed] + [Layer] * cfg.layers + [Head]
@@ -249,7 +263,7 @@ class FSDP2CP(Strategy):
         cfg, S = self.cfg, batch.tokens.shape[1] * self.comm.size
 
         def tables(x: torch.Tensor):
-            return cp_tables(self, S, self.comm, cfg, x, self.cp_comm)
+            return cp_tables(self, S, self.comm, cfg, x, self.cp_comm, groups=self.cp_groups)
 
         def layer(unit: nn.Module, x, cos, sin, hooks) -> torch.Tensor:
             return self.checkpointed(unit, x, cfg, cos, sin, hooks)

@@ -38,11 +38,17 @@ from baselines.fsdp_cp.costs import FSDPCPCosts
 from tspbench.core import zigzag
 from tspbench.core.comm import Pending
 from tspbench.core.config import ModelConfig
-from tspbench.core.context_parallel import check_exchange, cp_tables
+from tspbench.core.context_parallel import (
+    check_exchange,
+    cp_tables,
+    exchange_groups,
+    searched_exchange,
+)
+from tspbench.core.costs import Spec
 from tspbench.core.layers import rms_norm, transformer_layer
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.optim import grad_sq_sum
-from tspbench.core.options import CP_COMM, OVERLAP, Value
+from tspbench.core.options import CP_A2A, CP_COMM, OVERLAP, Value
 from tspbench.core.reference import param_shapes, unit_names
 from tspbench.core.strategy import Batch, Layout, Strategy, tensor_of
 
@@ -95,9 +101,10 @@ class GatherUnit(torch.autograd.Function):
 class FSDPCP(Strategy):
     name = "fsdp_cp"
     display = "FSDP+CP"  # legends, titles and tables' captions
-    options = (OVERLAP, CP_COMM)
+    options = (OVERLAP, CP_COMM, CP_A2A)
     overlap: bool  # set from the options (Strategy.__init__)
     cp_comm: str
+    cp_a2a: int
     costs = FSDPCPCosts()
     decoder = None  # no decode path (docs/decode.md)
 
@@ -115,11 +122,18 @@ class FSDPCP(Strategy):
         cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, **options: Value
     ) -> None:
         super().validate(cfg, layout, seq_len, batch)
-        check_exchange(cfg, seq_len, layout.degree, options.get("cp_comm"))
+        cp_comm, cp_a2a = options.get("cp_comm"), options.get("cp_a2a", 0)
+        check_exchange(cfg, seq_len, layout.degree, cp_comm, cp_a2a=cp_a2a)
+
+    @classmethod
+    def searched_values(cls, spec: Spec | None) -> dict[str, tuple[Value, ...]]:
+        out = super().searched_values(spec)
+        return out if spec is None else searched_exchange(out, spec.cfg, spec.cp)
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, **kw) -> None:
         super().__init__(cfg, mesh, **kw)
         self.comm = mesh[Axis.MODEL]
+        self.cp_groups = exchange_groups(mesh, Axis.MODEL, cfg, self.cp_comm, self.cp_a2a)
         shapes = param_shapes(cfg)
         self.units = []
         for names in unit_names(cfg):
@@ -235,7 +249,9 @@ class FSDPCP(Strategy):
         cfg = self.cfg
         S = batch.tokens.shape[1] * self.comm.size
         x = self.run_unit(0, lambda w: F.embedding(batch.tokens, w["embed"]))
-        cos, sin, hooks = cp_tables(self, S, self.comm, cfg, x, self.cp_comm, self.overlap)
+        cos, sin, hooks = cp_tables(
+            self, S, self.comm, cfg, x, self.cp_comm, self.overlap, self.cp_groups
+        )
         for i in range(cfg.layers):
             x = self.checkpointed(
                 self.run_unit,

@@ -66,7 +66,9 @@ class SPDecoder(Decoder):
         x = F.embedding(zigzag.shard(tokens, D, r).to(m.device), m.params["embed"])
         slots = KVCache.capacity(P, max_len, D)
         cache = KVCache.empty(cfg.layers, B, cfg.kv_heads, slots, cfg.d_head, x, D, r)
-        cos, sin, hooks = cp_tables(m, P, comm, cfg, x, m.cp_comm)  # the prefill exchanges
+        cos, sin, hooks = cp_tables(
+            m, P, comm, cfg, x, m.cp_comm, groups=m.cp_groups
+        )  # the prefill exchanges
         # as training does (cp_comm); the cache keeps each rank's own tokens' K/V either way
         x = prefill_layers(cfg, self._layers(), x, cos, sin, hooks, cache)
         cache.start(P // D, P)

@@ -16,11 +16,17 @@ from baselines.sp.costs import SPCosts
 from baselines.sp.decode import SPDecoder
 from tspbench.core import zigzag
 from tspbench.core.config import ModelConfig
-from tspbench.core.context_parallel import check_exchange, cp_tables
+from tspbench.core.context_parallel import (
+    check_exchange,
+    cp_tables,
+    exchange_groups,
+    searched_exchange,
+)
+from tspbench.core.costs import Spec
 from tspbench.core.layers import rms_norm, transformer_layer
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.optim import grad_sq_sum
-from tspbench.core.options import CP_COMM, OVERLAP, Value
+from tspbench.core.options import CP_A2A, CP_COMM, OVERLAP, Value
 from tspbench.core.reference import head_name, layer_params, param_shapes
 from tspbench.core.strategy import Batch, Layout, Strategy, tensor_of
 
@@ -28,9 +34,10 @@ from tspbench.core.strategy import Batch, Layout, Strategy, tensor_of
 class SP(Strategy):
     name = "sp"
     display = "SP"  # legends, titles and tables' captions
-    options = (CP_COMM, OVERLAP)  # overlap: the ring's hops behind the attention
+    options = (CP_COMM, OVERLAP, CP_A2A)  # overlap: the ring's hops behind the attention
     cp_comm: str  # set from the options (Strategy.__init__)
     overlap: bool
+    cp_a2a: int
     costs = SPCosts()
     decoder = SPDecoder
 
@@ -51,11 +58,18 @@ class SP(Strategy):
         cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, **options: Value
     ) -> None:
         super().validate(cfg, layout, seq_len, batch)
-        check_exchange(cfg, seq_len, layout.degree, options.get("cp_comm"))
+        cp_comm, cp_a2a = options.get("cp_comm"), options.get("cp_a2a", 0)
+        check_exchange(cfg, seq_len, layout.degree, cp_comm, cp_a2a=cp_a2a)
+
+    @classmethod
+    def searched_values(cls, spec: Spec | None) -> dict[str, tuple[Value, ...]]:
+        out = super().searched_values(spec)
+        return out if spec is None else searched_exchange(out, spec.cfg, spec.cp)
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, **kw) -> None:
         super().__init__(cfg, mesh, **kw)
         self.comm = mesh[Axis.MODEL]
+        self.cp_groups = exchange_groups(mesh, Axis.MODEL, cfg, self.cp_comm, self.cp_a2a)
         self.params = {n: self.to_param(self.init_block(n)) for n in param_shapes(cfg)}
 
     def shard_batch(self, tokens: torch.Tensor, labels: torch.Tensor) -> Batch:
@@ -65,7 +79,9 @@ class SP(Strategy):
         cfg, p = self.cfg, self.params
         S = batch.tokens.shape[1] * self.comm.size
         x = F.embedding(batch.tokens, p["embed"])
-        cos, sin, hooks = cp_tables(self, S, self.comm, cfg, x, self.cp_comm, self.overlap)
+        cos, sin, hooks = cp_tables(
+            self, S, self.comm, cfg, x, self.cp_comm, self.overlap, self.cp_groups
+        )
         for i in range(cfg.layers):
             lp = {k: p[f"layers.{i}.{k}"] for k in layer_params(cfg)}
             x = self.checkpointed(

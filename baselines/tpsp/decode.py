@@ -84,7 +84,9 @@ class TPSPDecoder(Decoder):
         cache = KVCache.empty(cfg.layers, B, heads, slots, cfg.d_head, x, sp.size, sp.rank)
         # the prefill exchanges over Sigma as training does (cp_comm); the cache keeps each
         # rank's own tokens' K/V either way
-        cos, sin, hooks = cp_tables(m, P, sp, cfg, x, m.cp_comm, exit=lambda t: reduce_from(t, tp))
+        cos, sin, hooks = cp_tables(
+            m, P, sp, cfg, x, m.cp_comm, groups=m.cp_groups, exit=lambda t: reduce_from(t, tp)
+        )
         x = prefill_layers(cfg, self._layers(), x, cos, sin, hooks, cache)
         cache.start(P // sp.size, P)
         last = x[:, -1].contiguous()  # position P-1 ends chunk 2 Sigma - 1: sp rank 0's last

@@ -19,14 +19,19 @@ from baselines.tpsp.decode import TPSPDecoder
 from tspbench.core import zigzag
 from tspbench.core.collectives import copy_to, reduce_from
 from tspbench.core.config import ConfigError, ModelConfig
-from tspbench.core.context_parallel import check_exchange, cp_tables
+from tspbench.core.context_parallel import (
+    check_exchange,
+    cp_tables,
+    exchange_groups,
+    searched_exchange,
+)
 from tspbench.core.costs import Spec
 from tspbench.core.decode import megatron_block
 from tspbench.core.layers import rms_norm, transformer_layer
 from tspbench.core.megatron import gather_named, head_partial, shard_dim
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.optim import grad_sq_sum
-from tspbench.core.options import CP_COMM, Value
+from tspbench.core.options import CP_A2A, CP_COMM, Value
 from tspbench.core.reference import head_name, layer_params, param_shapes
 from tspbench.core.strategy import Batch, Layout, Strategy
 from tspbench.core.vocab_parallel import cross_entropy_sum, embedding
@@ -38,8 +43,9 @@ class TPSP(Strategy):
     costs = TPSPCosts()
     decoder = TPSPDecoder
     factored = True
-    options = (CP_COMM,)  # over Sigma; the ring's hops always behind the attention
+    options = (CP_COMM, CP_A2A)  # over Sigma; the ring's hops always behind the attention
     cp_comm: str
+    cp_a2a: int
 
     @classmethod
     def make_layout(cls, degree: int | None, tp: int, sp: int, dp: int) -> Layout:
@@ -74,7 +80,10 @@ class TPSP(Strategy):
         """Each exchange where it changes the run: over Sigma = 1 the three are one run, and a
         decode prefills by all-gather only."""
         out = super().searched_values(spec)
-        if spec is not None and (spec.cp == 1 or getattr(spec, "decoding", False)):
+        if spec is None:
+            return out
+        out = searched_exchange(out, spec.cfg, spec.cp, spec.tp)
+        if spec.cp == 1 or getattr(spec, "decoding", False):
             out[CP_COMM.name] = (CP_COMM.default,)
         return out
 
@@ -94,12 +103,14 @@ class TPSP(Strategy):
             )
         for field in ("heads", "kv_heads", "ffn", "vocab"):
             cls.require_divisible(f"model.{field}", getattr(cfg, field), layout.tp, "T (tp)")
-        check_exchange(cfg, seq_len, layout.sp, options.get("cp_comm"), layout.tp)
+        cp_comm, cp_a2a = options.get("cp_comm"), options.get("cp_a2a", 0)
+        check_exchange(cfg, seq_len, layout.sp, cp_comm, layout.tp, cp_a2a)
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, **kw) -> None:
         super().__init__(cfg, mesh, **kw)
         self.tp, self.sp = mesh[Axis.TP], mesh[Axis.SP]
         T, r = self.tp.size, self.tp.rank
+        self.cp_groups = exchange_groups(mesh, Axis.SP, cfg, self.cp_comm, self.cp_a2a, T)
         self.params: dict[str, torch.nn.Parameter] = {}
         for name in param_shapes(cfg):
             rows, cols = megatron_block(cfg, name, T, r, shard_dim(name))
@@ -113,7 +124,7 @@ class TPSP(Strategy):
         S = batch.tokens.shape[1] * self.sp.size
         x = embedding(batch.tokens, p["embed"], self.tp)
         cos, sin, hooks = cp_tables(
-            self, S, self.sp, cfg, x, self.cp_comm,
+            self, S, self.sp, cfg, x, self.cp_comm, groups=self.cp_groups,
             enter=lambda t: copy_to(t, self.tp), exit=lambda t: reduce_from(t, self.tp),
         )  # fmt: skip
         for i in range(cfg.layers):

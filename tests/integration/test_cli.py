@@ -30,8 +30,14 @@ RUNS = {
     "tpsp": ["--strategy", "tpsp", "--tp", "2", "--sp", "2", "--batch", "4"],
     "fsdp_cp": ["--strategy", "fsdp_cp", "--degree", "2", "--batch", "4"],
     "fsdp2_cp": ["--strategy", "fsdp2_cp", "--degree", "2", "--batch", "4"],
+    # SP with the ring; FSDP+CP with DeepSpeed-Ulysses' all-to-alls (DeepSpeed's long-context
+    # recipe, ZeRO-3 + Ulysses); Megatron-Core's hierarchical exchange: the all-to-all in
+    # pairs, the ring across them
+    "sp-ring": ["--strategy", "sp", "--degree", "2", "--batch", "4", "--cp-comm", "ring"],
+    "fsdp_cp-a2a": ["--strategy", "fsdp_cp", "--degree", "2", "--batch", "4", "--cp-comm", "a2a"],
+    "sp-a2a+p2p": ["--strategy", "sp", "--degree", "4", "--batch", "4", "--cp-comm", "a2a+p2p"],
 }
-WORLD = {"single": 1, "tsp": 4, "tpsp": 4}  # the others: 2
+WORLD = {"single": 1, "tsp": 4, "tpsp": 4, "sp-a2a+p2p": 4}  # the others: 2
 
 
 # The runs read the model from a Hugging Face config.json, as a user's would: the tiny preset's
@@ -259,6 +265,30 @@ def test_forced_oom_is_a_result(tmp_path):
         ),
         (["--strategy", "tsp", "--seq-len", "32", "--degree", "2"], "no launcher environment"),
         (["--strategy", "tsp", "--seq-len", "32", "--max-memory", "lots"], "--max-memory"),
+        # a2a+p2p: no inner group below D = 2; an inner size that does not divide D
+        (
+            ["--strategy", "sp", "--seq-len", "32", "--degree", "2", "--cp-comm", "a2a+p2p"],
+            "cp_a2a=0 (the largest that fits): none does; the inner size must divide",
+        ),
+        (
+            [
+                "--strategy",
+                "fsdp_cp",
+                "--seq-len",
+                "48",
+                "--degree",
+                "6",
+                "--cp-comm",
+                "a2a+p2p",
+                "--cp-a2a",
+                "4",
+            ],
+            "cp_a2a=4: must divide the context-parallel degree 6",
+        ),  # fmt: skip
+        (
+            ["--strategy", "sp", "--seq-len", "32", "--degree", "4", "--cp-a2a", "2"],
+            "cp_a2a=2: only with cp_comm=a2a+p2p (not all_gather)",
+        ),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys, monkeypatch, args, needle):

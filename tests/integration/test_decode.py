@@ -73,6 +73,11 @@ def _cases() -> list[dict]:
             cases.append({"id": f"tpsp-D{T}x{Sigma}-{model}-{comm}", "strategy": "tpsp",
                           "D": T * Sigma, "tp": T, "sp": Sigma, "P": 16, "B": 2, "N": 5,
                           "cp_comm": comm, "model": MODELS[model]})  # fmt: skip
+    # and a2a+p2p: the all-to-all inside pairs of ranks, the ring across the two pairs
+    cases.append({"id": "sp-D4-gqa-a2a+p2p", "strategy": "sp", "D": 4, "P": 16, "B": 2, "N": 5,
+                  "cp_comm": "a2a+p2p", "model": MODELS["gqa"]})  # fmt: skip
+    cases.append({"id": "tpsp-D1x4-mha-a2a+p2p", "strategy": "tpsp", "D": 4, "tp": 1, "sp": 4,
+                  "P": 16, "B": 2, "N": 5, "cp_comm": "a2a+p2p"})  # fmt: skip
     # bf16 (small: bf16 matmul is ~90x slower than fp32 on this CPU), GQA, kv_heads < T for TP
     for strat, lay, model in [
         ("single", {"D": 1}, "gqa"), ("tsp", {"D": 2}, "gqa"), ("tsp", {"D": 4}, "gqa"),

@@ -14,6 +14,7 @@ import pytest
 
 from tests.helpers.configs import LLAMA3_ROPE_TINY, YARN_ROPE_TINY
 from tests.helpers.distributed import run_world
+from tspbench.core.config import ConfigError, get_config
 from tspbench.runtime.registry import strategies
 
 # GQA with Llama 3.1's RoPE scaling and Qwen3's QK norms and wide heads (the scaling lives in
@@ -34,6 +35,20 @@ def _name(case: dict) -> str:
 
 def _options_id(opts: dict) -> str:
     return "-".join(f"{k}={v}" for k, v in opts.items())
+
+
+def _takes(impl, layout, opts: dict, model: dict) -> bool:
+    """Whether the strategy takes ``opts`` at ``layout`` (a2a+p2p needs an inner group below
+    the context-parallel degree: none over 2 ranks), and they change the run there (a K/V
+    exchange over one rank is none: tests/unit/test_context_parallel.py);
+    test_every_option_setting_is_checked makes sure each setting runs somewhere."""
+    if "cp_comm" in opts and impl.context_parallel(layout) == 1:
+        return False
+    try:
+        impl.validate(get_config("tiny", **model), layout, 32, 2, **opts)
+    except ConfigError:
+        return False
+    return True
 
 
 def _strategy_cases(strat: str, impl) -> list[dict]:
@@ -70,11 +85,18 @@ def _strategy_cases(strat: str, impl) -> list[dict]:
         oid = _options_id(opts)
         for lay, layout in zip(lays, layouts):
             for model, over in MODELS.items():
-                if lay["D"] > 1:
+                if lay["D"] > 1 and _takes(impl, layout, opts, over):
                     cases.append(case(f"D{_name(lay)}-{model}-{oid}", lay, layout, model=over,
                                       **opts))  # fmt: skip
-        cases.append(case(f"D{_name(top)}-recompute-{oid}", top, recompute="full", model=gqa,
-                          **opts))  # fmt: skip
+        if _takes(impl, largest, opts, gqa):
+            cases.append(case(f"D{_name(top)}-recompute-{oid}", top, recompute="full",
+                              model=gqa, **opts))  # fmt: skip
+        elif impl.context_parallel(largest) < 4:  # e.g. a2a+p2p, which the checked groups
+            # refuse (TP+SP's Sigma <= 2): the 4-rank group that splits the sequence 4 ways
+            wide = next(x for x in impl.sweep_layouts([4], [[1, 4]]) if _takes(impl, x, opts, {}))
+            for model, over in MODELS.items():
+                cases.append(case(f"D{_name(_layout(impl, wide))}-{model}-{oid}",
+                                  _layout(impl, wide), wide, model=over, **opts))  # fmt: skip
     return cases
 
 
@@ -90,6 +112,17 @@ CASES = _cases()
 @pytest.fixture(scope="module")
 def results() -> dict:
     return run_world(4, "tests.helpers.checks:run_cases", CASES)[0]
+
+
+def test_every_option_setting_is_checked():
+    """Each strategy's checked option settings run in at least one case (a layout refuses
+    some: none is dropped everywhere)."""
+    for strat, impl in strategies().items():
+        for opts in impl.checked_options():
+            assert any(
+                c["strategy"] == strat and all(c.get(k) == v for k, v in opts.items())
+                for c in CASES
+            ), (strat, opts)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])

@@ -28,7 +28,11 @@ def test_the_gpu_check_runs_on_common_packages_only(tmp_path):
     probed = [p for p in summary["rank_probe"] if p["status"] != "skipped"]
     assert probed and all(p["status"] == "ok" for p in probed)  # the doctor's, run whole
     skipped = [p["name"] for p in summary["rank_probe"] if p["status"] == "skipped"]
-    assert all("single" in n for n in skipped), skipped
+    # the reference, and a2a+p2p over TP+SP 4x2's Sigma = 2 (no inner group below 2)
+    assert sorted(skipped) == [
+        "rank probe single D=8",
+        "rank probe tpsp (4x2) {'cp_comm': 'a2a+p2p'} D=8 (small)",
+    ], skipped
     files = sorted(f.name for f in out.iterdir())
     assert len(files) <= 8 and all(f.is_file() for f in out.iterdir()), files
     log = (out / "log.txt").read_text()
