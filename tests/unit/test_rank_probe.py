@@ -24,9 +24,16 @@ def test_every_strategy_is_probed_at_d8_and_the_reference_skipped():
     assert probed == {n for n, s in strategies().items() if not s.reference}
     assert all(spec.degree == 8 and spec.dtype == "fp32" for _, spec, _ in cells if spec)
     skipped = [(name, why) for name, spec, why in cells if spec is None]
-    assert skipped == [
-        ("rank probe single D=8", "the single-device reference: D = 8 makes no sense"),
+    assert skipped[-1] == (
+        "rank probe single D=8",
+        "the single-device reference: D = 8 makes no sense",
+    )
+    # and the one variant whose layout refuses it, saying why: a2a+p2p over Sigma = 2 has no
+    # inner group below 2
+    assert [name for name, _ in skipped[:-1]] == [
+        "rank probe tpsp (4x2) {'cp_comm': 'a2a+p2p'} D=8 (tiny)"
     ]
+    assert skipped[0][1].startswith("cp_a2a=0 (the largest that fits): none does")
 
 
 def test_each_choice_of_a_strategy_is_probed_as_its_own_cell():
@@ -37,7 +44,7 @@ def test_each_choice_of_a_strategy_is_probed_as_its_own_cell():
         assert len(rp.variants(impl)) == 1 + choices, name
     names = [n for n, spec, _ in rp.probe_specs(torch.device("cpu"), 8, CELL, ["sp"]) if spec]
     assert names == [f"rank probe sp{v} D=8 (tiny, 1 layer, S=128, fp32)"
-                     for v in ("", " (a2a)", " (ring)")]  # fmt: skip
+                     for v in ("", " (a2a)", " (ring)", " (a2a+p2p)")]  # fmt: skip
 
 
 def test_the_probe_times_its_steps_and_their_issue():

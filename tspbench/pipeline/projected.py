@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from tspbench.core.config import get_config
+from tspbench.core.config import ConfigError, get_config
+from tspbench.core.options import only_where_used
 from tspbench.core.strategy import Layout
 from tspbench.pipeline.labels import display, label_order
 from tspbench.pipeline.plotting import (
@@ -95,11 +96,35 @@ def _spec(
 
 def variants(cfg: dict, strategy: str) -> list[dict]:
     """The option settings a strategy is projected at: every combination of the values the
-    config's ``throughput.options`` lists for options it declares (none: its defaults)."""
-    declared = {o.name for o in get_strategy(strategy).options}
+    config's ``throughput.options`` lists for options it declares (none: its defaults), an
+    option that matters only under another's value at its default elsewhere."""
+    impl = get_strategy(strategy)
+    declared = {o.name for o in impl.options}
     axes = [[(k, v) for v in vs] for k, vs in cfg["throughput"].get("options", {}).items()
             if k in declared]  # fmt: skip
-    return [dict(combo) for combo in itertools.product(*axes)]
+    return only_where_used(impl.options, [dict(c) for c in itertools.product(*axes)])
+
+
+def variant_rows(cfg: dict, strategies: list[str]) -> list[tuple[str, Layout, dict]]:
+    """(strategy, model group, options) of every projected row: each layout at each of its
+    strategy's :func:`variants`, but a combination that layout refuses (a2a+p2p over TP+SP's
+    Sigma = 2: no inner group below it); one that every layout refuses is the config's
+    ConfigError."""
+    rows: list[tuple[str, Layout, dict]] = []
+    refused: dict[tuple[str, tuple], ConfigError] = {}
+    for s, lay in layouts(cfg, strategies):
+        for opts in variants(cfg, s):
+            try:
+                _spec(cfg, s, lay, cfg["throughput"]["seq_lens"][0], options=opts)
+            except ConfigError as e:
+                what = get_strategy(s).label(lay) + "".join(f" {k}={v}" for k, v in opts.items())
+                refused.setdefault((s, tuple(opts.items())), ConfigError(f"{what}: {e}"))
+                continue
+            rows.append((s, lay, opts))
+    for (s, items), err in refused.items():
+        if not any(r[0] == s and tuple(r[2].items()) == items for r in rows):
+            raise err
+    return rows
 
 
 def memory_cells(cfg: dict) -> list[Cell]:
@@ -165,8 +190,7 @@ def throughput_tables(cfg: dict) -> dict[str, pd.DataFrame]:
             return c.preset_options(preset, named=list(kw.get("options") or {}))
 
         cases: dict[tuple, list] = {}  # (mode, S): (row index, case, operations) of each layout
-        rows = [(s, lay, o) for s, lay in layouts(cfg, t["strategies"]) for o in variants(cfg, s)]
-        for s, lay, opts in rows:
+        for s, lay, opts in variant_rows(cfg, t["strategies"]):
             label = _spec(cfg, s, lay, t["seq_lens"][0], options=opts).label
             for mode in ("train", "infer"):
                 for S in t["seq_lens"]:
@@ -454,8 +478,7 @@ def load(path: str) -> dict[str, Any]:
     )
     t = cfg["throughput"]
     check_option_values("throughput.options", t.get("options", {}), t["strategies"])
-    for s, lay in layouts(cfg, t["strategies"]):  # each combination of the listed values, as
-        for opts in variants(cfg, s):  # the tables will build it (kv_backward=save with the
-            _spec(cfg, s, lay, t["seq_lens"][0], options=opts)  # K/V ring: one line, now)
+    variant_rows(cfg, t["strategies"])  # a combination no layout takes (kv_backward=save with
+    # the K/V ring): one line, now
     usable = usable_memory(load_preset(cfg["hardware"][0])) / GiB  # as every fit decision uses
     return {"device_memory_gib": round(usable, 1), **cfg}

@@ -141,6 +141,20 @@ def _link(rates: dict, kind: str) -> dict[str, float]:
     return rates[kind] if kind in rates or kind != "all_to_all" else rates["reduce_scatter"]
 
 
+def crosses_nodes(c: RunSpec, axis: str, size: int, per_node: int) -> bool:
+    """Whether a collective of ``size`` ranks on ``axis`` leaves a node: data parallelism where
+    the world does, the model group's axes where the group does, but a2a+p2p's inner groups
+    (``<axis>.a2a``: ``size`` consecutive context-parallel ranks, each T wide under tensor
+    parallelism, laid from rank 0) only where one of them does: wider than a node, or not
+    tiling it (6 ranks on 8-GPU nodes: the second group straddles two)."""
+    if axis == Axis.DP:
+        return c.degree * c.dp > per_node
+    if axis.endswith(".a2a"):
+        span = size * (c.degree // max(c.cp, 1))
+        return span > per_node or per_node % span != 0
+    return c.degree > per_node
+
+
 def metric_reductions(c: RunSpec) -> list[tuple[str, int]]:
     """The reported loss's and gradient norm's small all-reduces: (axis, group size) each; the
     model group's are the strategy's (``metric_reductions``)."""
@@ -223,7 +237,7 @@ def project(
         _, axis, kind, size, nbytes = ev
         if size <= 1:
             continue
-        inter = axis == Axis.DP and world > per_node or axis != Axis.DP and c.degree > per_node
+        inter = crosses_nodes(c, axis, size, per_node)
         # a calibrated preset may hold fits per group size (groups of 2 in a 4-rank node...)
         link = r["inter"] if inter else _link(r.get("groups", {}).get(str(size), r), kind)
         t = link["lat"] + bus_bytes(kind, nbytes, size) / link["bw"]

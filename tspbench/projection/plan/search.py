@@ -43,7 +43,7 @@ import os
 import time
 
 from tspbench.core.config import ConfigError
-from tspbench.core.options import Value
+from tspbench.core.options import Value, only_where_used
 from tspbench.core.strategy import Layout, Strategy
 from tspbench.projection import analytic, costmodel, decode
 from tspbench.projection.plan.cache import OpsCache, cache_dir, estimate_peak
@@ -84,7 +84,9 @@ def _spec(
 
 def option_sets(req: Request, impl: type[Strategy], base: RunSpec | None) -> list[dict]:
     """Every combination of the strategy's searched options (the plan's order: the first varies
-    slowest), each restricted to the values the request names (none of them: its default)."""
+    slowest), each restricted to the values the request names (none of them: its default); an
+    option that matters only under another's value (``only_with``) takes its default elsewhere,
+    so no combination repeats a run."""
     offered = impl.searched_values(base)
     axes = []
     for name in (k for k in searched() if k in offered):
@@ -92,7 +94,7 @@ def option_sets(req: Request, impl: type[Strategy], base: RunSpec | None) -> lis
         values = [v for v in offered[name] if asked is None or v in asked]
         default = next(o.default for o in impl.options if o.name == name)
         axes.append([(name, v) for v in values or [default]])
-    return [dict(combo) for combo in itertools.product(*axes)]
+    return only_where_used(impl.options, [dict(c) for c in itertools.product(*axes)])
 
 
 def peak_of(spec: RunSpec) -> float:
