@@ -33,19 +33,17 @@ from tspbench.core import zigzag
 from tspbench.core.comm import Comm
 from tspbench.core.config import ConfigError, ModelConfig
 from tspbench.core.context_parallel import (
-    check_exchange,
+    SequenceSharded,
     cp_tables,
     exchange_groups,
-    searched_exchange,
 )
-from tspbench.core.costs import Spec
 from tspbench.core.init import chunk_slice
 from tspbench.core.layers import LayerHooks, rms_norm, transformer_layer
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.optim import grad_sq_sum
 from tspbench.core.options import CP_A2A, CP_COMM, Value
 from tspbench.core.reference import param_shapes, unit_names
-from tspbench.core.strategy import Batch, Layout, Strategy, tensor_of
+from tspbench.core.strategy import Batch, Layout, tensor_of
 
 
 def _fsdp2():
@@ -161,7 +159,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-class FSDP2CP(Strategy):
+class FSDP2CP(SequenceSharded):
     name = "fsdp2_cp"
     display = "FSDP2+CP (torch)"  # legends, titles and tables' captions
     options = (CP_COMM, CP_A2A)
@@ -172,22 +170,11 @@ class FSDP2CP(Strategy):
     decoder = None  # no decode path (docs/decode.md), as FSDP+CP
 
     @classmethod
-    def context_parallel(cls, layout: Layout) -> int:
-        return layout.degree
-
-    @classmethod
     def validate(
         cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, **options: Value
     ) -> None:
-        super().validate(cfg, layout, seq_len, batch)
         _fsdp2()
-        cp_comm, cp_a2a = options.get("cp_comm"), options.get("cp_a2a", 0)
-        check_exchange(cfg, seq_len, layout.degree, cp_comm, cp_a2a=cp_a2a)
-
-    @classmethod
-    def searched_values(cls, spec: Spec | None) -> dict[str, tuple[Value, ...]]:
-        out = super().searched_values(spec)
-        return out if spec is None else searched_exchange(out, spec.cfg, spec.cp)
+        super().validate(cfg, layout, seq_len, batch, **options)
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, **kw) -> None:
         super().__init__(cfg, mesh, **kw)

@@ -39,18 +39,16 @@ from tspbench.core import zigzag
 from tspbench.core.comm import Pending
 from tspbench.core.config import ModelConfig
 from tspbench.core.context_parallel import (
-    check_exchange,
+    SequenceSharded,
     cp_tables,
     exchange_groups,
-    searched_exchange,
 )
-from tspbench.core.costs import Spec
 from tspbench.core.layers import rms_norm, transformer_layer
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.optim import grad_sq_sum
 from tspbench.core.options import CP_A2A, CP_COMM, OVERLAP, Value
 from tspbench.core.reference import param_shapes, unit_names
-from tspbench.core.strategy import Batch, Layout, Strategy, tensor_of
+from tspbench.core.strategy import Batch, tensor_of
 
 
 @dataclass
@@ -98,7 +96,7 @@ class GatherUnit(torch.autograd.Function):
         return owner.reduce_grad(unit, g if held is None else held.add_(g)), None, None
 
 
-class FSDPCP(Strategy):
+class FSDPCP(SequenceSharded):
     name = "fsdp_cp"
     display = "FSDP+CP"  # legends, titles and tables' captions
     options = (OVERLAP, CP_COMM, CP_A2A)
@@ -109,26 +107,9 @@ class FSDPCP(Strategy):
     decoder = None  # no decode path (docs/decode.md)
 
     @classmethod
-    def context_parallel(cls, layout: Layout) -> int:
-        return layout.degree
-
-    @classmethod
     def checked_options(cls) -> list[dict[str, Value]]:
         """Each option's other value, and the ring with every collective waited for at once."""
         return [*super().checked_options(), {"cp_comm": "ring", "overlap": False}]
-
-    @classmethod
-    def validate(
-        cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, **options: Value
-    ) -> None:
-        super().validate(cfg, layout, seq_len, batch)
-        cp_comm, cp_a2a = options.get("cp_comm"), options.get("cp_a2a", 0)
-        check_exchange(cfg, seq_len, layout.degree, cp_comm, cp_a2a=cp_a2a)
-
-    @classmethod
-    def searched_values(cls, spec: Spec | None) -> dict[str, tuple[Value, ...]]:
-        out = super().searched_values(spec)
-        return out if spec is None else searched_exchange(out, spec.cfg, spec.cp)
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, **kw) -> None:
         super().__init__(cfg, mesh, **kw)

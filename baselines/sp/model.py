@@ -17,21 +17,19 @@ from baselines.sp.decode import SPDecoder
 from tspbench.core import zigzag
 from tspbench.core.config import ModelConfig
 from tspbench.core.context_parallel import (
-    check_exchange,
+    SequenceSharded,
     cp_tables,
     exchange_groups,
-    searched_exchange,
 )
-from tspbench.core.costs import Spec
 from tspbench.core.layers import rms_norm, transformer_layer
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.optim import grad_sq_sum
 from tspbench.core.options import CP_A2A, CP_COMM, OVERLAP, Value
 from tspbench.core.reference import head_name, layer_params, param_shapes
-from tspbench.core.strategy import Batch, Layout, Strategy, tensor_of
+from tspbench.core.strategy import Batch, tensor_of
 
 
-class SP(Strategy):
+class SP(SequenceSharded):
     name = "sp"
     display = "SP"  # legends, titles and tables' captions
     options = (CP_COMM, OVERLAP, CP_A2A)  # overlap: the ring's hops behind the attention
@@ -42,29 +40,12 @@ class SP(Strategy):
     decoder = SPDecoder
 
     @classmethod
-    def context_parallel(cls, layout: Layout) -> int:
-        return layout.degree
-
-    @classmethod
     def checked_options(cls) -> list[dict[str, Value]]:
         """Each exchange, and the ring with its hops waited for at once (overlap touches only
         the ring, so overlap off alone would repeat the default)."""
         return [{"cp_comm": c} for c in CP_COMM.choices if c != CP_COMM.default] + [
             {"cp_comm": "ring", "overlap": False}
         ]
-
-    @classmethod
-    def validate(
-        cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, **options: Value
-    ) -> None:
-        super().validate(cfg, layout, seq_len, batch)
-        cp_comm, cp_a2a = options.get("cp_comm"), options.get("cp_a2a", 0)
-        check_exchange(cfg, seq_len, layout.degree, cp_comm, cp_a2a=cp_a2a)
-
-    @classmethod
-    def searched_values(cls, spec: Spec | None) -> dict[str, tuple[Value, ...]]:
-        out = super().searched_values(spec)
-        return out if spec is None else searched_exchange(out, spec.cfg, spec.cp)
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, **kw) -> None:
         super().__init__(cfg, mesh, **kw)

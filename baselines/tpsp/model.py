@@ -20,13 +20,12 @@ from tspbench.core import zigzag
 from tspbench.core.collectives import copy_to, reduce_from
 from tspbench.core.config import ConfigError, ModelConfig
 from tspbench.core.context_parallel import (
-    check_exchange,
     cp_tables,
     exchange_groups,
-    searched_exchange,
 )
 from tspbench.core.costs import Spec
 from tspbench.core.decode import megatron_block
+from tspbench.core.exchange import check_exchange, searched_exchange
 from tspbench.core.layers import rms_norm, transformer_layer
 from tspbench.core.megatron import gather_named, head_partial, shard_dim
 from tspbench.core.mesh import Axis, Mesh

@@ -11,7 +11,8 @@ import torch.distributed as dist
 from tspbench.core import zigzag
 from tspbench.core.attention import attention
 from tspbench.core.config import ConfigError, get_config
-from tspbench.core.context_parallel import a2a_sizes, check_exchange, cp_tables, inner_size
+from tspbench.core.context_parallel import cp_tables
+from tspbench.core.exchange import a2a_sizes, check_exchange, inner_size
 from tspbench.core.mesh import Axis, build_mesh, rank_grid, split_lines
 
 

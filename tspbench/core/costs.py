@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from tspbench.core.config import ModelConfig
-from tspbench.core.context_parallel import inner_size
+from tspbench.core.exchange import inner_size
 from tspbench.core.layout import Layout
 
 FP32 = 4
