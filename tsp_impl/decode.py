@@ -149,8 +149,8 @@ class TSPDecoder(Decoder):
 
     def _step(self, x: torch.Tensor) -> Step:
         m = self.model
-        h = rms_norm(x, m.norm, m.cfg.norm_eps)
-        return greedy((h @ m.head.T).float(), m.comm)
+        h = rms_norm(x, m.norms[0], m.cfg.norm_eps)
+        return greedy((h @ m.tables[-1].T).float(), m.comm)
 
     @torch.no_grad()
     def prefill(self, tokens: torch.Tensor, max_len: int) -> tuple[KVCache, Step]:
@@ -159,7 +159,7 @@ class TSPDecoder(Decoder):
         D, r, (B, P) = comm.size, comm.rank, tokens.shape
         local = zigzag.shard(tokens, D, r).to(m.device)
         plan = m.plan(P)
-        x = VocabEmbedding.apply(local, m.embed, comm, m.overlap)
+        x = VocabEmbedding.apply(local, m.tables[0], comm, m.overlap)
         slots = KVCache.capacity(P, max_len, D)
         cache = KVCache.empty(cfg.layers, B, cfg.kv_heads, slots, cfg.d_head, x, D, r)
         mlp = MLP[m.mlp_schedule]
@@ -184,7 +184,7 @@ class TSPDecoder(Decoder):
     def decode_step(self, cache: KVCache, tokens: torch.Tensor) -> Step:
         m = self.model
         cfg, comm = m.cfg, m.comm
-        x = embedding(tokens.to(m.device), m.embed, comm)
+        x = embedding(tokens.to(m.device), m.tables[0], comm)
         layers = [layer_views(lp, cfg, comm.size) for lp in m.layers]
         hooks = DecodeHooks(attend(cache, comm), exit=lambda t: reduce_from(t, comm))
         return self._step(run_layers(cfg, layers, x, cache, hooks))

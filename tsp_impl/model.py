@@ -73,6 +73,7 @@ class TSP(Strategy):
     display = "TSP"  # legends, titles and tables' captions
     costs = TSPCosts()  # tsp_impl/costs.py
     decoder = TSPDecoder  # tsp_impl/decode.py
+    stages = True
     overlap: bool  # the options' values, set by Strategy.__init__
     kv_bucket: int
     mlp_schedule: str
@@ -145,16 +146,15 @@ class TSP(Strategy):
         self.comm = mesh[Axis.MODEL]
         D, r = self.comm.size, self.comm.rank
         rows = chunk_slice(cfg.vocab, D, r)  # the embedding's and the head's vocabulary rows
-        self.embed = self.to_param(self.init_block("embed", rows))
-        # tied: the head is the embedding (its two gradients sum into the one shard)
-        self.head = (
-            self.embed if cfg.tie_embeddings else self.to_param(self.init_block("head", rows))
-        )
-        self.norm = self.to_param(self.init_block("norm"))
+        first, last = self.stage.first, self.stage.last  # (a pipeline stage: its part only)
+        self.tables = [self.to_param(self.init_block("embed", rows))] if first else []
+        if last and not cfg.tie_embeddings:  # tied: the head is the embedding (its two
+            self.tables.append(self.to_param(self.init_block("head", rows)))  # grads sum)
+        self.norms = [self.to_param(self.init_block("norm"))] if last else []
         q, f, kv = cfg.q_dim, cfg.ffn, cfg.kv_dim
         own = {n: chunk_slice(n_out, D, r) for n, n_out in (("q", q), ("f", f), ("kv", kv))}
         self.layers = []
-        for i in range(cfg.layers):
+        for i in self.stage.layers:
             n = f"layers.{i}."  # each rank generates only its head group's rows (Wo, W2: columns)
             attn = torch.cat(
                 [
@@ -214,9 +214,15 @@ class TSP(Strategy):
         return self.zigzag_batch(tokens, labels, self.comm)
 
     def hidden_local(self, batch: Batch) -> torch.Tensor:
-        plan = self.plan(batch.tokens.shape[1] * self.comm.size)
+        x = self.run_layers(self.embed(batch.tokens))
+        return rms_norm(x, self.norms[0], self.cfg.norm_eps)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return VocabEmbedding.apply(tokens, self.tables[0], self.comm, self.overlap)
+
+    def run_layers(self, x: torch.Tensor) -> torch.Tensor:
+        plan = self.plan(x.shape[1] * self.comm.size)
         eps = self.cfg.norm_eps
-        x = VocabEmbedding.apply(batch.tokens, self.embed, self.comm, self.overlap)
 
         def block(x: torch.Tensor, lp: dict) -> torch.Tensor:
             grad = torch.is_grad_enabled()  # inference keeps nothing for a backward
@@ -238,7 +244,12 @@ class TSP(Strategy):
 
         for lp in self.layers:
             x = self.checkpointed(block, x, lp)
-        return rms_norm(x, self.norm, eps)
+        return x
+
+    def head_loss(self, x: torch.Tensor, labels: torch.Tensor, n_tokens: int) -> torch.Tensor:
+        h = rms_norm(x, self.norms[0], self.cfg.norm_eps)
+        head = self.tables[-1]
+        return VocabParallelLoss.apply(h, head, labels, n_tokens, self.comm, self.overlap)
 
     def checkpointed(self, fn, *args):
         """As :meth:`Strategy.checkpointed`, with ``self.recomputing`` set while backward
@@ -262,11 +273,9 @@ class TSP(Strategy):
         return contextlib.nullcontext(), recomputing()
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        h = self.hidden_local(batch)
-        local = VocabParallelLoss.apply(
-            h, self.head, batch.labels, batch.n_tokens, self.comm, self.overlap
-        )
-        return local, self.total_loss(local)
+        x = self.run_layers(self.embed(batch.tokens))
+        local = self.head_loss(x, batch.labels, batch.n_tokens)
+        return local, self.reported_loss(local)
 
     @property
     def qk_norms(self) -> tuple[str, ...]:
@@ -281,11 +290,10 @@ class TSP(Strategy):
 
     def replicated(self) -> list[torch.nn.Parameter]:
         names = ("attn_norm", "mlp_norm", *self.whole)
-        return [self.norm] + [lp[k] for lp in self.layers for k in names]
+        return self.norms + [lp[k] for lp in self.layers for k in names]
 
     def sharded(self) -> list[torch.nn.Parameter]:
-        tables = [self.embed] if self.cfg.tie_embeddings else [self.embed, self.head]
-        return tables + [lp[k] for lp in self.layers for k in ("attn", "mlp")]
+        return self.tables + [lp[k] for lp in self.layers for k in ("attn", "mlp")]
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return self.sharded() + self.replicated()
@@ -313,12 +321,12 @@ class TSP(Strategy):
         def g(p: torch.Tensor) -> tuple[torch.Tensor, ...]:
             return self.comm.all_gather(tensor_of(p, grads), dim=0).chunk(D)
 
-        out = {"embed": torch.cat(g(self.embed))}
-        if not self.cfg.tie_embeddings:
-            out["head"] = torch.cat(g(self.head))
-        out["norm"] = tensor_of(self.norm, grads)
+        names = [n for n in ("embed", "head") if self.stage.holds(n)][: len(self.tables)]
+        out = {n: torch.cat(g(t)) for n, t in zip(names, self.tables)}
+        if self.norms:
+            out["norm"] = tensor_of(self.norms[0], grads)
         rb = bias_rows(self.cfg, D)
-        for i, lp in enumerate(self.layers):
+        for i, lp in zip(self.stage.layers, self.layers):
             pre = f"layers.{i}."
             parts = [s.split([hq * d, hkv * d, hkv * d, hq * d, rb]) for s in g(lp["attn"])]
             for j, k in enumerate(("wq", "wk", "wv")):

@@ -30,6 +30,7 @@ class TP(Strategy):
     display = "TP"  # legends, titles and tables' captions
     costs = TPCosts()
     decoder = TPDecoder
+    stages = True
 
     @classmethod
     def validate(cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, **_) -> None:
@@ -42,7 +43,7 @@ class TP(Strategy):
         self.comm = mesh[Axis.MODEL]
         T, r = self.comm.size, self.comm.rank
         self.params: dict[str, torch.nn.Parameter] = {}
-        for name in param_shapes(cfg):
+        for name in filter(self.stage.holds, param_shapes(cfg)):  # (a pipeline stage: its part)
             rows, cols = megatron_block(cfg, name, T, r, shard_dim(name))
             self.params[name] = self.to_param(self.init_block(name, rows, cols))
         self.hooks = LayerHooks(
@@ -59,24 +60,34 @@ class TP(Strategy):
         )
 
     def hidden_local(self, batch: Batch) -> torch.Tensor:
-        cfg, p = self.cfg, self.params
-        x = embedding(batch.tokens, p["embed"], self.comm)
-        L = batch.tokens.shape[1]
+        x = self.run_layers(self.embed(batch.tokens))
+        return rms_norm(x, self.params["norm"], self.cfg.norm_eps)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return embedding(tokens, self.params["embed"], self.comm)
+
+    def run_layers(self, x: torch.Tensor) -> torch.Tensor:
+        cfg, p, L = self.cfg, self.params, x.shape[1]
         cos, sin = cached(self, ("rope", L, x.dtype), lambda: rope_on(torch.arange(L), cfg, x))
-        for i in range(cfg.layers):
+        for i in self.stage.layers:
             lp = {k: p[f"layers.{i}.{k}"] for k in layer_params(cfg)}
             x = self.checkpointed(
                 transformer_layer, x, lp, cfg.norm_eps, cfg.d_head, cos, sin, self.hooks
             )
-        return rms_norm(x, p["norm"], cfg.norm_eps)
+        return x
+
+    def head_loss(self, x: torch.Tensor, labels: torch.Tensor, n_tokens: int) -> torch.Tensor:
+        h = rms_norm(x, self.params["norm"], self.cfg.norm_eps)
+        head = self.params[head_name(self.cfg)]
+        return cross_entropy_sum(h, head, labels, self.comm) / n_tokens
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        h = self.hidden_local(batch)
-        local = (
-            cross_entropy_sum(h, self.params[head_name(self.cfg)], batch.labels, self.comm)
-            / batch.n_tokens
-        )
-        return local, self.total_loss(local, token_axes=())  # every rank holds the whole loss
+        x = self.run_layers(self.embed(batch.tokens))
+        local = self.head_loss(x, batch.labels, batch.n_tokens)
+        return local, self.reported_loss(local)
+
+    def reported_loss(self, local: torch.Tensor) -> torch.Tensor:
+        return self.total_loss(local, token_axes=())  # every rank holds the whole loss
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return list(self.params.values())

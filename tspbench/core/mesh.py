@@ -25,6 +25,7 @@ class Axis(enum.StrEnum):
     DP = "dp"  # data-parallel replicas of the model group
     TP = "tp"  # TP+SP: the T-rank tensor-parallel group (innermost)
     SP = "sp"  # TP+SP: the Sigma-rank context-parallel group
+    PP = "pp"  # pipeline stages (outermost: it crosses nodes, the model groups stay inside)
 
     __repr__ = str.__repr__
 

@@ -34,6 +34,8 @@ from tspbench.core.layout import Layout
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.options import Option, Options, Value
 from tspbench.core.reference import init_param, init_param_flat
+from tspbench.core.stage import Stage
+from tspbench.core.stage import check as check_stages
 
 RECOMPUTE = ("none", "full")
 
@@ -68,6 +70,8 @@ class Strategy(ABC):
     # another strategy's layout in another library's code (PyTorch's FSDP2 for FSDP+CP): measured
     # beside it, never planned or projected apart from it (the planner chooses layouts)
     implements: ClassVar[str | None] = None
+    # runs as a pipeline stage (builds only a Stage's parameters; embed/run_layers/head_loss)
+    stages: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kw: Any) -> None:
         """Refuse a concrete strategy that lacks a part, at its definition (import) time: a
@@ -98,15 +102,18 @@ class Strategy(ABC):
         device: torch.device | str = "cpu",
         recompute: str = "none",
         dp_bucket_mb: float = 25.0,
+        stage: Stage | None = None,
         **options: Value,
     ) -> None:
         """``options``: values of the strategy's declared options (the rest at their defaults),
-        each an attribute of the same name."""
+        each an attribute of the same name; ``stage``: the pipeline stage it builds (default:
+        the whole model)."""
         if recompute not in RECOMPUTE:
             raise ConfigError(f"recompute={recompute!r}: must be one of {', '.join(RECOMPUTE)}")
         self.cfg, self.mesh, self.seed = cfg, mesh, seed
         self.dtype, self.device = dtype, torch.device(device)
         self.recompute, self.dp_bucket_mb = recompute, dp_bucket_mb
+        self.stage = stage or Stage.whole(cfg)
         for name, value in Options(type(self).options, options, self.name).items():
             setattr(self, name, value)
         self._dp_sync: BucketedAllReduce | None = None
@@ -141,6 +148,12 @@ class Strategy(ABC):
                 raise ConfigError(f"{field}={v!r}: must be a positive integer")
         if batch < 1 or seq_len < 1:
             raise ConfigError(f"batch={batch}, seq_len={seq_len}: must be positive")
+        if layout.pp > 1 and not cls.stages:
+            raise ConfigError(
+                f"pp={layout.pp}: strategy {cls.name} does not run as a pipeline stage yet "
+                "(docs/running.md lists those that do)"
+            )
+        check_stages(cfg, layout.pp)
 
     @staticmethod
     def require_divisible(what: str, value: int, by: int, by_name: str) -> None:
@@ -226,6 +239,12 @@ class Strategy(ABC):
                 self.mesh[axis].all_reduce_metric(total)
         return total
 
+    def reported_loss(self, local: torch.Tensor) -> torch.Tensor:
+        """The global mean loss from this rank's ``local`` part (collective): summed over the
+        model group's token split and the replicas (a strategy whose every rank holds the whole
+        loss sums over the replicas only)."""
+        return self.total_loss(local)
+
     @abstractmethod
     def parameters(self) -> list[torch.nn.Parameter]:
         """This rank's parameter tensors (what the optimizer steps)."""
@@ -257,6 +276,21 @@ class Strategy(ABC):
     @torch.no_grad()
     def forward_only(self, batch: Batch) -> torch.Tensor:
         return self.loss(batch)[1]
+
+    # -- a pipeline stage's three parts (strategies with ``stages``; loss() chains them) ----------
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The first stage's input activations [b, s_local, h] of this rank's ``tokens``."""
+        raise NotImplementedError(f"strategy {self.name}: no pipeline stages")
+
+    def run_layers(self, x: torch.Tensor) -> torch.Tensor:
+        """This stage's layers on activations [b, s_local, h] (same shape out)."""
+        raise NotImplementedError(f"strategy {self.name}: no pipeline stages")
+
+    def head_loss(self, x: torch.Tensor, labels: torch.Tensor, n_tokens: int) -> torch.Tensor:
+        """The last stage's local loss: final norm, LM head and cross-entropy of the last
+        layer's output, summed over this rank's tokens and divided by ``n_tokens`` (the global
+        batch's), so local losses sum to the mean over micro-batches and ranks."""
+        raise NotImplementedError(f"strategy {self.name}: no pipeline stages")
 
     def decoding(self) -> Decoder:
         """This model's decode path (docs/decode.md); ConfigError where it has none."""

@@ -1,0 +1,70 @@
+"""Pipeline stages: which parameters a stage holds, the layout of pp x dp x D ranks, and a
+pipelined spec's round trip through the command line (the runs: test_pipeline_parallel.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.checks import argv_spec
+from tspbench.core.config import ConfigError, get_config
+from tspbench.core.reference import param_shapes
+from tspbench.core.stage import Stage
+from tspbench.runtime.layout import world_layout
+from tspbench.runtime.pipelined import bubble_closed_form
+
+
+def test_stages_hold_every_parameter_once():
+    cfg = get_config("tiny", layers=4)
+    stages = [Stage.of(cfg, 2, i) for i in range(2)]
+    assert [list(s.layers) for s in stages] == [[0, 1], [2, 3]]
+    names = list(param_shapes(cfg))
+    held = [[n for n in names if s.holds(n)] for s in stages]
+    assert sorted(held[0] + held[1]) == sorted(names)
+    assert "embed" in held[0] and {"norm", "head"} <= set(held[1])
+    assert all(n.startswith("layers.0.") or n.startswith("layers.1.") or n == "embed"
+               for n in held[0])  # fmt: skip
+    assert Stage.whole(cfg).holds("embed") and Stage.whole(cfg).holds("head")
+
+
+@pytest.mark.parametrize(
+    ("over", "pp", "needle"),
+    [({"layers": 3}, 2, "pp=2: must divide model.layers=3"),
+     ({"tie_embeddings": True}, 2, "pp=2: model.tie_embeddings=True")],
+)  # fmt: skip
+def test_a_model_that_cannot_be_split_is_refused(over, pp, needle):
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
+        Stage.of(get_config("tiny", **over), pp, 0)
+
+
+def test_stages_go_outermost_so_model_groups_stay_in_a_node():
+    lay = world_layout("tsp", 16, 8, pp=2)
+    assert lay.model_groups == [list(range(8)), list(range(8, 16))]
+    assert lay.pp_groups == [[r, r + 8] for r in range(8)]
+    assert lay.crossing(8) == [] and lay.pp_crossing(8)  # groups in a node, sends across
+    assert not world_layout("tsp", 8, 4, pp=2).pp_crossing(8)
+    for world, degree, pp, strategy, needle in (
+        (24, 16, 1, "tsp", "must be a multiple of the model group"),
+        (32, 8, 2, "tsp", "data parallelism with pipeline stages"),
+        (16, 8, 2, "sp", "strategy sp does not run as a pipeline stage"),
+    ):
+        with pytest.raises(ConfigError, match=needle):
+            world_layout(strategy, world, degree, pp=pp)
+
+
+def test_a_pipelined_spec_survives_the_command_line():
+    argv = ["--strategy", "tsp", "--model", "tiny", "--seq-len", "32", "--degree", "2",
+            "--batch", "4", "--pp", "2", "--pp-schedule", "gpipe",
+            "--microbatches", "4"]  # fmt: skip
+    spec = argv_spec(argv)
+    assert spec.layout.pp == 2 and spec.layout.world_size == 4
+    assert spec.mesh_dims == {"pp": 2, "dp": 1, "model": 2}
+    assert spec.tag == "tsp-pp2-gpipe-m4" and spec.id.startswith("tsp-pp2-gpipe-m4.D2.g4.")
+    assert argv_spec(spec.to_argv()) == spec
+    head = spec.header("local", 4)
+    assert (head["pp"], head["pp_schedule"], head["microbatches"]) == (2, "gpipe", 4)
+    assert "pp" not in argv_spec(argv[:10]).header("local", 2)  # unpipelined: no such keys
+
+
+def test_bubble_closed_form():
+    assert bubble_closed_form(4, 8) == pytest.approx(3 / 11)
+    assert bubble_closed_form(2, 2) == pytest.approx(1 / 3)
