@@ -102,22 +102,24 @@ def summary(config: dict, tmp_path: Path, **kw) -> tuple[list, pd.DataFrame]:
     return cells, df
 
 
-def header_keys(mode: str) -> list[str]:
+def header_keys(mode: str, pipelined: bool = False) -> list[str]:
     """The keys of ``RunSpec.header`` for ``mode``, in order: the inputs, every strategy's
-    options, the setup."""
+    options, the setup (``pipelined``: a run with pipeline stages)."""
     from tspbench.runtime import record_keys as rk
     from tspbench.runtime.registry import all_options
     from tspbench.runtime.spec import DECODE_MODES
 
     inputs = [k for k in rk.INPUTS if mode in DECODE_MODES or k != "new_tokens"]
+    inputs = [k for k in inputs if pipelined or k not in rk.PIPELINE]
     return [*inputs, *all_options(), *rk.SETUP]
 
 
-def written_keys(mode: str) -> list[str]:
+def written_keys(mode: str, pipelined: bool = False) -> list[str]:
     """The keys of an ok record of ``mode``, in the order ``tspbench run`` writes them."""
     from tspbench.runtime import record_keys as rk
     from tspbench.runtime.spec import DECODE_MODES
 
     summary = rk.DECODE_SUMMARY if mode in DECODE_MODES else rk.RUN_SUMMARY
+    summary = (*summary, *rk.PIPELINE_SUMMARY) if pipelined else summary
     after = [*rk.PLACEMENT, *rk.PROVENANCE, "status", *summary, *rk.CLOSING]
-    return [*header_keys(mode), *after]
+    return [*header_keys(mode, pipelined), *after]

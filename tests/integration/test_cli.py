@@ -38,6 +38,9 @@ RUNS = {
     "sp-a2a+p2p": ["--strategy", "sp", "--degree", "4", "--batch", "4", "--cp-comm", "a2a+p2p"],
 }
 WORLD = {"single": 1, "tsp": 4, "tpsp": 4, "sp-a2a+p2p": 4}  # the others: 2
+# a pipelined run's arguments (two stages of TSP on 2 ranks each), for the bad-input cases
+PP = ["--strategy", "tsp", "--seq-len", "32", "--degree", "2", "--batch", "2", "--pp", "2",
+      "--microbatches", "2"]  # fmt: skip
 
 
 # The runs read the model from a Hugging Face config.json, as a user's would: the tiny preset's
@@ -261,7 +264,7 @@ def test_forced_oom_is_a_result(tmp_path):
                 "--nproc",
                 "3",
             ],
-            "--nproc=3: must equal degree x dp = 2",
+            "--nproc=3: must equal degree x dp x pp = 2",
         ),
         (["--strategy", "tsp", "--seq-len", "32", "--degree", "2"], "no launcher environment"),
         (["--strategy", "tsp", "--seq-len", "32", "--max-memory", "lots"], "--max-memory"),
@@ -289,6 +292,20 @@ def test_forced_oom_is_a_result(tmp_path):
             ["--strategy", "sp", "--seq-len", "32", "--degree", "4", "--cp-a2a", "2"],
             "cp_a2a=2: only with cp_comm=a2a+p2p (not all_gather)",
         ),
+        # pipelines: stages that do not divide the layers, 1F1B with fewer micro-batches than
+        # stages, a schedule torch does not know, one torch knows that needs several stages
+        # per rank, a strategy that does not run as a stage yet, tied embeddings
+        (PP + ["--pp", "4", "--microbatches", "4", "--batch", "4"], "pp=4: must divide model.lay"),
+        (PP + ["--microbatches", "1"], "microbatches=1: 1f1b needs at least pp=2"),
+        (PP + ["--pp-schedule", "zbv"], "pp_schedule='zbv': must be one of gpipe, 1f1b"),
+        (PP + ["--pp-schedule", "interleaved1f1b"], "pp_schedule='interleaved1f1b' (torch's"),
+        (["--strategy", "sp", *PP[2:]], "pp=2: strategy sp does not run as a pipeline stage"),
+        (PP + ["--set", "tie_embeddings=True"], "pp=2: model.tie_embeddings=True puts one"),
+        (PP + ["--dp", "2"], "dp=2 with pp=2: not yet"),
+        (PP + ["--mode", "decode"], "mode='decode' with pp=2: pipelines here train or infer"),
+        (PP + ["--batch", "3"], "microbatches=2: must divide batch=3"),
+        (PP[:-4] + ["--microbatches", "2"], "--microbatches: only with --pp > 1 (got pp=1)"),
+        (PP[:-4] + ["--pp-schedule", "gpipe"], "--pp-schedule: only with --pp > 1 (got pp=1)"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys, monkeypatch, args, needle):

@@ -78,14 +78,14 @@ BAD = [
         "run",
         ["--degree", "2", "--launch", "local", "--nproc", "3"],
         {},
-        "--nproc=3: must equal degree x dp = 2",
+        "--nproc=3: must equal degree x dp x pp = 2",
     ),
     ("run", ["--degree", "2"], {}, "no launcher environment"),
     (
         "run",
         ["--degree", "2"],
         {"RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"},
-        "world size 3 (from torchrun): must equal degree x dp = 2",
+        "world size 3 (from torchrun): must equal degree x dp x pp = 2",
     ),
     (
         "run",

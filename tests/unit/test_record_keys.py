@@ -19,7 +19,8 @@ SCHEMA = schema("record.schema.json")
 def every_key() -> set[str]:
     """Every key some record carries: the lists, and the strategies' options."""
     groups = (rk.INPUTS, all_options(), rk.SETUP, rk.PLACEMENT, rk.PROVENANCE, rk.OUTCOME)
-    return {*(k for g in groups for k in g), *rk.RUN_SUMMARY, *rk.DECODE_SUMMARY, *rk.CLOSING}
+    summaries = (*rk.RUN_SUMMARY, *rk.DECODE_SUMMARY, *rk.PIPELINE_SUMMARY)
+    return {*(k for g in groups for k in g), *summaries, *rk.CLOSING}
 
 
 def test_the_schema_names_exactly_the_record_keys():
@@ -31,7 +32,7 @@ def test_the_schema_names_exactly_the_record_keys():
 
 
 def test_the_schema_requires_only_keys_written_when_it_requires_them():
-    every_record = {*rk.INPUTS, "status", *rk.CLOSING} - {"new_tokens"}
+    every_record = {*rk.INPUTS, "status", *rk.CLOSING} - {"new_tokens", *rk.PIPELINE}
     assert set(SCHEMA["required"]) <= every_record
     every_ok = {*rk.PROVENANCE, *(set(rk.RUN_SUMMARY) & set(rk.DECODE_SUMMARY))}
     assert set(SCHEMA["then"]["required"]) <= every_ok

@@ -215,6 +215,23 @@ def option_type(option: Option) -> Callable[[str], Value]:
     return parse
 
 
+def add_pipeline_args(p: argparse.ArgumentParser) -> None:
+    """Pipeline stages: only measured runs take them (the closed forms, the estimator and the
+    cost model do not model pipelines yet, so their commands refuse the flags)."""
+    p.add_argument(
+        "--pp", type=int_in(1, 65536), default=1,
+        help="pipeline stages (world = pp x dp x D; tsp and tp run as stages)",
+    )  # fmt: skip
+    p.add_argument(
+        "--pp-schedule", default=None,
+        help="with --pp > 1: torch.distributed.pipelining's schedule, gpipe or 1f1b (default)",
+    )  # fmt: skip
+    p.add_argument(
+        "--microbatches", type=int_in(1, 4096), default=None,
+        help="with --pp > 1: micro-batches the schedule splits --batch into (default: pp)",
+    )  # fmt: skip
+
+
 def add_measure_args(p: argparse.ArgumentParser) -> None:
     """What only a measured run uses (``model``, ``estimate`` and ``project`` time nothing)."""
     p.add_argument("--warmup", type=int_in(0, 1000), default=1)

@@ -7,6 +7,7 @@ import argparse
 from tspbench.cli.args import (
     add_launch_args,
     add_measure_args,
+    add_pipeline_args,
     add_run_args,
     int_in,
     launch_argv,
@@ -105,7 +106,7 @@ def cmd_layout(args: argparse.Namespace) -> int:
 
     from tspbench.runtime.layout import describe, world_layout
 
-    lay = world_layout(args.strategy, args.world, args.degree, args.tp, args.sp)
+    lay = world_layout(args.strategy, args.world, args.degree, args.tp, args.sp, args.pp)
     if args.json:
         print(json.dumps({**lay.as_dict(), "crossing": lay.crossing(args.gpus_per_node)}))
     else:
@@ -118,6 +119,7 @@ def add_parsers(sub) -> None:
 
     r = sub.add_parser("run", help="one measured run, written as a JSON record")
     add_run_args(r)
+    add_pipeline_args(r)
     add_measure_args(r)
     add_launch_args(r)
     r.set_defaults(func=cmd_run, guarded=True)
@@ -133,5 +135,6 @@ def add_parsers(sub) -> None:
     lay.add_argument("--degree", type=int_in(1, 65536), default=None)
     lay.add_argument("--tp", type=int_in(1, 65536), default=1)
     lay.add_argument("--sp", type=int_in(1, 65536), default=1)
+    lay.add_argument("--pp", type=int_in(1, 65536), default=1, help="pipeline stages")
     lay.add_argument("--json", action="store_true", help="print the groups as JSON")
     lay.set_defaults(func=cmd_layout)

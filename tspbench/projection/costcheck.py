@@ -56,6 +56,10 @@ def check_records(paths: list[str], preset: dict):
         rec = check_record(path)
         if rec["status"] != "ok" or rec["mode"] not in ("train", "infer"):
             continue
+        if rec.get("pp", 1) > 1:  # projected as one stage's model group, it would lie
+            raise ConfigError(
+                f"record {path!r}: pp={rec['pp']}: the cost model does not project pipelines yet"
+            )
         impl = strategies()[rec["strategy"]]
         options = {o.name: rec[o.name] for o in impl.options if rec.get(o.name) is not None}
         c = RunSpec.make(

@@ -374,9 +374,11 @@ def case_of_row(row: dict) -> RunSpec:
 
     # the row's options (NaN or absent: a row without one, at its default)
     cells = {o.name: (o, row.get(o.name)) for o in strategies()[row["strategy"]].options}
+    given = {k: (o, v) for k, (o, v) in cells.items() if v is not None and v == v}
+    options: dict[str, Any] = {k: o.from_cell(v) for k, (o, v) in given.items()}
     return RunSpec.make(
         row["strategy"], cfg, degree=int(row["degree"]), tp=opt("tp"), sp=opt("sp"),
         dp=int(row["dp"]), seq_len=int(row["seq_len"]), batch=int(row["batch"]),
         mode=row["mode"], dtype=row["dtype"], recompute=row.get("recompute", "none"),
-        **{k: o.from_cell(v) for k, (o, v) in cells.items() if v is not None and v == v},
+        **options,
     )  # fmt: skip

@@ -341,11 +341,12 @@ def max_local_ranks() -> int:
 def check_local_world(world: int, nproc: int) -> None:
     """--nproc must match the spec, and this machine must be able to hold that many ranks."""
     if nproc != world:
-        raise ConfigError(f"--nproc={nproc}: must equal degree x dp = {world}")
+        raise ConfigError(f"--nproc={nproc}: must equal degree x dp x pp = {world}")
     if world > max_local_ranks():
         raise ConfigError(
-            f"degree x dp = {world}: --launch local starts at most {max_local_ranks()} ranks on "
-            f"this machine ({os.cpu_count()} cores); use a cluster launcher (srun, torchrun)"
+            f"degree x dp x pp = {world}: --launch local starts at most {max_local_ranks()} "
+            f"ranks on this machine ({os.cpu_count()} cores); use a cluster launcher (srun, "
+            "torchrun)"
         )
 
 

@@ -25,13 +25,15 @@ import torch.distributed as dist
 from tspbench.core.comm import blocked_in_collective
 from tspbench.core.dtypes import DTYPES
 from tspbench.core.memory import REST, STAGING, MemoryTracker
-from tspbench.core.mesh import build_mesh
+from tspbench.core.mesh import Axis, build_mesh
 from tspbench.core.optim import AdamW
 from tspbench.core.reference import make_batch
+from tspbench.core.stage import Stage
 from tspbench.runtime.faults import inject, stretched
 from tspbench.runtime.flops import counter
 from tspbench.runtime.guard import process_age_s
-from tspbench.runtime.record_keys import RUN_SUMMARY, ordered
+from tspbench.runtime.pipelined import Pipelined, bubble_closed_form
+from tspbench.runtime.record_keys import PIPELINE_SUMMARY, RUN_SUMMARY, ordered
 from tspbench.runtime.registry import get_strategy
 from tspbench.runtime.spec import RunSpec
 from tspbench.runtime.timing import slowest, timed
@@ -92,8 +94,10 @@ def gemm_rate(device: torch.device, dtype: torch.dtype, n: int = 0, reps: int = 
 
 
 def build_strategy(spec: RunSpec, mesh, device: torch.device, overlap: bool | None = None):
-    """The spec's strategy on ``mesh`` (``overlap`` overrides the spec's, for the benchmark)."""
-    return get_strategy(spec.strategy)(
+    """The spec's strategy on ``mesh`` (``overlap`` overrides the spec's, for the benchmark);
+    with pipeline stages, this rank's stage of it behind the spec's schedule."""
+    pp = spec.layout.pp
+    strat = get_strategy(spec.strategy)(
         spec.cfg,
         mesh,
         seed=spec.seed,
@@ -102,7 +106,11 @@ def build_strategy(spec: RunSpec, mesh, device: torch.device, overlap: bool | No
         recompute=spec.recompute,
         # the keys are the strategy's declared options, never dp_bucket_mb (a float parameter)
         **{**spec.options, **({} if overlap is None else {"overlap": overlap})},  # type: ignore[arg-type]
+        stage=Stage.of(spec.cfg, pp, mesh[Axis.PP].rank) if pp > 1 else None,
     )
+    if pp == 1:
+        return strat
+    return Pipelined(strat, mesh, spec.pp_schedule, spec.microbatches, spec.train)
 
 
 def measure_rank(spec: RunSpec, device: torch.device, beat=lambda: None) -> dict[str, Any]:
@@ -110,7 +118,7 @@ def measure_rank(spec: RunSpec, device: torch.device, beat=lambda: None) -> dict
 
     ``beat()`` is called after every phase and step: the guard's proof of progress.
     """
-    mesh = build_mesh(get_strategy(spec.strategy).mesh_dims(spec.layout))
+    mesh = build_mesh(spec.mesh_dims)
     strat = build_strategy(spec, mesh, device)
     tokens, labels = make_batch(spec.cfg, spec.batch * spec.layout.dp, spec.seq_len, spec.seed)
     batch = strat.shard_batch(tokens, labels)
@@ -155,20 +163,29 @@ def measure_rank(spec: RunSpec, device: torch.device, beat=lambda: None) -> dict
     mesh.counter.reset()
     calib = []
     times = []
+    pp_times = []  # a pipeline's (schedule, stage compute) seconds in each timed step
     for i in range(spec.steps):
         calib.append(gemm_rate(device, DTYPES[spec.dtype]))
         with blocked_in_collective():
             dist.barrier()
+        if isinstance(strat, Pipelined):
+            strat.take_times()
         _, dt = timed(step, device)
         times.append(dt)
+        if isinstance(strat, Pipelined):
+            pp_times.append(strat.take_times())
         if not spec.quiet and rank0:
             print(f"[tspbench] step {i + 1}/{spec.steps}: {dt * 1e3:.1f} ms (rank 0)", flush=True)
     with blocked_in_collective():  # a step lasts as long as its slowest rank
         out["step_times"] = slowest(times, device)
     out["calib_gflops"] = statistics.median(calib)
     k = spec.steps
-    out["comm_by_kind"] = {kind: b / k for kind, b in mesh.counter.by_kind().items()}
+    # (a pipeline's sends between stages: their own column, comm_bytes_pp_per_rank)
+    axes = tuple(a for a in mesh.dims if a != Axis.PP) if spec.layout.pp > 1 else None
+    out["comm_by_kind"] = {kind: b / k for kind, b in mesh.counter.by_kind(axes).items()}
     out["comm_by_axis"] = {axis: b / k for axis, b in mesh.counter.by_axis().items()}
+    if isinstance(strat, Pipelined):
+        out["pp_stage"], out["pp_times"] = strat.stage.index, pp_times
     return out
 
 
@@ -294,8 +311,11 @@ def summarize(spec: RunSpec, ranks: list[dict[str, Any]], device_peak_flops: flo
     tokens = spec.batch * spec.layout.dp * spec.seq_len
     flops = sum(r["flops"] for r in ranks)
     world = len(ranks)
-    comm = r0["comm_by_kind"]
-    by_axis = r0["comm_by_axis"]
+    # the traffic of one model-group position: rank 0's, and with pipeline stages the sum over
+    # its peers in every stage (each stage's layers, the head's collectives on the last)
+    line = [s * (world // spec.layout.pp) for s in range(spec.layout.pp)]
+    comm = _summed([ranks[r]["comm_by_kind"] for r in line])
+    by_axis = _summed([ranks[r]["comm_by_axis"] for r in line])
     values = {
         "peak_mem_bytes": max(peaks),
         "peak_mem_bytes_per_rank": peaks,
@@ -313,7 +333,7 @@ def summarize(spec: RunSpec, ranks: list[dict[str, Any]], device_peak_flops: flo
         "tokens_per_s": tokens / step_time,
         "comm_bytes": comm,
         "comm_bytes_total": sum(comm.values()),
-        "comm_bytes_model_group": sum(b for a, b in by_axis.items() if a != "dp"),
+        "comm_bytes_model_group": sum(b for a, b in by_axis.items() if a not in ("dp", "pp")),
         "comm_bytes_dp": by_axis.get("dp", 0.0),
         "comm_bytes_per_rank": [sum(r["comm_by_kind"].values()) for r in ranks],
         "flops_counted": "model",
@@ -331,4 +351,32 @@ def summarize(spec: RunSpec, ranks: list[dict[str, Any]], device_peak_flops: flo
         / step_time
         / statistics.median(r["calib_gflops"] for r in ranks),
     }
-    return ordered(RUN_SUMMARY, values)
+    out = ordered(RUN_SUMMARY, values)
+    return out if spec.layout.pp == 1 else {**out, **pipeline_summary(spec, ranks)}
+
+
+def _summed(dicts: list[dict[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
+def pipeline_summary(spec: RunSpec, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """A pipelined run's own measurements: each rank's stage, the time its schedule ran and
+    its stage computed in it (medians over the timed steps), its bubble, the idle fraction of
+    the pipeline's schedule (the longest rank's: the first stage's, which waits for the last
+    backward; the last stage's own ends before the others' backwards do), beside the closed
+    form's, and the bytes it sends between stages per step."""
+    sched = [statistics.median(t[0] for t in r["pp_times"]) for r in ranks]
+    busy = [statistics.median(t[1] for t in r["pp_times"]) for r in ranks]
+    values = {
+        "pp_stage_per_rank": [r["pp_stage"] for r in ranks],
+        "pp_schedule_s_per_rank": sched,
+        "pp_busy_s_per_rank": busy,
+        "pp_bubble_fraction_per_rank": [1.0 - b / max(sched) for b in busy],
+        "pp_bubble_closed_form": bubble_closed_form(spec.layout.pp, spec.microbatches),
+        "comm_bytes_pp_per_rank": [r["comm_by_axis"].get("pp", 0.0) for r in ranks],
+    }
+    return ordered(PIPELINE_SUMMARY, values)

@@ -17,7 +17,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-# RunSpec.header, before the options (new_tokens in the decode modes only)
+# RunSpec.header, before the options (new_tokens in the decode modes only; pp, pp_schedule and
+# microbatches in pipelined runs only)
 INPUTS = (
     "schema_version",
     "strategy",
@@ -27,6 +28,9 @@ INPUTS = (
     "tp",
     "sp",
     "dp",
+    "pp",
+    "pp_schedule",
+    "microbatches",
     "world_size",
     "mode",
     "new_tokens",
@@ -39,6 +43,7 @@ INPUTS = (
     "max_memory",
     "recompute",
 )
+PIPELINE = ("pp", "pp_schedule", "microbatches")  # INPUTS of a pipelined run only
 SETUP = ("model_config", "launcher")  # RunSpec.header, after the options
 PLACEMENT = ("model_group", "rank_nodes", "model_group_spans_nodes")  # once the ranks joined
 PROVENANCE = ("hardware", "versions", "git_commit", "attention_backend")  # likewise
@@ -93,6 +98,14 @@ STEP = (  # the record's step (a decode step or a generation in the decode modes
     "tokens_per_s_per_gflops",
 )
 RUN_SUMMARY = (*MEMORY, *STEP)  # tspbench.runtime.measure.summarize
+PIPELINE_SUMMARY = (  # after RUN_SUMMARY, in pipelined runs only (measure.pipeline_summary)
+    "pp_stage_per_rank",
+    "pp_schedule_s_per_rank",
+    "pp_busy_s_per_rank",
+    "pp_bubble_fraction_per_rank",
+    "pp_bubble_closed_form",
+    "comm_bytes_pp_per_rank",
+)
 DECODE_SUMMARY = (*MEMORY, *DECODE, *STEP)  # tspbench.runtime.decode.summarize_decode
 CLOSING = ("wall_s", "timestamp_utc")  # when rank 0 writes it
 

@@ -185,7 +185,8 @@ def _rank_env(spec: RunSpec) -> RankEnv:
         env = RankEnv(0, 1, 0, "127.0.0.1", free_port(), "single")
     if env.world_size != world:
         raise ConfigError(
-            f"world size {env.world_size} (from {env.source}): must equal degree x dp = {world}"
+            f"world size {env.world_size} (from {env.source}): must equal degree x dp x pp "
+            f"= {world}"
         )
     return env
 

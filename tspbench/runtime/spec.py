@@ -18,8 +18,10 @@ from typing import Any
 
 from tspbench.core.config import ConfigError, ModelConfig, load_model, model_with_overrides
 from tspbench.core.dtypes import BYTES
+from tspbench.core.mesh import Axis
 from tspbench.core.options import Options, Value
 from tspbench.core.strategy import Layout, Strategy
+from tspbench.runtime.pipelined import check as check_pipeline
 from tspbench.runtime.registry import all_options, get_strategy, strategies, takers
 
 CHOICES = {
@@ -65,6 +67,9 @@ class RunSpec:
     dtype: str = "fp32"
     recompute: str = "none"
     options: Mapping[str, Value] = field(default_factory=dict)  # the strategy's own: Options
+    pp_schedule: str = "1f1b"  # with layout.pp > 1: torch.distributed.pipelining's schedule
+    microbatches: int = 0  # with layout.pp > 1: micro-batches the schedule splits batch into
+    # (0: pp, the fewest 1F1B takes)
     seed: int = 0
     warmup: int = 1
     steps: int = 3
@@ -78,6 +83,16 @@ class RunSpec:
                 raise ConfigError(f"{name}={value!r}: must be one of {', '.join(choices)}")
         options = Options(self.impl.options, self.options, self.strategy)  # defaults filled in
         object.__setattr__(self, "options", options)
+        lay = self.layout
+        if not self.microbatches:
+            object.__setattr__(self, "microbatches", lay.pp)
+        if lay.pp > 1 and self.mode not in ("train", "infer"):
+            raise ConfigError(f"mode={self.mode!r} with pp={lay.pp}: pipelines here train or infer")
+        if lay.pp > 1 and lay.dp > 1:
+            raise ConfigError(
+                f"dp={lay.dp} with pp={lay.pp}: not yet (the data-parallel all-reduce would start "
+                "at the first micro-batch's gradients); run one replica per pipeline"
+            )
         if self.decoding:
             if self.recompute != "none":
                 raise ConfigError(
@@ -99,6 +114,7 @@ class RunSpec:
                 f"new_tokens={self.new_tokens}: only --mode {' or '.join(DECODE_MODES)} generates"
             )
         self.impl.validate(self.cfg, self.layout, self.seq_len, self.batch, **options)
+        check_pipeline(lay.pp, self.pp_schedule, self.microbatches, self.batch)
 
     @classmethod
     def make(
@@ -110,11 +126,12 @@ class RunSpec:
         tp: int = 1,
         sp: int = 1,
         dp: int = 1,
+        pp: int = 1,
         **fields: Any,
     ) -> RunSpec:
-        """A spec from the strategy's own reading of degree, T x Sigma and replicas; ``fields``
-        that are not the spec's are the strategy's options."""
-        layout = get_strategy(strategy).make_layout(degree, tp, sp, dp)
+        """A spec from the strategy's own reading of degree, T x Sigma and replicas, with ``pp``
+        pipeline stages; ``fields`` that are not the spec's are the strategy's options."""
+        layout = dataclasses.replace(get_strategy(strategy).make_layout(degree, tp, sp, dp), pp=pp)
         fields, options = _split(fields, {})
         return cls(strategy=strategy, cfg=cfg, layout=layout, options=options, **fields)
 
@@ -137,6 +154,8 @@ class RunSpec:
             tp=args.tp,
             sp=args.sp,
             dp=args.dp,
+            pp=getattr(args, "pp", 1),
+            **_schedule_of(args),
             seq_len=args.seq_len,
             batch=args.batch,
             mode=args.mode,
@@ -165,6 +184,9 @@ class RunSpec:
             if value is not None:
                 argv += [f"--{key}", str(value)]
         argv += ["--dp", str(lay.dp), "--batch", str(self.batch), "--mode", self.mode]
+        if lay.pp > 1:
+            argv += ["--pp", str(lay.pp), "--pp-schedule", self.pp_schedule]
+            argv += ["--microbatches", str(self.microbatches)]
         if self.decoding:
             argv += ["--new-tokens", str(self.new_tokens)]
         argv += ["--dtype", self.dtype, "--recompute", self.recompute]
@@ -197,7 +219,14 @@ class RunSpec:
     def tag(self) -> str:
         """The strategy and its factorisation as cell ids spell it, and a schedule other than
         the default: ``tsp-mlp-broadcast``, ``tsp-kvsave``."""
-        return self.impl.tag(self.layout) + self._options.suffix("tag")
+        return self.impl.tag(self.layout) + self._options.suffix("tag") + self._pipeline_tag
+
+    @property
+    def _pipeline_tag(self) -> str:
+        """``-pp2-1f1b-m4`` for a pipelined run, else nothing."""
+        if self.layout.pp == 1:
+            return ""
+        return f"-pp{self.layout.pp}-{self.pp_schedule}-m{self.microbatches}"
 
     @property
     def _options(self) -> Options:
@@ -224,6 +253,11 @@ class RunSpec:
             "degree": lay.degree,
             **self.impl.factors(lay),
             "dp": lay.dp,
+            **(
+                {"pp": lay.pp, "pp_schedule": self.pp_schedule, "microbatches": self.microbatches}
+                if lay.pp > 1
+                else {}
+            ),
             "world_size": world,
             "mode": self.mode,
             **({"new_tokens": self.new_tokens} if self.decoding else {}),
@@ -245,6 +279,13 @@ class RunSpec:
     @cached_property
     def impl(self) -> type[Strategy]:
         return get_strategy(self.strategy)
+
+    @property
+    def mesh_dims(self) -> dict[str, int]:
+        """The run's mesh axes, outermost first: the pipeline's stages (where it has them)
+        outside the strategy's own."""
+        dims = self.impl.mesh_dims(self.layout)
+        return {Axis.PP: self.layout.pp, **dims} if self.layout.pp > 1 else dims
 
     @property
     def degree(self) -> int:
@@ -294,6 +335,17 @@ class RunSpec:
 
 
 FIELDS = {f.name for f in dataclasses.fields(RunSpec)}
+
+
+def _schedule_of(args: argparse.Namespace) -> dict[str, Any]:
+    """``--pp-schedule`` and ``--microbatches`` as given (absent: the spec's defaults); named
+    without pipeline stages, refused rather than ignored."""
+    given = {k: getattr(args, k, None) for k in ("pp_schedule", "microbatches")}
+    given = {k: v for k, v in given.items() if v is not None}
+    if given and getattr(args, "pp", 1) == 1:
+        flags = ", ".join(f"--{k.replace('_', '-')}" for k in given)
+        raise ConfigError(f"{flags}: only with --pp > 1 (got pp=1)")
+    return given
 
 
 def _split(

@@ -1,0 +1,220 @@
+"""Pipeline parallelism over any strategy that runs as a stage, on PyTorch's own pipelining.
+
+World = pp x dp x D, the pipeline axis outermost (it crosses nodes; each stage's model groups
+stay inside one). Stage s holds a contiguous block of layers (:class:`tspbench.core.stage.Stage`)
+and runs it with its strategy on its D ranks; ``torch.distributed.pipelining`` moves each
+micro-batch's activations (and in backward their gradients) point-to-point between the ranks
+of equal position in neighbouring stages, in the order of its schedule (GPipe or 1F1B). We
+build the stage statically (its input and output shapes are the strategy's local activations,
+[micro-batch, local tokens, h]): torch's shape inference would run the stage's forward on meta
+tensors, which the strategies' collectives cannot take.
+
+Micro-batches split this replica's batch rows. Each micro-batch's local loss is divided by the
+whole batch's token count (not the micro-batch's) and the schedule does not rescale gradients,
+so the summed gradients are the whole batch's, as the reference computes them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining.schedules import get_schedule_class
+
+from tspbench.core.comm import CommCounter
+from tspbench.core.config import ConfigError
+from tspbench.core.mesh import Axis, Mesh
+from tspbench.core.strategy import Batch, Strategy
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}  # one stage per rank
+
+
+def check(pp: int, schedule: str, microbatches: int, batch: int) -> None:
+    """Refuse, in one line naming the field and the rule, a pipeline that cannot run."""
+    if microbatches < 1:
+        raise ConfigError(f"microbatches={microbatches}: must be a positive integer")
+    if pp == 1:
+        if microbatches != 1:
+            raise ConfigError(f"microbatches={microbatches}: only with pp > 1 (got pp=1)")
+        return
+    if schedule not in SCHEDULES:
+        why = ""
+        if schedule.lower() in SCHEDULES:
+            why = " (spelled in lower case here)"
+        elif _torch_knows(schedule):
+            why = " (torch's, but it runs several stages per rank)"
+        raise ConfigError(f"pp_schedule={schedule!r}{why}: must be one of {', '.join(SCHEDULES)}")
+    if batch % microbatches:
+        raise ConfigError(
+            f"microbatches={microbatches}: must divide batch={batch} (each micro-batch is "
+            "batch/microbatches rows of the replica's batch)"
+        )
+    if schedule == "1f1b" and microbatches < pp:
+        raise ConfigError(
+            f"microbatches={microbatches}: 1f1b needs at least pp={pp} (one in flight per stage)"
+        )
+
+
+def _torch_knows(name: str) -> bool:
+    """Whether torch's pipelining has a schedule of this name (its own lookup, any case)."""
+    try:
+        get_schedule_class(name)
+    except ValueError:
+        return False
+    return True
+
+
+class _StageModule(nn.Module):
+    """The stage as torch's pipelining wants it: a module whose forward maps the previous
+    stage's output (the first stage: token ids) to this stage's; its parameters registered
+    (the zero-bubble schedules split backward by them)."""
+
+    def __init__(self, strat: Strategy) -> None:
+        super().__init__()
+        self.strat = strat
+        self.params = nn.ParameterList(strat.parameters())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.strat.stage.first:
+            x = self.strat.embed(x)
+        return self.strat.run_layers(x)
+
+
+class _CountedStage(PipelineStage):
+    """torch's stage, with the bytes of every activation and gradient it sends counted on the
+    mesh's counter (axis ``pp``, kind ``send_recv``), as the strategies' collectives are, and
+    the time it computes (a micro-batch's forward or backward, its model group's collectives
+    included) summed in ``busy_s``: the rest of a step is the stage's bubble."""
+
+    counter: CommCounter
+    busy_s: float = 0.0
+
+    def _timed(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        cuda = torch.device(self.device).type == "cuda"
+        if cuda:  # (the device's work, not the host's issue: synchronized at both ends)
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        self.busy_s += time.perf_counter() - t0
+        return out
+
+    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        return self._timed(super().forward_one_chunk, *args, **kwargs)
+
+    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> None:
+        self._timed(super().backward_one_chunk, *args, **kwargs)
+
+    def _counted(self, ops: list[Any]) -> list[Any]:
+        for op in ops:
+            self.counter.add(Axis.PP, "send_recv", op.tensor.numel() * op.tensor.element_size())
+        return ops
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[Any]:
+        return self._counted(super().get_fwd_send_ops(fwd_chunk_id))
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[Any]:
+        return self._counted(super().get_bwd_send_ops(bwd_chunk_id))
+
+
+class Pipelined:
+    """A strategy's stage stepped by a pipeline schedule: what the runtime calls of a strategy
+    (a step, the gradient norm, the parameters), the rest asked of the stage's strategy."""
+
+    def __init__(
+        self, strat: Strategy, mesh: Mesh, schedule: str, microbatches: int, train: bool
+    ) -> None:
+        self.strat, self.mesh, self.train = strat, mesh, train
+        self.schedule, self.microbatches = schedule, microbatches
+        self.pp = mesh[Axis.PP]
+        self._sched: Any = None
+        self._stage: _CountedStage | None = None
+        self._schedule_s = 0.0
+        self._n_tokens = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.strat, name)
+
+    def _schedule_for(self, batch: Batch) -> Any:
+        """torch's stage and schedule, built at the first step (the shapes are the batch's)."""
+        if self._sched is not None:
+            return self._sched
+        s, cfg = self.strat, self.strat.cfg
+        rows, local = batch.tokens.shape[0] // self.microbatches, batch.tokens.shape[1]
+        act = torch.empty(rows, local, cfg.hidden, dtype=s.dtype, device="meta")
+        inp = batch.tokens[:rows].to("meta") if s.stage.first else act
+        stage = _CountedStage(
+            _StageModule(s), s.stage.index, s.stage.count, s.device,
+            input_args=(inp.requires_grad_(self.train and not s.stage.first),),
+            output_args=(act.clone().requires_grad_(self.train),),
+            group=self.pp.group,
+        )  # fmt: skip
+        stage.counter = self.mesh.counter
+        self._stage = stage
+        loss = self._loss if self.train else None
+        self._sched = SCHEDULES[self.schedule](
+            stage, self.microbatches, loss_fn=loss, scale_grads=False
+        )
+        return self._sched
+
+    def _loss(self, out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss of one micro-batch (torch calls it outside the stage's forward:
+        timed here as the stage's work)."""
+        assert self._stage is not None
+        return self._stage._timed(self.strat.head_loss, out, labels, self._n_tokens)
+
+    def _step(self, batch: Batch) -> torch.Tensor:
+        """One step of the schedule; the global mean loss, on every rank."""
+        sched, st = self._schedule_for(batch), self.strat.stage
+        self._n_tokens = batch.n_tokens
+        args = (batch.tokens,) if st.first else ()
+        t0 = time.perf_counter()
+        if not st.last:
+            sched.step(*args, return_outputs=False)
+            local = torch.zeros((), device=self.strat.device)
+        elif self.train:
+            losses: list[torch.Tensor] = []
+            sched.step(*args, target=batch.labels, losses=losses, return_outputs=False)
+            local = torch.stack(losses).sum().detach()
+        else:  # (the loss of the merged outputs: the stage's work too)
+            out = sched.step(*args)
+            assert self._stage is not None
+            local = self._stage._timed(self.strat.head_loss, out, batch.labels, batch.n_tokens)
+        self._schedule_s += time.perf_counter() - t0
+        total = self.strat.reported_loss(local) if st.last else local
+        return self.pp.all_reduce_metric(total.float().clone())  # from the last stage
+
+    def forward_backward(self, batch: Batch) -> torch.Tensor:
+        total = self._step(batch)
+        self.strat.finish_grads()
+        return total
+
+    @torch.no_grad()
+    def forward_only(self, batch: Batch) -> torch.Tensor:
+        return self._step(batch)
+
+    def grad_sq_norm(self) -> torch.Tensor:
+        """Over every stage: each stage's over its model group, summed along the pipeline."""
+        return self.pp.all_reduce_metric(self.strat.grad_sq_norm().clone())
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return self.strat.parameters()
+
+    def take_times(self) -> tuple[float, float]:
+        """(seconds in the schedule's steps, seconds this stage computed in them) since the
+        last call: the stage's bubble is the first's rest (the optimizer step, the gradient
+        reductions after the schedule and the reported metrics are in neither)."""
+        assert self._stage is not None, "no step yet"
+        out = (self._schedule_s, self._stage.busy_s)
+        self._schedule_s = self._stage.busy_s = 0.0
+        return out
+
+
+def bubble_closed_form(pp: int, microbatches: int) -> float:
+    """GPipe's and 1F1B's idle fraction of a step with equal stages (Narayanan et al., 2021):
+    (pp - 1) / (microbatches + pp - 1)."""
+    return (pp - 1) / (microbatches + pp - 1)
