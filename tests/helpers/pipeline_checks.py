@@ -20,7 +20,7 @@ def check_pipelined(case: dict) -> dict:
     mesh = build_mesh(spec.mesh_dims)
     strat = build_strategy(spec, mesh, torch.device("cpu"))
     cfg, rtol = spec.cfg, 1e-4
-    tokens, labels = make_batch(cfg, spec.batch, spec.seq_len, spec.seed)
+    tokens, labels = make_batch(cfg, spec.batch * spec.layout.dp, spec.seq_len, spec.seed)
     ref = ReferenceModel(cfg, seed=spec.seed, dtype=DTYPES[spec.dtype])
     ref_opt, opt = AdamW(list(ref.parameters())), AdamW(strat.parameters())
     res: dict = {"errors": {}, "ok": True, "stage": strat.stage.index}

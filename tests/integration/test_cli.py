@@ -301,7 +301,6 @@ def test_forced_oom_is_a_result(tmp_path):
         (PP + ["--pp-schedule", "interleaved1f1b"], "pp_schedule='interleaved1f1b' (torch's"),
         (["--strategy", "sp", *PP[2:]], "pp=2: strategy sp does not run as a pipeline stage"),
         (PP + ["--set", "tie_embeddings=True"], "pp=2: model.tie_embeddings=True puts one"),
-        (PP + ["--dp", "2"], "dp=2 with pp=2: not yet"),
         (PP + ["--mode", "decode"], "mode='decode' with pp=2: pipelines here train or infer"),
         (PP + ["--batch", "3"], "microbatches=2: must divide batch=3"),
         (PP[:-4] + ["--microbatches", "2"], "--microbatches: only with --pp > 1 (got pp=1)"),

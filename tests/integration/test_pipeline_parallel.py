@@ -25,6 +25,7 @@ def _case(strategy: str, D: int, pp: int, schedule: str, M: int, **kw) -> dict:
     model = kw.pop("model", {})
     cid = (
         f"{strategy}-D{D}-pp{pp}-{schedule}-m{M}"
+        + (f"-dp{kw['dp']}" if "dp" in kw else "")
         + "".join(f"-{k}" for k in model)
         + ("-recompute" if kw.get("recompute") else "")
         + ("-infer" if kw.get("mode") == "infer" else "")
@@ -41,6 +42,8 @@ CASES = [
     _case("tp", 2, 2, "1f1b", 4, model=GQA),
     _case("tsp", 1, 4, "1f1b", 4, model={"layers": 4}),
     _case("tsp", 2, 2, "gpipe", 2, mode="infer"),
+    # two replicas of a two-stage pipeline: each stage's gradients summed over its replicas
+    _case("tsp", 1, 2, "1f1b", 2, dp=2, model=GQA),
     # one micro-batch through GPipe: the stages cannot overlap (the bubble test below)
     _case("tp", 2, 2, "gpipe", 1),
 ]
@@ -60,10 +63,11 @@ def test_every_stage_equals_the_reference(results, case):
     # the stages of one model-group position hold the strategy's whole share (closed form)
     impl = strategies()[case["strategy"]]
     whole = impl.costs.param_numel(get_config("tiny", **case["model"]), Layout(degree=case["D"]))
-    assert sum(r["numel"] for r in ranks[:: case["D"]]) == whole
+    dp = case.get("dp", 1)  # (ranks: stage outermost, then replica, then model-group position)
+    assert sum(r["numel"] for r in ranks[:: case["D"]]) == whole * dp
     if case in TRAIN:  # the stages together hold every parameter, once per model group
         held = [n for r in ranks for n in r["names"]]
-        assert sorted(held) == sorted(ranks[0]["ref_names"] * case["D"])
+        assert sorted(held) == sorted(ranks[0]["ref_names"] * case["D"] * dp)
 
 
 def test_one_micro_batch_leaves_the_stages_no_overlap(results):
@@ -99,6 +103,7 @@ CLI_RUNS = {
     "single": (["--strategy", "single"], 1),
     "tsp-pp2": (["--strategy", "tsp", "--degree", "2", "--pp", "2", "--microbatches", "4"], 4),
     "tp-pp4-1f1b": (["--strategy", "tp", "--pp", "4", "--microbatches", "8"], 4),
+    "tp-pp2-dp2": (["--strategy", "tp", "--pp", "2", "--dp", "2", "--batch", "4"], 4),
     "tsp-pp2-infer": (["--strategy", "tsp", "--degree", "2", "--pp", "2", "--mode", "infer"], 4),
 }
 
@@ -122,18 +127,18 @@ def test_cli_pipelined_forward_equals_single(cli_records):
     assert rec["grad_norm"] is None and list(rec) == written_keys("infer", pipelined=True)
 
 
-@pytest.mark.parametrize("name", ["tsp-pp2", "tp-pp4-1f1b"])
+@pytest.mark.parametrize("name", ["tsp-pp2", "tp-pp4-1f1b", "tp-pp2-dp2"])
 def test_cli_pipelines_equal_single(cli_records, name):
     ref, rec = cli_records["single"], cli_records[name]
     jsonschema.validate(rec, schema("record.schema.json"))
     assert rec["status"] == "ok" and list(rec) == written_keys("train", pipelined=True)
     assert rec["loss"] == pytest.approx(ref["loss"], rel=1e-5)
     assert rec["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
-    pp, D = rec["pp"], rec["degree"]
-    assert rec["pp_stage_per_rank"] == [r // D for r in range(pp * D)]
+    pp, D, dp = rec["pp"], rec["degree"], rec["dp"]
+    assert rec["pp_stage_per_rank"] == [r // (D * dp) for r in range(pp * dp * D)]
     # each rank sends its micro-batches' activations forward and their gradients back
     local = 32 // (D if rec["strategy"] == "tsp" else 1)
-    one_way = 8 * local * 64 * 4  # batch x local tokens x h x fp32
+    one_way = rec["batch"] * local * 64 * 4  # replica's batch x local tokens x h x fp32
     ends = (0, pp - 1)
     sends = [one_way * (1 if s in ends else 2) for s in rec["pp_stage_per_rank"]]
     assert rec["comm_bytes_pp_per_rank"] == sends

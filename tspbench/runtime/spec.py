@@ -88,11 +88,6 @@ class RunSpec:
             object.__setattr__(self, "microbatches", lay.pp)
         if lay.pp > 1 and self.mode not in ("train", "infer"):
             raise ConfigError(f"mode={self.mode!r} with pp={lay.pp}: pipelines here train or infer")
-        if lay.pp > 1 and lay.dp > 1:
-            raise ConfigError(
-                f"dp={lay.dp} with pp={lay.pp}: not yet (the data-parallel all-reduce would start "
-                "at the first micro-batch's gradients); run one replica per pipeline"
-            )
         if self.decoding:
             if self.recompute != "none":
                 raise ConfigError(
