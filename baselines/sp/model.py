@@ -38,6 +38,7 @@ class SP(SequenceSharded):
     cp_a2a: int
     costs = SPCosts()
     decoder = SPDecoder
+    stages = True
 
     @classmethod
     def checked_options(cls) -> list[dict[str, Value]]:
@@ -51,30 +52,41 @@ class SP(SequenceSharded):
         super().__init__(cfg, mesh, **kw)
         self.comm = mesh[Axis.MODEL]
         self.cp_groups = exchange_groups(mesh, Axis.MODEL, cfg, self.cp_comm, self.cp_a2a)
-        self.params = {n: self.to_param(self.init_block(n)) for n in param_shapes(cfg)}
+        held = filter(self.stage.holds, param_shapes(cfg))  # (a pipeline stage: its part)
+        self.params = {n: self.to_param(self.init_block(n)) for n in held}
 
     def shard_batch(self, tokens: torch.Tensor, labels: torch.Tensor) -> Batch:
         return self.zigzag_batch(tokens, labels, self.comm)
 
     def hidden_local(self, batch: Batch) -> torch.Tensor:
+        x = self.run_layers(self.embed(batch.tokens))
+        return rms_norm(x, self.params["norm"], self.cfg.norm_eps)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self.params["embed"])
+
+    def run_layers(self, x: torch.Tensor) -> torch.Tensor:
         cfg, p = self.cfg, self.params
-        S = batch.tokens.shape[1] * self.comm.size
-        x = F.embedding(batch.tokens, p["embed"])
+        S = x.shape[1] * self.comm.size
         cos, sin, hooks = cp_tables(
             self, S, self.comm, cfg, x, self.cp_comm, self.overlap, self.cp_groups
         )
-        for i in range(cfg.layers):
+        for i in self.stage.layers:
             lp = {k: p[f"layers.{i}.{k}"] for k in layer_params(cfg)}
             x = self.checkpointed(
                 transformer_layer, x, lp, cfg.norm_eps, cfg.d_head, cos, sin, hooks
             )
-        return rms_norm(x, p["norm"], cfg.norm_eps)
+        return x
+
+    def head_loss(self, x: torch.Tensor, labels: torch.Tensor, n_tokens: int) -> torch.Tensor:
+        h = rms_norm(x, self.params["norm"], self.cfg.norm_eps)
+        logits = (h @ self.params[head_name(self.cfg)].T).float()
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / n_tokens
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = (self.hidden_local(batch) @ self.params[head_name(self.cfg)].T).float()
-        ce = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), reduction="sum")
-        local = ce / batch.n_tokens
-        return local, self.total_loss(local)
+        x = self.run_layers(self.embed(batch.tokens))
+        local = self.head_loss(x, batch.labels, batch.n_tokens)
+        return local, self.reported_loss(local)
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return list(self.params.values())

@@ -11,11 +11,13 @@ import json
 import jsonschema
 import pytest
 
+from tests.helpers.checks import argv_spec, case_spec
 from tests.helpers.distributed import run_world
 from tests.helpers.records import written_keys
 from tests.helpers.runner import tspbench
 from tspbench.core.config import get_config
 from tspbench.core.layout import Layout
+from tspbench.projection import stages
 from tspbench.runtime.registry import schema, strategies
 
 GQA = {"kv_heads": 4, "qk_norm": True, "head_dim": 16}
@@ -26,6 +28,7 @@ def _case(strategy: str, D: int, pp: int, schedule: str, M: int, **kw) -> dict:
     cid = (
         f"{strategy}-D{D}-pp{pp}-{schedule}-m{M}"
         + (f"-dp{kw['dp']}" if "dp" in kw else "")
+        + (f"-{kw['cp_comm']}" if "cp_comm" in kw else "")
         + "".join(f"-{k}" for k in model)
         + ("-recompute" if kw.get("recompute") else "")
         + ("-infer" if kw.get("mode") == "infer" else "")
@@ -42,6 +45,9 @@ CASES = [
     _case("tp", 2, 2, "1f1b", 4, model=GQA),
     _case("tsp", 1, 4, "1f1b", 4, model={"layers": 4}),
     _case("tsp", 2, 2, "gpipe", 2, mode="infer"),
+    # SP (context parallelism) in stages: the ring and Ulysses
+    _case("sp", 2, 2, "1f1b", 2, model=GQA, cp_comm="ring"),
+    _case("sp", 2, 2, "gpipe", 2, cp_comm="a2a"),
     # two replicas of a two-stage pipeline: each stage's gradients summed over its replicas
     _case("tsp", 1, 2, "1f1b", 2, dp=2, model=GQA),
     # one micro-batch through GPipe: the stages cannot overlap (the bubble test below)
@@ -65,6 +71,8 @@ def test_every_stage_equals_the_reference(results, case):
     whole = impl.costs.param_numel(get_config("tiny", **case["model"]), Layout(degree=case["D"]))
     dp = case.get("dp", 1)  # (ranks: stage outermost, then replica, then model-group position)
     assert sum(r["numel"] for r in ranks[:: case["D"]]) == whole * dp
+    spec = case_spec(case, pp=case["pp"], pp_schedule=case["schedule"], microbatches=case["M"])
+    assert [r["numel"] for r in ranks] == [stages.stage_params(spec, r["stage"]) for r in ranks]
     if case in TRAIN:  # the stages together hold every parameter, once per model group
         held = [n for r in ranks for n in r["names"]]
         assert sorted(held) == sorted(ranks[0]["ref_names"] * case["D"] * dp)
@@ -83,9 +91,10 @@ def test_one_micro_batch_leaves_the_stages_no_overlap(results):
 @pytest.mark.parametrize("case", TRAIN, ids=[c["id"] for c in TRAIN])
 def test_stages_send_activations_and_their_gradients(results, case):
     """Per step, each boundary carries every micro-batch's local activations forward and their
-    gradients back: B x S/cp x h elements each way (TSP splits the tokens D ways, TP not)."""
+    gradients back: B x S/cp x h elements each way (TSP and SP split the tokens D ways, TP
+    not)."""
     cfg = get_config("tiny", **case["model"])
-    local = case["S"] // (case["D"] if case["strategy"] == "tsp" else 1)
+    local = case["S"] // (1 if case["strategy"] == "tp" else case["D"])  # TSP, SP: zigzag
     one_way = case["B"] * local * cfg.hidden * 4  # fp32
     steps = 3
     for rank, r in enumerate(results):
@@ -104,6 +113,7 @@ CLI_RUNS = {
     "tsp-pp2": (["--strategy", "tsp", "--degree", "2", "--pp", "2", "--microbatches", "4"], 4),
     "tp-pp4-1f1b": (["--strategy", "tp", "--pp", "4", "--microbatches", "8"], 4),
     "tp-pp2-dp2": (["--strategy", "tp", "--pp", "2", "--dp", "2", "--batch", "4"], 4),
+    "sp-pp2-ring": (["--strategy", "sp", "--degree", "2", "--pp", "2", "--cp-comm", "ring"], 4),
     "tsp-pp2-infer": (["--strategy", "tsp", "--degree", "2", "--pp", "2", "--mode", "infer"], 4),
 }
 
@@ -127,7 +137,7 @@ def test_cli_pipelined_forward_equals_single(cli_records):
     assert rec["grad_norm"] is None and list(rec) == written_keys("infer", pipelined=True)
 
 
-@pytest.mark.parametrize("name", ["tsp-pp2", "tp-pp4-1f1b", "tp-pp2-dp2"])
+@pytest.mark.parametrize("name", ["tsp-pp2", "tp-pp4-1f1b", "tp-pp2-dp2", "sp-pp2-ring"])
 def test_cli_pipelines_equal_single(cli_records, name):
     ref, rec = cli_records["single"], cli_records[name]
     jsonschema.validate(rec, schema("record.schema.json"))
@@ -137,7 +147,7 @@ def test_cli_pipelines_equal_single(cli_records, name):
     pp, D, dp = rec["pp"], rec["degree"], rec["dp"]
     assert rec["pp_stage_per_rank"] == [r // (D * dp) for r in range(pp * dp * D)]
     # each rank sends its micro-batches' activations forward and their gradients back
-    local = 32 // (D if rec["strategy"] == "tsp" else 1)
+    local = 32 // (1 if rec["strategy"] == "tp" else D)
     one_way = rec["batch"] * local * 64 * 4  # replica's batch x local tokens x h x fp32
     ends = (0, pp - 1)
     sends = [one_way * (1 if s in ends else 2) for s in rec["pp_stage_per_rank"]]
@@ -155,3 +165,16 @@ def test_1f1b_bubble_is_measured_beside_its_closed_form(cli_records):
         assert 0 < busy <= sched <= rec["step_time_s"]
     # the first and last stages wait longest (warm-up and cool-down): every stage idles
     assert all(0 < b < 1 for b in rec["pp_bubble_fraction_per_rank"])
+
+
+@pytest.mark.parametrize(
+    "name", ["tsp-pp2", "tp-pp4-1f1b", "tp-pp2-dp2", "sp-pp2-ring", "tsp-pp2-infer"]
+)
+def test_stage_peaks_equal_the_closed_form(cli_records, name):
+    """Each rank's measured peak (live tensors, tracked) against its stage's closed form
+    (tspbench/projection/stages.py: the stage's parameters, its micro-batches in flight under
+    the schedule, torch's receive buffers, the gradients a later micro-batch's backward finds)."""
+    spec = argv_spec([*CLI_BASE, *CLI_RUNS[name][0]])
+    rec = cli_records[name]
+    for stage, peak in zip(rec["pp_stage_per_rank"], rec["peak_mem_bytes_per_rank"]):
+        assert peak == pytest.approx(stages.stage_memory(spec, stage)["peak"], rel=0.05), stage

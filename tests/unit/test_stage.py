@@ -42,10 +42,13 @@ def test_stages_go_outermost_so_model_groups_stay_in_a_node():
     assert lay.pp_groups == [[r, r + 8] for r in range(8)]
     assert lay.crossing(8) == [] and lay.pp_crossing(8)  # groups in a node, sends across
     assert not world_layout("tsp", 8, 4, pp=2).pp_crossing(8)
+    # replicas inside each stage: the pp groups pair the ranks of equal position
+    lay = world_layout("tsp", 32, 8, pp=2)
+    assert lay.pp_groups == [[r, r + 16] for r in range(16)] and lay.pp_crossing(8)
     for world, degree, pp, strategy, needle in (
         (24, 16, 1, "tsp", "must be a multiple of the model group"),
-        (32, 8, 2, "tsp", "data parallelism with pipeline stages"),
-        (16, 8, 2, "sp", "strategy sp does not run as a pipeline stage"),
+        (24, 8, 2, "tsp", r"must be a multiple of the model group \(8\) x pp \(2\)"),
+        (16, 8, 2, "fsdp_cp", "strategy fsdp_cp does not run as a pipeline stage"),
     ):
         with pytest.raises(ConfigError, match=needle):
             world_layout(strategy, world, degree, pp=pp)

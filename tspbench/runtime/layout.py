@@ -67,11 +67,6 @@ def world_layout(
     layout = impl.make_layout(degree, tp, sp, 1)
     if pp > 1 and not impl.stages:
         raise ConfigError(f"pp={pp}: strategy {strategy} does not run as a pipeline stage yet")
-    if pp > 1 and world != layout.degree * pp:
-        raise ConfigError(
-            f"--world={world} with pp={pp}: must be pp x the model group ({layout.degree}) = "
-            f"{layout.degree * pp}: data parallelism with pipeline stages is not run yet"
-        )
     if world % (layout.degree * pp):
         raise ConfigError(
             f"--world={world}: must be a multiple of the model group ({layout.degree}) x pp ({pp})"
