@@ -66,7 +66,7 @@ def plan_cli(capsys, *argv) -> tuple[int, str, str]:
     return rc, out, err
 
 
-FITS = 8 + len(searched())  # the table's "fits" column: after the searched options' columns
+FITS = 9 + len(searched())  # the table's "fits" column: after M and the searched options
 
 
 def table_rows(out: str) -> list[list[str]]:
@@ -97,9 +97,9 @@ def test_ranks_strategies_and_prints_commands(capsys, counted, tmp_path):
     assert f"--strategy {best}" in run and "--nproc 8" in run and "--launch env" in srun
     # the best plan and its run line carry the best row's options where its strategy has them
     # (TSP: MLP schedule and KV bucket, SP and FSDP+CP: K/V exchange; "-" in the table where
-    # it has none), each in its own column after recompute
+    # it has none), each in its own column after M and recompute
     line = next(line for line in out.splitlines() if line.startswith("best plan:"))
-    cols = {name: 6 + i for i, name in enumerate(searched())}
+    cols = {name: 7 + i for i, name in enumerate(searched())}
     for name, col in cols.items():
         flag, value = "--" + name.replace("_", "-"), rows[0][col]
         if value == "-":
@@ -259,6 +259,8 @@ def test_gqa_explains_why_tsp_is_filtered_at_d16(capsys, counted, tmp_path):
         (["--seq-len", "2e5"], "--seq-len"),
         (["--model", "missing/config.json"], "no such config.json file"),
         (["--model", "70b"], "--model='70b'"),
+        (["--pp", "0"], "--pp"),
+        (["--pp-schedule", "zbv"], "--pp-schedule"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(capsys, counted, argv, needle):
@@ -296,7 +298,8 @@ def test_tries_tsp_mlp_schedules_and_every_kv_bucket(capsys, counted, tmp_path):
     rc, out, _ = plan_cli(capsys, "--model", "7b", "--hardware", "mi300x", "--seq-len", 131072,
                           "--gpus", 8, "--json", "--cache", tmp_path)  # fmt: skip
     cands = json.loads(out)["candidates"]
-    tsp = [c for c in cands if c["strategy"] == "tsp" and c["peak_mem_bytes"] is not None]
+    tsp = [c for c in cands if c["strategy"] == "tsp" and c["peak_mem_bytes"] is not None
+           and c["pp"] == 1]  # fmt: skip
     for D, buckets in ((2, {0, 1, 2, 4, 8}), (4, {0, 1, 2, 4}), (8, {0, 1, 2})):
         assert {c["kv_bucket"] for c in tsp if c["degree"] == D} == buckets
     assert {c["mlp_schedule"] for c in tsp} == {"ring", "broadcast"}
@@ -316,7 +319,7 @@ def test_tries_tsp_mlp_schedules_and_every_kv_bucket(capsys, counted, tmp_path):
                           "--gpus", 8, "--mlp-schedule", "ring", "--top", 30,
                           "--cache", tmp_path)  # fmt: skip
     rows = table_rows(out)
-    assert {r[6] for r in rows if r[1] == "tsp"} == {"ring"} and "best plan:" in out
+    assert {r[7] for r in rows if r[1].startswith("tsp")} == {"ring"} and "best plan:" in out
 
 
 def test_a_cold_plan_for_1024_gpus_counts_few_configurations(counted):

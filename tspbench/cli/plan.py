@@ -37,6 +37,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         global_batch=args.global_batch,
         max_batch=args.max_batch,
         recompute=("none", "full") if args.recompute == "both" else (args.recompute,),
+        pp=tuple(args.pp),
+        pp_schedules=("1f1b", "gpipe") if args.pp_schedule == "both" else (args.pp_schedule,),
         options={
             k: (o.parse(getattr(args, k)),)
             for k, o in searched().items()
@@ -141,6 +143,20 @@ def add_parsers(sub) -> None:
     )
     p.add_argument("--max-batch", type=int_in(1, 4096), default=16, help="largest micro-batch")
     p.add_argument("--recompute", choices=("none", "full", "both"), default="both")
+    p.add_argument(
+        "--pp",
+        type=int_in(1, 65536),
+        nargs="+",
+        default=(),
+        help="pipeline stages to try (default: 1 and every pp dividing the layers and G/D, for "
+        "the strategies that run as stages; --pp 1: no pipelines)",
+    )
+    p.add_argument(
+        "--pp-schedule",
+        choices=("1f1b", "gpipe", "both"),
+        default="both",
+        help="the pipelines' schedules to try",
+    )
     for name, option in searched().items():  # the strategies' options with listed values
         if option.values():
             takes = ", ".join(takers(name))

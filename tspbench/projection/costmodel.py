@@ -149,6 +149,9 @@ def crosses_nodes(c: RunSpec, axis: str, size: int, per_node: int) -> bool:
     tiling it (6 ranks on 8-GPU nodes: the second group straddles two)."""
     if axis == Axis.DP:
         return c.degree * c.dp > per_node
+    if axis == Axis.PP:  # neighbouring stages are degree x dp ranks apart: some pair of them
+        # is on two nodes once the world is (and the slowest hop paces the pipeline)
+        return c.layout.world_size > per_node
     if axis.endswith(".a2a"):
         span = size * (c.degree // max(c.cp, 1))
         return span > per_node or per_node % span != 0
@@ -219,7 +222,10 @@ def project(
 ) -> dict[str, Any]:
     """Projected step time and its parts for one rank of case ``c`` on ``preset``; with
     ``prefill``, of a decoder's prefill of the forward-only ``c``: its collectives (the
-    decoder's ``prefill_schedule``) and FLOPs (the LM head on the last positions, no loss)."""
+    decoder's ``prefill_schedule``) and FLOPs (the LM head on the last positions, no loss);
+    a pipelined ``c``: :func:`project_pipeline` (``ops``: one stage's per micro-batch)."""
+    if c.layout.pp > 1:
+        return project_pipeline(c, preset, ops)
     per_node = preset.get("gpus_per_node", 8)
     world = c.degree * c.dp
     r = rates(preset, min(world, per_node))
@@ -233,15 +239,19 @@ def project(
     crit = ovl = 0.0
     decoder = c.impl.decoder
     events = decoder.prefill_schedule(c) if prefill and decoder else analytic.schedule(c)
+    calls: dict[tuple[str, str, int, bool], list[float]] = {}  # (calls, bytes) per link use
     for ev in events:
         _, axis, kind, size, nbytes = ev
-        if size <= 1:
-            continue
+        if size > 1:
+            use = calls.setdefault((axis, kind, size, ev.overlapped), [0, 0.0])
+            use[0] += 1
+            use[1] += nbytes
+    for (axis, kind, size, overlapped), (n, nbytes) in calls.items():
         inter = crosses_nodes(c, axis, size, per_node)
         # a calibrated preset may hold fits per group size (groups of 2 in a 4-rank node...)
         link = r["inter"] if inter else _link(r.get("groups", {}).get(str(size), r), kind)
-        t = link["lat"] + bus_bytes(kind, nbytes, size) / link["bw"]
-        if ev.overlapped:  # what the implementation hides, as its schedule says
+        t = n * link["lat"] + bus_bytes(kind, nbytes, size) / link["bw"]
+        if overlapped:  # what the implementation hides, as its schedule says
             ovl += t
         else:
             crit += t
@@ -266,6 +276,73 @@ def project(
         "peak_flops": preset.get("peak_flops"),
     }
     return recharge(base, ops)
+
+
+@functools.lru_cache(maxsize=4096)
+def _slot(one: RunSpec, preset: str) -> dict[str, Any]:
+    """:func:`project` of one stage on one micro-batch, without host time (many pipelines
+    share it: a plan tries every micro-batch count of every batch)."""
+    return project(one, json.loads(preset), 0)
+
+
+def project_pipeline(c: RunSpec, preset: dict, ops: int | None = None) -> dict[str, Any]:
+    """A pipelined step (GPipe or 1F1B over pp equal stages, M micro-batches), as
+    :mod:`tspbench.runtime.pipelined` runs it:
+
+        T = (M + pp - 1) x (t_stage + t_hop) + t_dp
+
+    - t_stage: the slowest stage (the last: its layers, the head and the loss) on one
+      micro-batch: :func:`project` of :func:`stages.micro_spec` (the model group's collectives
+      and their overlap as in a whole step), without its host time;
+    - t_hop: the micro-batch's activations sent to the next stage and, in training, their
+      gradients back (b x S/cp x h elements each way): point-to-point over the NIC where the
+      pipeline leaves a node (the stages are laid outermost, so it does once the world does),
+      else over one intra-node link; charged on the critical path (torch's schedules wait for
+      each receive before the compute that needs it);
+    - (M + pp - 1): the schedules' length in micro-batch slots, of which pp - 1 are the bubble
+      (the closed form the records compare with, :func:`bubble_closed_form`);
+    - t_dp: the stage's gradients summed over its dp replicas after the last backward, not
+      hidden (the runtime issues it there: docs/running.md).
+    The host issues every micro-batch's operations: ``ops`` (one stage's on one micro-batch,
+    counted on :func:`stages.micro_spec`) x M."""
+    from tspbench.projection import stages
+
+    mb = stages.micro_spec(c)
+    one = mb.replace(layout=replace(mb.layout, dp=1))
+    pp, M, per_node = c.layout.pp, c.microbatches, preset.get("gpus_per_node", 8)
+    world = c.layout.world_size
+    r = rates(preset, min(world, per_node))
+    slot = _slot(one, json.dumps(preset, sort_keys=True))
+    link = r["inter"] if crosses_nodes(c, Axis.PP, 2, per_node) else _link(r, "send_recv")
+    sends = 2 if c.train else 1
+    hop = sends * (link["lat"] + mb.tokens * c.cfg.hidden * c.e / link["bw"])
+    dp = 0.0
+    if c.train and c.dp > 1:
+        n = max(stages.stage_params(c, s) for s in range(pp))
+        inter = crosses_nodes(c, Axis.DP, c.dp, per_node)
+        dlink = r["inter"] if inter else r.get("groups", {}).get(str(c.dp), r)["all_reduce"]
+        dp = dlink["lat"] + bus_bytes("all_reduce", n * c.e, c.dp) / dlink["bw"]
+    slots = M + pp - 1
+    whole = c.replace(layout=replace(c.layout, pp=1), microbatches=0)
+    base = {
+        "device_s": slots * (slot["device_s"] + hop) + dp,
+        "compute_s": M * slot["compute_s"],
+        "comm_critical_s": M * (slot["comm_critical_s"] + hop) + dp,
+        "comm_overlappable_s": M * slot["comm_overlappable_s"],
+        "comm_hidden_s": M * slot["comm_hidden_s"],
+        "pp_bubble_s": (pp - 1) * (slot["device_s"] + hop),
+        "pp_bubble_fraction": (pp - 1) / slots,
+        "pp_hop_s": hop,
+        "dp_reduce_s": dp,
+        "dispatch_s_per_op": slot["dispatch_s_per_op"],
+        "serial_dispatch": slot["serial_dispatch"],
+        "op_repeats": M,  # the stage's operations, once per micro-batch
+        "flops_per_rank": analytic.flops(whole) // pp,  # model FLOPs: a stage's share
+        "flops_executed_per_rank": M * slot["flops_executed_per_rank"],
+        "tokens_per_step": c.batch * c.seq_len * c.dp,
+        "peak_flops": preset.get("peak_flops"),
+    }
+    return recharge(base, count_ops(mb) if ops is None else ops)
 
 
 # which end of a rate's stated range makes a step faster: efficiencies and bandwidths high,
@@ -345,6 +422,7 @@ def recharge(p: dict[str, Any], ops: int) -> dict[str, Any]:
     device time and the host's exposed issue time (:func:`exposed_host`). :func:`project` ends
     here; a plan recharges a configuration's bound (``ops=0``) once its operations are
     counted, for hundreds of candidates."""
+    ops *= p.get("op_repeats", 1)  # a pipeline stage's, once per micro-batch
     host = ops * p["dispatch_s_per_op"]
     exposed = exposed_host(host, p["device_s"], p["dispatch_s_per_op"], p["serial_dispatch"])
     step = p["device_s"] + exposed

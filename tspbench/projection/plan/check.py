@@ -145,7 +145,7 @@ def _best_pick_row(
         opts = {k: spec.options[k] for k in searched() if k in spec.options}
         cand = Candidate(spec.strategy, spec.layout, spec.batch, spec.recompute, opts,
                          spec=spec, peak=rec["steady"], fits=True)  # fmt: skip
-        conf = Config(spec.strategy, spec.layout, spec.recompute, opts, [cand])
+        conf = Config(spec.strategy, spec.layout, spec.recompute, opts, candidates=[cand])
         search.count_config(conf, ops, preset)
         configs.append((conf, rec["cell"]))
     ranked = search.rank([c for c, _ in configs])

@@ -62,6 +62,11 @@ def pipeline_config(req: Request, spec: RunSpec, models: list[str] | None = None
     ``models``: the presets the config schema accepts."""
     import yaml
 
+    if spec.layout.pp > 1:  # (workflows/config's sweeps have no pipeline axis yet)
+        return (
+            f"# tspbench plan: {spec.label} is pipelined (pp={spec.layout.pp}); the sweep "
+            "configs take no pipeline axis yet: run it with the run or srun line above\n"
+        )
     base = nearest_preset(spec.cfg, models)
     over = {
         f.name: getattr(spec.cfg, f.name)

@@ -42,6 +42,9 @@ def candidate_dict(c: Candidate, req: Request) -> dict[str, Any]:
         "tp": factors["tp"],
         "sp": factors["sp"],
         "dp": lay.dp,
+        "pp": lay.pp,
+        "pp_schedule": c.pp_schedule or None,
+        "microbatches": c.microbatches or None,
         "gpus": lay.world_size,
         "batch": c.batch or None,  # None: no micro-batch splits the global batch
         "global_batch": c.batch * lay.dp or None,
@@ -134,6 +137,9 @@ def filtered_lines(plan: Plan) -> list[str]:
     for (label, D, why), batches in rules.items():
         some = f" (B={_ranges(sorted(batches))})" if (label, D) in runnable else ""
         lines.append(f"{label} D={D}{some}: {why}")
+    if any(conf.layout.pp > 1 for conf in plan.configs):
+        lines.append("x PPn: each micro-batch B split into M micro-batches, every M from n up "
+                     "that divides B; a B with none (B < n) is not tried")  # fmt: skip
     above = sorted({s["degree"] for s in plan.skipped})
     if above:
         lines.append(
@@ -198,7 +204,7 @@ def render(plan: Plan, models: list[str] | None = None) -> str:
         "",
     ]
     opts = searched()
-    head = ["#", "strategy", "D", "dp", "B", "recompute", *(o.short for o in opts.values()),
+    head = ["#", "strategy", "D", "dp", "B", "M", "recompute", *(o.short for o in opts.values()),
             "peak GiB", "headroom", "fits", "tokens/s", "tok/s/GPU", "MFU", STEP[req.mode],
             "limit"]  # fmt: skip
     table = []
@@ -207,15 +213,16 @@ def render(plan: Plan, models: list[str] | None = None) -> str:
         src = "*" if c.peak_source != "analytic" else ""
         table.append([
             str(i), r.config.label, str(c.layout.degree), str(c.layout.dp), str(c.batch),
-            c.recompute, *(c.shown(k) for k in opts), f"{c.peak_bytes / GiB:.1f}{src}",
+            str(c.microbatches or "-"), c.recompute, *(c.shown(k) for k in opts),
+            f"{c.peak_bytes / GiB:.1f}{src}",
             f"{(req.memory_cap - c.peak_bytes) / GiB:.1f}", "yes" if c.fits else "NO", _fmt_rate(c),
             ("" if c.exact else "<=") + f"{res['tokens_per_s'] / req.gpus:,.0f}" if res else "-",
             f"{res['mfu']:.1%}" if res.get("mfu") is not None else "-",
             f"{res['step_time_s']:.3f}" if res else "-", limit(r, req),
         ])  # fmt: skip
     widths = [max(len(x) for x in col) for col in zip(head, *table)]
-    n = 6 + len(opts)  # the columns before the peak; an int option's column is numbers
-    right = {0, 2, 3, 4, *(6 + i for i, o in enumerate(opts.values()) if not o.values())}
+    n = 7 + len(opts)  # the columns before the peak; an int option's column is numbers
+    right = {0, 2, 3, 4, 5, *(7 + i for i, o in enumerate(opts.values()) if not o.values())}
     right |= {n + k for k in (0, 1, 3, 4, 5, 6)}
     for line in [head, *table]:
         cells = [
@@ -230,6 +237,9 @@ def render(plan: Plan, models: list[str] | None = None) -> str:
         foot += ("; tokens/s: generated tokens of the dp model groups, each serving its own "
                  "batch")  # fmt: skip
         peak = "analytic, the larger of the prefill with its cache and a decode step"
+    if any(r.config.layout.pp > 1 for r in plan.shown):
+        foot += ("; x PPn: n pipeline stages (D x dp GPUs each) under the schedule named, "
+                 "M micro-batches of B/M, peak: the fullest stage's")  # fmt: skip
     out.append(f"({foot}; <=: upper bound, the host's issue time not counted; peak: {peak}"
                + ("; *: fake-tensor estimate" if plan.estimated else "") + ")")  # fmt: skip
     for k, o in opts.items():
@@ -260,7 +270,8 @@ def render(plan: Plan, models: list[str] | None = None) -> str:
     lines = run_lines(req, c.run)
     out += [
         f"best plan: {best.config.label} D={c.layout.degree} dp={c.layout.dp} B={c.batch} "
-        f"recompute={c.recompute}"
+        + (f"M={c.microbatches} " if c.microbatches else "")
+        + f"recompute={c.recompute}"
         + "".join(f" {k}={searched()[k].text(v)}" for k, v in c.options.items())
         + ": "
         f"{c.peak_bytes / GiB:.1f} GiB per GPU ({c.peak_source}, headroom "

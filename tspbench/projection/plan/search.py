@@ -45,7 +45,7 @@ import time
 from tspbench.core.config import ConfigError
 from tspbench.core.options import Value, only_where_used
 from tspbench.core.strategy import Layout, Strategy
-from tspbench.projection import analytic, costmodel, decode
+from tspbench.projection import analytic, costmodel, decode, stages
 from tspbench.projection.plan.cache import OpsCache, cache_dir, estimate_peak
 from tspbench.projection.plan.types import (
     MAX_BATCH,
@@ -69,7 +69,14 @@ def one_rank_only(impl: type[Strategy]) -> bool:
 
 
 def _spec(
-    req: Request, strategy: str, lay: Layout, batch: int, rc: str, options: dict[str, Value]
+    req: Request,
+    strategy: str,
+    lay: Layout,
+    batch: int,
+    rc: str,
+    options: dict[str, Value],
+    schedule: str = "1f1b",
+    microbatches: int = 0,
 ) -> RunSpec:
     """A candidate's run. A decode run is one model group: its dp copies serve apart, each its
     own batch."""
@@ -78,7 +85,7 @@ def _spec(
     return RunSpec(
         strategy=strategy, cfg=req.cfg, layout=lay, seq_len=req.seq_len, batch=batch,
         mode=req.mode, new_tokens=req.new_tokens, dtype=req.dtype, recompute=rc,
-        options=options, quiet=True,
+        options=options, quiet=True, pp_schedule=schedule, microbatches=microbatches,
     )  # fmt: skip
 
 
@@ -99,7 +106,10 @@ def option_sets(req: Request, impl: type[Strategy], base: RunSpec | None) -> lis
 
 def peak_of(spec: RunSpec) -> float:
     """Peak bytes per GPU in closed form: the steady training step, the forward pass, or a
-    generation (its prefill with the cache, or a decode step: docs/decode.md)."""
+    generation (its prefill with the cache, or a decode step: docs/decode.md); a pipeline's
+    fullest stage (:func:`stages.memory`)."""
+    if spec.layout.pp > 1:
+        return float(stages.memory(spec)[1]["peak"])
     return float((decode.memory if spec.decoding else analytic.memory)(spec)["peak"])
 
 
@@ -118,7 +128,10 @@ def project_of(spec: RunSpec, preset: dict, dp: int, ops: int | None) -> dict:
 
 def ops_spec(spec: RunSpec) -> RunSpec:
     """The run whose operations the projection charges: a decode run's prefill (decode steps
-    are charged no dispatch: docs/decode.md)."""
+    are charged no dispatch: docs/decode.md); a pipeline's: one stage's on one micro-batch,
+    which the projection charges once per micro-batch."""
+    if spec.layout.pp > 1:
+        return stages.micro_spec(spec)
     return decode.prefill_spec(spec) if spec.decoding else spec
 
 
@@ -142,34 +155,64 @@ def enumerate_configs(req: Request) -> tuple[list[Config], list[dict]]:
         for lay in impl.sweep_layouts(degrees, factors):
             if lay.degree == 1 and not single:
                 continue  # the single-device model: the one-rank strategy stands for it
-            lay = dataclasses.replace(lay, dp=req.gpus // lay.degree)
-            configs += _layout_configs(req, name, impl, lay)
+            for pp in _pipelines(req, impl, lay.degree):
+                staged = dataclasses.replace(lay, dp=req.gpus // (lay.degree * pp), pp=pp)
+                for schedule in req.pp_schedules if pp > 1 else ("1f1b",):
+                    configs += _layout_configs(req, name, impl, staged, schedule)
     return configs, _skipped_degrees(req)
 
 
-def _layout_configs(req: Request, name: str, impl: type[Strategy], lay: Layout) -> list[Config]:
+def _pipelines(req: Request, impl: type[Strategy], degree: int) -> list[int]:
+    """Pipeline sizes to try with a model group of ``degree``: 1, and for a strategy that runs
+    as stages in a mode that pipelines (train, infer), every pp that divides the layers and
+    G / D (or those the request names: one that does not divide the layers is tried, and
+    refused by the run's own rule)."""
+    rest = req.gpus // degree
+    if not impl.stages or req.mode not in ("train", "infer"):
+        return [1] if not req.pp or 1 in req.pp else []
+    if req.pp:
+        return [p for p in req.pp if rest % p == 0]
+    return [p for p in divisors(rest) if p == 1 or req.cfg.layers % p == 0]
+
+
+def _microbatches(lay: Layout, batch: int) -> list[int]:
+    """Micro-batch counts to try for a replica's batch: none without a pipeline (0); else every
+    divisor of the batch from pp up (fewer leave 1F1B a stage with none in flight and GPipe
+    more bubble); none where no such divisor exists (the table's footnote says so)."""
+    if lay.pp == 1:
+        return [0]
+    return [m for m in divisors(batch) if m >= lay.pp]
+
+
+def _layout_configs(
+    req: Request, name: str, impl: type[Strategy], lay: Layout, schedule: str = "1f1b"
+) -> list[Config]:
     """The configurations of one layout (each recompute and option set), each with a candidate
-    per micro-batch (or one that says why the global batch does not split)."""
+    per micro-batch and micro-batch count (or one that says why the global batch does not
+    split)."""
     batches = _batches(req, lay)
     base = None
     if not isinstance(batches, str):
         try:
-            base = _spec(req, name, lay, impl.replica_batch(lay), "none", {})
+            base = _spec(req, name, dataclasses.replace(lay, pp=1), impl.replica_batch(lay),
+                         "none", {})  # fmt: skip
         except ConfigError:
             pass
     configs = []
     tries = [(rc, o) for rc in req.recompute for o in option_sets(req, impl, base)]
     for rc, opts in tries:
-        conf = Config(name, lay, rc, opts)
+        conf = Config(name, lay, rc, opts, pp_schedule=schedule)
         if isinstance(batches, str):
             conf.candidates.append(Candidate(name, lay, 0, rc, opts, reason=batches))
         for b in [] if isinstance(batches, str) else batches:
-            cand = Candidate(name, lay, b, rc, opts)
-            try:
-                cand.spec = _spec(req, name, lay, b, rc, opts)
-            except ConfigError as e:
-                cand.reason = str(e)
-            conf.candidates.append(cand)
+            for m in _microbatches(lay, b):
+                cand = Candidate(name, lay, b, rc, opts, microbatches=m,
+                                 pp_schedule=conf.pipeline[1])  # fmt: skip
+                try:
+                    cand.spec = _spec(req, name, lay, b, rc, opts, schedule, m)
+                except ConfigError as e:
+                    cand.reason = str(e)
+                conf.candidates.append(cand)
         configs.append(conf)
     return configs
 
@@ -236,7 +279,7 @@ def rank(configs: list[Config]) -> list[Row]:
 def _same_group(a: Row, b: Row) -> bool:
     la, lb = a.config.layout, b.config.layout
     return a.config.strategy == b.config.strategy and (la.degree, la.tp, la.sp) == (
-        lb.degree, lb.tp, lb.sp)  # fmt: skip
+        lb.degree, lb.tp, lb.sp) and a.config.pipeline == b.config.pipeline  # fmt: skip
 
 
 def select(rows: list[Row], top: int) -> tuple[list[Row], int]:
@@ -357,6 +400,11 @@ def binding(c: Candidate, req: Request) -> str | None:
     return None if c.fits else "memory"
 
 
+def _counted(conf: Config) -> int:
+    assert conf.ops is not None, "a row with a projection has its operations counted"
+    return conf.ops
+
+
 def contest(plan: Plan) -> dict | None:
     """The best plan against the best plan of each other strategy, at the preset's nominal
     rates and at every corner of their stated ranges (``rate_ranges``;
@@ -374,8 +422,9 @@ def contest(plan: Plan) -> dict | None:
     if not rivals:
         return None
     first = next(iter(rivals.values()))
-    mine = (best.cand.run, best.cand.proj["ops_per_step"])
-    theirs = [(r.cand.run, r.cand.proj["ops_per_step"]) for r in rivals.values() if r.cand.proj]
+    # (the counted operations: a pipeline's are one stage's on one micro-batch, as counted)
+    mine = (best.cand.run, _counted(best.config))
+    theirs = [(r.cand.run, _counted(r.config)) for r in rivals.values() if r.cand.proj]
     lo, hi = costmodel.ratio_ranges([mine, *theirs], plan.request.hardware)[0]
     margin = best.cand.speed / first.cand.speed
     return {

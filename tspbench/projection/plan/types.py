@@ -41,6 +41,9 @@ class Request:
     recompute: tuple[str, ...] = ("none", "full")
     options: Mapping[str, tuple[Value, ...]] = field(default_factory=dict)  # searched options
     # restricted to these values (the rest: every value the strategy offers)
+    pp: tuple[int, ...] = ()  # pipeline stages to try (empty: 1 and every pp that divides the
+    # layers and G / D, for the strategies that run as stages)
+    pp_schedules: tuple[str, ...] = ("1f1b", "gpipe")
     model: str = ""  # as the user named it (preset or path)
     notes: tuple[str, ...] = ()
 
@@ -67,6 +70,7 @@ class Request:
         _check_sizes(seq_len, gpus, max_degree, kw)
         _check_choices(kw)
         _check_options(kw.get("options", {}))
+        _check_pipeline(kw)
         _set_mode(kw)
         return cls(
             cfg=cfg, hardware=preset, seq_len=seq_len, gpus=gpus, memory_cap=int(memory_cap),
@@ -109,6 +113,18 @@ def _check_choices(kw: dict[str, Any]) -> None:
         for v in values if isinstance(values, tuple) else (values,):
             if v not in choices:
                 raise ConfigError(f"--{key}={v!r}: must be one of {', '.join(choices)}")
+
+
+def _check_pipeline(kw: dict[str, Any]) -> None:
+    """The pipeline sizes asked for: positive integers; the schedules: ones the runtime has."""
+    from tspbench.runtime.pipelined import SCHEDULES
+
+    for v in kw.get("pp", ()):
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 65536:
+            raise ConfigError(f"--pp={v!r}: must be an integer between 1 and 65536")
+    for v in kw.get("pp_schedules", ()):
+        if v not in SCHEDULES:
+            raise ConfigError(f"--pp-schedule={v!r}: must be one of {', '.join(SCHEDULES)}")
 
 
 def _check_options(options: Mapping[str, tuple[Value, ...]]) -> None:
@@ -163,6 +179,8 @@ class Candidate:
     batch: int
     recompute: str
     options: dict[str, Value] = field(default_factory=dict)  # its searched options' values
+    microbatches: int = 0  # a pipeline's (0: none)
+    pp_schedule: str = ""  # a pipeline's ("": none)
     spec: RunSpec | None = None
     reason: str | None = None  # the validation rule it breaks
     peak: float | None = None  # bytes per GPU
@@ -219,6 +237,7 @@ class Config:
     layout: Layout
     recompute: str
     options: dict[str, Value] = field(default_factory=dict)
+    pp_schedule: str = "1f1b"  # with layout.pp > 1
     candidates: list[Candidate] = field(default_factory=list)
     ops: int | None = None
     bound_ops: int = 0  # operations its bounds charge (a bounded one: its counted twin's)
@@ -240,11 +259,20 @@ class Config:
             (k, opts[k].default if opts[k].bounded_by_default else v)
             for k, v in self.options.items()
         )
-        return (self.strategy, lay.degree, lay.tp, lay.sp, self.recompute, own)
+        return (self.strategy, lay.degree, lay.tp, lay.sp, *self.pipeline, self.recompute, own)
+
+    @property
+    def pipeline(self) -> tuple[int, str]:
+        """(stages, schedule); (1, "") without a pipeline."""
+        pp = self.layout.pp
+        return (pp, self.pp_schedule if pp > 1 else "")
 
     @property
     def label(self) -> str:
-        return strategies()[self.strategy].label(self.layout)
+        """The strategy's label, and its pipeline: ``TSP x PP4 1f1b``."""
+        own = strategies()[self.strategy].label(self.layout)
+        pp, schedule = self.pipeline
+        return own if pp == 1 else f"{own} x PP{pp} {schedule}"
 
     @property
     def valid(self) -> list[Candidate]:

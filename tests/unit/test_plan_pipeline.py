@@ -1,0 +1,139 @@
+"""The planner's pipeline axis (issue 34): which pipelines it tries, what it prices them at,
+and the closed forms it uses (tspbench/projection/stages.py, ``costmodel.project_pipeline``).
+The stage memory is checked against measured peaks in
+tests/integration/test_pipeline_parallel.py; here, the enumeration and the model's structure."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from tests.unit.test_plan import counted, plan_cli  # noqa: F401  (a fixture)
+from tspbench.core.config import get_config
+from tspbench.projection import costmodel, stages
+from tspbench.projection.plan import Request, search
+from tspbench.runtime.registry import strategies
+from tspbench.runtime.spec import RunSpec
+
+SEVEN_B = get_config("7b")
+
+
+def _spec(strategy: str = "tsp", **kw) -> RunSpec:
+    args = dict(degree=8, pp=4, seq_len=32768, batch=8, mode="train", dtype="bf16",
+                recompute="full", microbatches=8)  # fmt: skip
+    return RunSpec.make(strategy, SEVEN_B, **(args | kw))
+
+
+def test_plans_try_every_pipeline_of_the_strategies_that_stage(counted):  # noqa: F811
+    p = search.plan(Request.make("7b", "h100", 131072, 16), use_cache=False)
+    tried: dict[str, set] = {}
+    for conf in p.configs:
+        tried.setdefault(conf.strategy, set()).add((conf.layout.degree, *conf.pipeline))
+    staged = {n for n, s in strategies().items() if s.stages}
+    assert staged >= {"tsp", "tp", "sp"}
+    for name, got in tried.items():
+        pps = {pp for _, pp, _ in got}
+        if name in staged and name != "single":
+            # G / D = 16 / D stages at most, each dividing the 32 layers; both schedules
+            assert {(d, pp) for d, pp, _ in got} == {
+                (d, pp)
+                for d in {d for d, _, _ in got}
+                for pp in (1, 2, 4, 8, 16)
+                if 16 % (d * pp) == 0
+            }, name
+            assert {s for _, pp, s in got if pp > 1} == {"1f1b", "gpipe"}
+        else:
+            assert pps == {1}, name
+    for c in p.candidates:  # every micro-batch count divides the batch, from pp up
+        if c.layout.pp > 1:
+            assert c.microbatches >= c.layout.pp and c.batch % c.microbatches == 0
+            assert c.layout.world_size == 16
+
+
+def test_the_user_restricts_the_pipelines(capsys, counted, tmp_path):  # noqa: F811
+    base = ("--model", "7b", "--hardware", "h100", "--seq-len", 65536, "--gpus", 16, "--json",
+            "--cache", tmp_path)  # fmt: skip
+    rc, out, _ = plan_cli(capsys, *base, "--pp", 1)
+    assert rc == 0 and {c["pp"] for c in json.loads(out)["candidates"]} == {1}
+    rc, out, _ = plan_cli(capsys, *base, "--pp", 2, "--pp-schedule", "1f1b")
+    cands = json.loads(out)["candidates"]
+    assert rc == 0 and {(c["pp"], c["pp_schedule"]) for c in cands} == {(2, "1f1b")}
+    assert {c["strategy"] for c in cands} <= {n for n, s in strategies().items() if s.stages}
+
+
+def test_a_pipelined_best_plan_runs_as_printed(capsys, counted, tmp_path):  # noqa: F811
+    """Whatever wins, a pipelined row's run line carries its stages, schedule and micro-batch
+    count, and the spec it parses to is the row's."""
+    from tests.helpers.checks import argv_spec
+
+    rc, out, _ = plan_cli(capsys, "--model", "7b", "--hardware", "h100", "--seq-len", 131072,
+                          "--gpus", 16, "--pp", 2, "--cache", tmp_path)  # fmt: skip
+    assert rc == 0
+    best = next(line for line in out.splitlines() if line.startswith("best plan:"))
+    run = next(x.strip() for x in out.splitlines() if x.strip().startswith("tspbench run"))
+    assert " x PP2 " in best and "--pp 2" in run
+    argv = run.split()[2:]
+    argv = argv[: argv.index("--device")]
+    spec = argv_spec(argv)
+    assert spec.layout.pp == 2 and f"M={spec.microbatches} " in best
+    assert "the sweep configs take no pipeline axis yet" in out
+
+
+def test_the_fullest_stage_is_among_the_three_priced():
+    """stages.memory prices the first, second and last stage only; every stage's own price
+    is no higher than their maximum (1F1B and GPipe, recomputation or not, infer)."""
+    for kw in ({}, {"pp_schedule": "gpipe"}, {"recompute": "none", "batch": 16,
+               "microbatches": 16}, {"pp": 8}, {"mode": "infer", "recompute": "none"}):  # fmt: skip
+        c = _spec(**kw)
+        _, top = stages.memory(c)
+        every = [stages.stage_memory(c, s)["peak"] for s in range(c.layout.pp)]
+        assert top["peak"] == max(every), kw
+
+
+def test_stage_parameters_split_the_whole_model_exactly():
+    for name in ("tsp", "tp", "sp"):
+        c = _spec(name, degree=4 if name != "sp" else 8)
+        whole = c.impl.costs.param_numel(c.cfg, dataclasses.replace(c.layout, pp=1))
+        assert sum(stages.stage_params(c, s) for s in range(4)) == whole, name
+
+
+def test_1f1b_keeps_fewer_micro_batches_than_gpipe():
+    one, gp = _spec(recompute="none"), _spec(recompute="none", pp_schedule="gpipe")
+    assert [stages.in_flight(one, s) for s in range(4)] == [4, 3, 2, 1]
+    assert [stages.in_flight(gp, s) for s in range(4)] == [8] * 4
+    assert stages.memory(one)[1]["peak"] < stages.memory(gp)[1]["peak"]
+
+
+def test_the_pipelined_step_is_the_schedule_of_its_slowest_stage():
+    """(M + pp - 1) slots of one stage's micro-batch: doubling M with the batch adds M slots,
+    and the bubble is (pp - 1) / (M + pp - 1) of the schedule."""
+    pre = costmodel.load_preset("h100")
+    a = costmodel.project(_spec(batch=8, microbatches=8), pre, ops=0)
+    b = costmodel.project(_spec(batch=16, microbatches=16), pre, ops=0)
+    slot = a["pp_bubble_s"] / 3
+    assert a["device_s"] == pytest.approx(11 * slot + a["dp_reduce_s"])
+    assert b["device_s"] == pytest.approx(19 * slot + b["dp_reduce_s"])
+    assert a["pp_bubble_fraction"] == pytest.approx(3 / 11)
+    # the host issues every micro-batch's operations
+    assert costmodel.recharge(a, 1000)["ops_per_step"] == 8 * 1000
+    # model FLOPs: the whole model's, shared by the stages
+    whole = _spec(pp=1, microbatches=0)
+    assert a["flops_per_rank"] * 4 == pytest.approx(
+        costmodel.project(whole, pre, 0)["flops_per_rank"], rel=1e-6
+    )
+
+
+def test_a_pipeline_that_leaves_the_node_sends_over_the_nic():
+    pre = costmodel.load_preset("h100")  # 8 GPUs per node
+    inside = costmodel.project(_spec(degree=2, pp=4), pre, ops=0)  # 8 ranks
+    across = costmodel.project(_spec(degree=8, pp=4), pre, ops=0)  # 32 ranks
+    r = costmodel.rates(pre, 8)
+    for p, c, link in ((inside, _spec(degree=2, pp=4), r["send_recv"]),
+                       (across, _spec(degree=8, pp=4), r["inter"])):  # fmt: skip
+        one_way = stages.micro_spec(c).tokens * c.cfg.hidden * c.e
+        assert p["pp_hop_s"] == pytest.approx(2 * (link["lat"] + one_way / link["bw"]))
+    # replicas in a pipeline: their gradient sum after the last micro-batch, not hidden
+    dp = costmodel.project(_spec(degree=4, pp=4, dp=2), pre, ops=0)
+    assert dp["dp_reduce_s"] > 0 and inside["dp_reduce_s"] == 0

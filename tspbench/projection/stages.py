@@ -1,0 +1,148 @@
+"""Pipelines in closed form: what one stage holds and how much of it a schedule keeps.
+
+A pipelined run (``layout.pp`` stages; :mod:`tspbench.runtime.pipelined`) splits the layers into
+``pp`` equal blocks, the embedding on the first stage and the final norm and LM head on the last
+(:class:`tspbench.core.stage.Stage`), and the replica's batch B into M micro-batches of b = B/M
+rows. The work of a stage on one micro-batch is the work of a model of L/pp layers on batch b
+(:func:`micro_spec`): the cost model times it (the slowest stage, the last, is such a model:
+the embedding is a lookup) and the memory model prices its activations. What a stage holds
+(:func:`stage_params`) is exact: the strategy's closed form split by layers and tables.
+
+Activations in flight (Narayanan et al., 2021; torch.distributed.pipelining's schedules): GPipe
+runs every micro-batch's forward before any backward, so each stage keeps M micro-batches'
+activations; 1F1B starts a micro-batch's backward as soon as the last stage can, so stage s
+keeps at most pp - s (the first stage pp, the last one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from tspbench.core.config import ModelConfig
+from tspbench.core.layout import Layout
+from tspbench.core.strategy import Strategy
+from tspbench.projection import analytic
+from tspbench.projection.analytic import Memory
+from tspbench.runtime.spec import RunSpec
+
+
+@functools.lru_cache(maxsize=4096)
+def micro_spec(c: RunSpec) -> RunSpec:
+    """One stage's work on one micro-batch as a whole-model case: L/pp layers, batch B/M, no
+    pipeline axis, the same replicas (it keeps the embedding and the head, as the last stage
+    does with its head)."""
+    pp = c.layout.pp
+    cfg = dataclasses.replace(c.cfg, layers=c.cfg.layers // pp)
+    lay = dataclasses.replace(c.layout, pp=1)
+    return c.replace(cfg=cfg, layout=lay, batch=c.batch // c.microbatches, microbatches=0)
+
+
+def stage_params(c: RunSpec, stage: int) -> int:
+    """Parameter elements one rank of stage ``stage`` holds: its L/pp layers, the embedding on
+    the first stage, the final norm and the head on the last (the strategy's closed form, split
+    by its per-layer part and its two vocabulary tables, each linear in the vocabulary)."""
+    cfg, pp = c.cfg, c.layout.pp
+    per_layer, tables, norm = _parts(c.impl, cfg, dataclasses.replace(c.layout, pp=1))
+    n = cfg.layers // pp * per_layer
+    if stage == 0:
+        n += tables // 2
+    if stage == pp - 1:
+        n += tables - tables // 2 + norm
+    return n
+
+
+@functools.lru_cache(maxsize=1024)
+def _parts(impl: type[Strategy], cfg: ModelConfig, lay: Layout) -> tuple[int, int, int]:
+    """(one layer's, both vocabulary tables', the final norm's) parameter elements on a rank."""
+
+    def numel(layers: int, vocab: int) -> int:
+        return impl.costs.param_numel(dataclasses.replace(cfg, layers=layers, vocab=vocab), lay)
+
+    one = numel(1, cfg.vocab)
+    per_layer = numel(2, cfg.vocab) - one
+    tables = numel(1, 2 * cfg.vocab) - one  # embedding and head together
+    return per_layer, tables, one - per_layer - tables
+
+
+def in_flight(c: RunSpec, stage: int) -> int:
+    """Micro-batches whose activations stage ``stage`` keeps at once (module docstring)."""
+    M = c.microbatches
+    return M if c.pp_schedule == "gpipe" else min(c.layout.pp - stage, M)
+
+
+def stage_memory(c: RunSpec, stage: int) -> Memory:
+    """Bytes per rank of stage ``stage`` by part, and its peaks: :func:`analytic.memory`'s
+    crests with the stage's parameters and its micro-batches in flight. The loss's crest is the
+    last stage's alone. The transients are one micro-batch's, taken from the stage's model
+    (:func:`micro_spec`), which holds both vocabulary tables: where a strategy's transient
+    scales with a table (TSP's embedding gradient at the end of backward, a baseline's packed
+    gradient copy) a stage without it is over-estimated by that table's share."""
+    mb, impl = micro_spec(c), c.impl
+    cfg, e, t = c.cfg, c.e, mb.tokens
+    last, n = stage == c.layout.pp - 1, stage_params(c, stage)
+    act = t * cfg.hidden * e  # one micro-batch's [t, h] activation
+    weights, masters = n * e, (4 * n if c.train and e != 4 else 0)
+    rest = weights + masters + 16 * c.tokens  # + the replica's int64 tokens and labels
+    parts: Memory = {
+        "weights": weights,
+        "master_weights": masters,
+        "grads": n * e if c.train else 0,
+        "optimizer": 8 * n if c.train else 0,
+    }
+    if not c.train:  # one micro-batch at a time; the last stage keeps every micro-batch's
+        # output until the schedule merges them
+        layer, loss_work = impl.costs.inference_working_set(mb)
+        work = max(layer, loss_work) if last else layer
+        outputs = c.microbatches * act * (1 + (stage > 0)) if last else 0
+        parts.update({"saved_activations": outputs, "transient": work, "peak_at": "inference"})
+        parts["peak_first"] = parts["peak"] = rest + outputs + work
+        return parts
+    # torch's stage keeps a receive buffer per micro-batch: activations from the previous
+    # stage, and in training their gradients from the next
+    bufs = c.microbatches * act * ((stage > 0) + (c.train and not last))
+    k = in_flight(c, stage)
+    # the first backward finds k micro-batches in flight and no gradient yet; a later one
+    # finds every gradient of the stage beside k (1F1B's steady state) or k - 1 in flight
+    later = k if c.pp_schedule == "1f1b" and c.microbatches > k else k - 1
+    per_layer = analytic.saved_per_layer(mb)
+    unit = mb.cfg.layers * (act if c.rc else per_layer)  # one micro-batch's saved layers
+    loss_unit = analytic.saved_loss(mb) if last else 0
+    grads = n * e if c.microbatches > 1 else 0
+    head_grad = cfg.vocab // impl.costs.weight_split(c.layout) * cfg.hidden * e if last else 0
+    loss_t, layer_t, end_t = impl.costs.backward_transients(mb)
+    top = per_layer - act if c.rc else 0
+    rest += bufs
+
+    def held(at_loss: bool) -> int:
+        """Saved tensors at a backward: the loss's saved tensors of the micro-batch in
+        backward too at the loss, only the others' at a layer."""
+        first = k * unit + (k - (not at_loss)) * loss_unit
+        again = later * unit + (later - (not at_loss)) * loss_unit + grads if later else 0
+        return max(first, again)
+
+    crests = {
+        "layer backward": rest + held(False) + top + layer_t + head_grad,
+        "end of backward": rest + n * e + end_t,
+    }
+    if last:
+        crests["loss backward"] = rest + held(True) + loss_t + head_grad
+    layers = k * unit + k * loss_unit
+    opt = rest + n * e + 8 * n + (4 * n if e != 4 else 0)
+    at = max(crests, key=lambda x: crests[x])
+    parts.update({"saved_activations": layers, "transient": crests[at] - rest - layers})
+    steady = max(crests[at] + 8 * n, opt)
+    parts.update({"peak_first": max(crests[at], opt), "peak": steady})
+    parts["peak_at"] = at if steady > opt else "optimizer step"
+    return parts
+
+
+def memory(c: RunSpec) -> tuple[int, Memory]:
+    """(the stage whose peak is highest, its :func:`stage_memory`): the cap a pipeline must fit
+    is its fullest stage's. Only the first, the second and the last are priced: the others
+    hold what the second holds (no table, both receive buffers) with as many micro-batches in
+    flight or fewer."""
+    pp = c.layout.pp
+    peaks = {s: stage_memory(c, s) for s in sorted({0, min(1, pp - 1), pp - 1})}
+    s = max(peaks, key=lambda i: peaks[i]["peak"])
+    return s, peaks[s]
