@@ -18,6 +18,7 @@ import yaml
 from tests.helpers.configs import MINI
 from tests.helpers.runner import ROOT
 from tspbench.cli import main
+from tspbench.pipeline.cells import sweep_cells
 from tspbench.runtime.local import max_local_ranks
 from tspbench.runtime.registry import schema
 
@@ -93,6 +94,18 @@ BAD_CONFIGS = [
         config_with({"gpus": [OVER_CAP]}),
         f"sweeps[0].gpus: {OVER_CAP}: launcher local starts at most {max_local_ranks()} ranks",
     ),
+    # pipelined sweeps: whole stages of model groups, schedule settings only with stages
+    (
+        "pp-gpus",
+        config_with({"pp": 2}),
+        "sweeps[0].gpus: 4 must be a multiple of the model group D = 4 x pp = 8",
+    ),  # fmt: skip
+    (
+        "pp-alone",
+        config_with({"microbatches": 2}),
+        "sweeps[0].pp_schedule, microbatches: only with sweeps[0].pp > 1",
+    ),  # fmt: skip
+    ("pp-schedule", config_with({"pp": 2, "pp_schedule": "zbv"}), "sweeps.0.pp_schedule: 'zbv'"),
     (
         "too-many",
         config_with(
@@ -488,3 +501,17 @@ def test_tables_note_is_escaped_in_latex_captions(tmp_path, capsys):
     assert r"50\%\_of runs \& \$5 \#1 \{x\} \textasciitilde{}y \textasciicircum{}z" in caption
     assert r"\textbackslash{}end\{table\}" in caption
     assert tex.count(r"\begin{table}") == 1 and tex.count(r"\end{table}") == 1
+
+
+def test_a_pipelined_sweep_makes_pipelined_cells():
+    """The default sweep's pipeline cells: TSP and TP at D = 2 in two stages on 4 ranks, each
+    beside its model group without stages on 2 ranks with the same global batch."""
+    cells, _ = sweep_cells(DEFAULT)
+    staged = {c.spec.id: c for c in cells if c.spec.layout.pp > 1}
+    assert set(staged) == {"tsp-pp2-1f1b-m4.D2.g4.S512.B4.train",
+                           "tp-pp2-1f1b-m4.D2.g4.S512.B4.train"}  # fmt: skip
+    for c in staged.values():
+        assert c.gpus == c.spec.layout.world_size == 4 and c.spec.layout.dp == 1
+        assert "--pp 2" in " ".join(c.spec.to_argv()) and c.sweeps == ("pipeline",)
+    flat = {c.spec.id for c in cells if c.sweeps == ("pipeline",) and c.spec.layout.pp == 1}
+    assert flat == {"tsp.D2.g2.S512.B4.train", "tp.D2.g2.S512.B4.train"}

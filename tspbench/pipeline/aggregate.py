@@ -89,6 +89,7 @@ DECODE = [  # decode, generate (docs/decode.md); the record's schema says what e
 CELL_KEYS = (
     *("strategy", "seq_len", "degree", "tp", "sp", "dp", "batch", "mode", "new_tokens"),
     "world_size",
+    *("pp", "pp_schedule", "microbatches"),  # a pipelined cell's (record_keys.PIPELINE)
 )
 # a record must have been run with its cell's inputs: one copied or left over from another cell
 # would put that cell's numbers in this row
@@ -169,8 +170,11 @@ ROLE_AXES = (("degree", "degree"), ("gpus", "scaling"), ("batch", "batch"), ("se
 
 
 def role(rows: pd.DataFrame) -> str:
-    """A sweep's role from its training and forward rows: ``degree``, ``scaling``, ``batch``
-    or ``seq`` (decode cells have tables of their own)."""
+    """A sweep's role from its training and forward rows: ``pipeline`` where some cell has
+    stages (the claims table reads it; no figure draws it), else ``degree``, ``scaling``,
+    ``batch`` or ``seq`` (decode cells have tables of their own)."""
+    if "pp" in rows and (rows["pp"].fillna(1) > 1).any():
+        return "pipeline"
     for axis, name in ROLE_AXES:
         if axis in rows and rows[axis].nunique() > 1:
             return name

@@ -76,11 +76,15 @@ def check_sweep(i: int, sweep: dict) -> None:
                     f"sweeps[{i}].seq_lens: {S} must be divisible by 2*D = {2 * D} "
                     f"(zigzag sharding at degree {D})"
                 )
+        pp = sweep.get("pp", 1)
         for g in sweep["gpus"]:
-            if g % D:
+            if g % (D * pp):
+                stages = f" x pp = {D * pp}" if pp > 1 else ""
                 raise ConfigError(
-                    f"sweeps[{i}].gpus: {g} must be a multiple of the model group D = {D}"
+                    f"sweeps[{i}].gpus: {g} must be a multiple of the model group D = {D}{stages}"
                 )
+    if sweep.get("pp", 1) == 1 and ("pp_schedule" in sweep or "microbatches" in sweep):
+        raise ConfigError(f"sweeps[{i}].pp_schedule, microbatches: only with sweeps[{i}].pp > 1")
     check_decode_sweep(i, sweep)
     check_options(i, sweep)
 
@@ -220,6 +224,8 @@ def _filtered(
     S, B, mode = combo["seq_len"], combo["batch"], combo["mode"]
     impl = get_strategy(strategy)
     tag = impl.tag(lay) + Options(impl.options, run["options"], strategy).suffix("tag")
+    if lay.pp > 1:  # (RunSpec's tag of a pipelined cell)
+        tag += f"-pp{lay.pp}-{run['pp_schedule']}-m{run['microbatches'] or lay.pp}"
     n = f".N{combo['new_tokens']}" if combo.get("new_tokens") else ""
     return {
         "strategy": strategy,
@@ -261,13 +267,17 @@ def sweep_cells(config: dict, what: str = "config") -> tuple[list[Cell], list[di
         )  # one cell per new_tokens of a decode mode
         for strategy, gpus, S, B, mode, n in combos:
             impl = get_strategy(strategy)
+            pp = sweep.get("pp", 1)
             for lay in impl.sweep_layouts(sweep["degrees"], sweep.get("tpsp", [])):
-                lay = replace(lay, dp=gpus // lay.degree)
+                lay = replace(lay, dp=gpus // (lay.degree * pp), pp=pp)
                 combo = {"seq_len": S, "batch": B, "mode": mode}
                 combo |= {"new_tokens": n} if n else {}
                 # the sweep's options that this strategy declares (the rest are others')
                 own = {o.name for o in impl.options}
                 run = {**common, "options": {k: v for k, v in options.items() if k in own}}
+                if pp > 1:
+                    run["pp_schedule"] = sweep.get("pp_schedule", "1f1b")
+                    run["microbatches"] = sweep.get("microbatches", 0)
                 if mode in DECODE_MODES:  # no backward: a config's recompute is for training
                     run["recompute"] = "none"
                 try:

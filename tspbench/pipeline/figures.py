@@ -43,6 +43,7 @@ from tspbench.pipeline.tables import (  # noqa: E402
     hardware,
     label_order,
     mem_unit,
+    pipelines,
 )
 from tspbench.runtime.measure import PARTS, part_column  # noqa: E402
 
@@ -191,6 +192,32 @@ def plots(df: pd.DataFrame) -> list[Plot]:
                     spread=spread,
                 ),
             ]
+    for (S, D), part in pipelines(df).groupby(["seq_len", "degree"]):
+        title = f"vs pipeline stages (D = {D}, S = {S}, the same global batch)"
+        sweeps = "+".join(sorted(set(part["sweep"])))
+        out += [
+            Plot(
+                f"pipeline_memory_S{S}_D{D}",
+                sweeps,
+                part,
+                "stages",
+                "peak",
+                "stages",
+                mem,
+                f"Peak memory (the fullest stage's) {title}",
+            ),  # fmt: skip
+            Plot(
+                f"pipeline_throughput_S{S}_D{D}",
+                sweeps,
+                part,
+                "stages",
+                "tokens_per_s",
+                "stages",
+                "tokens/s",
+                f"Throughput {title}",
+                spread=spread,
+            ),  # fmt: skip
+        ]
     deg = df[df["role"] == "degree"]
     for S, part in deg.groupby("seq_len"):
         out.append(

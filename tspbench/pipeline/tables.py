@@ -140,6 +140,14 @@ def crossovers(df: pd.DataFrame, mode: str) -> str:
     )
 
 
+def pipelines(df: pd.DataFrame) -> pd.DataFrame:
+    """The training rows of the sweeps with pipeline stages (role ``pipeline``), with their
+    ``stages`` (1: none)."""
+    rows = df[(df["role"] == "pipeline") & (df["mode"] == "train")]
+    stages = rows["pp"].fillna(1).astype(int) if "pp" in rows else 1
+    return rows.assign(stages=stages)
+
+
 def specs(df: pd.DataFrame) -> list[tuple[str, str, pd.DataFrame]]:
     """(name, caption, table) of every table the data supports."""
     unit, scale = mem_unit(df)
@@ -212,6 +220,21 @@ def specs(df: pd.DataFrame) -> list[tuple[str, str, pd.DataFrame]]:
                     pivot(mb, "label", "batch", "tokens_per_s", "{:.0f}"),
                 )
             )
+    for (S, D), part in pipelines(df).groupby(["seq_len", "degree"]):
+        out += [
+            (
+                f"pipeline_memory_S{S}_D{D}",
+                f"Peak memory per {one} ({unit}, the largest of any stage's) vs pipeline "
+                f"stages, D = {D}, S = {S}, the same global batch",
+                pivot(part, "label", "stages", "peak", "{:.2f}"),
+            ),
+            (
+                f"pipeline_throughput_S{S}_D{D}",
+                f"Throughput (tokens/s) vs pipeline stages, D = {D}, S = {S}, the same global "
+                "batch",
+                pivot(part, "label", "stages", "tokens_per_s", "{:.0f}"),
+            ),
+        ]
     deg = df[df["role"] == "degree"]
     for S, part in deg.groupby("seq_len"):
         out.append(
