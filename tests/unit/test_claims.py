@@ -69,10 +69,23 @@ def test_the_kinds_of_the_schema_are_the_checks():
     assert sorted(kinds) == sorted(CHECKS)
 
 
+def _claim(spec: dict, cid: str) -> dict:
+    return next(c for c in spec["claims"] if c["id"] == cid)
+
+
 BAD_CLAIMS = [
     ("subject", lambda s: s.pop("subject"), "(top level): 'subject' is a required property"),
     ("unknown", lambda s: s.update(subject="megatron"), "subject: 'megatron' is not one of"),
-    ("versus", lambda s: s["claims"][-3].pop("versus"), "claims.12: 'versus' is a required"),
+    (
+        "versus",
+        lambda s: _claim(s, "forward-crossover").pop("versus"),
+        "claims.12: 'versus' is a required",
+    ),  # fmt: skip
+    (
+        "gpu_counts",
+        lambda s: _claim(s, "pipeline-composition-h100").pop("gpu_counts"),
+        "'gpu_counts' is a required property",
+    ),  # fmt: skip
     ("kind", lambda s: s["claims"][0].update(kind="speed"), "claims.0.kind: 'speed' is not one"),
     ("nan", lambda s: s["claims"][0].update(paper_gb=[float("nan")]), "is not a finite number"),
 ]
@@ -195,3 +208,52 @@ def test_measured_cells_of_several_degrees_and_sweeps_are_compared_like_with_lik
         "TSP has the lowest peak memory per GPU at every length from 16K to 128K"
     ]
     assert "measured on this CPU" in row["ours"]
+
+
+def _pipeline_sources(tmp_path, loss_tp_pp: float, fits: bool) -> Sources:
+    """A measured summary with the pipeline sweep's four cells (TSP and TP, D = 2, with and
+    without two stages) and a plan map whose cells have (or lack) a TSP pipeline."""
+    base = {"sweep": "pipeline", "status": "ok", "degree": 2, "seq_len": 512, "global_batch": 4,
+            "mode": "train", "batch": 4, "grad_norm": 2.0, "peak_mem_bytes": 2**20}  # fmt: skip
+    rows = []
+    for s in ("tsp", "tp"):
+        rows.append(base | {"cell": f"{s}.flat", "strategy": s, "label": s, "gpus": 2,
+                            "loss": 5.0})  # fmt: skip
+        loss = loss_tp_pp if s == "tp" else 5.0
+        rows.append(base | {"cell": f"{s}.pp", "strategy": s, "label": s, "gpus": 4, "pp": 2,
+                            "loss": loss})  # fmt: skip
+    pd.DataFrame(rows).to_csv(tmp_path / "summary.csv", index=False)
+    cells = []
+    for S in (32768, 131072):
+        for G in (64, 256, 1024):
+            pp = {"focus_pp_label": "tsp x PP2 1f1b", "focus_pp_degree": 8,
+                  "focus_pp_tokens_per_s": 2.0, "no_pp_label": "fsdp_cp", "pp_ratio": 1.1,
+                  "pp_ratio_low": 1.0, "pp_ratio_high": 1.2}  # fmt: skip
+            if not fits and G == 1024:
+                pp = {k: None for k in pp}
+            cells.append({"seq_len": S, "gpus": G, "strategy": "tsp"} | pp)
+    (tmp_path / "7b-mi300x").mkdir()
+    pd.DataFrame(cells).to_csv(tmp_path / "7b-mi300x/map.csv", index=False)
+    return Sources(REFS.projected, tmp_path / "summary.csv", tmp_path)
+
+
+@pytest.mark.parametrize(
+    "loss, fits, verdict",
+    [(5.0, True, "holds"), (5.0 * (1 + 1e-3), True, "differs"), (5.0, False, "partly")],
+)
+def test_the_pipeline_row_is_judged_by_equality_and_by_fitting(tmp_path, loss, fits, verdict):
+    from tspbench.pipeline.claim_projected import pipeline_rows
+
+    spec = yaml.safe_load(CLAIMS.read_text())
+    c = next(c for c in spec["claims"] if c["kind"] == "pipeline" and c["hardware"] == "mi300x")
+    src = _pipeline_sources(tmp_path, loss, fits)
+    (row,) = pipeline_rows({**c, "subject": "tsp"}, get_config("7b"), src)
+    assert row.verdict == verdict, row.ours
+    assert (
+        "2 pipelined cells" in row.ours
+        and "32K G=64: tsp x PP2 1f1b D=8 / fsdp_cp 1.10" in row.ours
+    )
+    # without pipelined cells in the summary, only the projection answers
+    pd.read_csv(src.measured).query("cell.str.endswith('flat')").to_csv(src.measured, index=False)
+    (row,) = pipeline_rows({**c, "subject": "tsp"}, get_config("7b"), src)
+    assert row.verdict == ("projected: holds" if fits else "partly")

@@ -31,6 +31,7 @@ class Sources:
 
     projected: Path
     measured: Path
+    plans: Path | None = None  # the plan maps' folder (None: the committed ones under cwd)
 
     @classmethod
     def find(cls, root: Path | None = None) -> Sources:
@@ -42,7 +43,14 @@ class Sources:
         summary = root / "results/default/summary.csv"
         if not summary.exists():
             summary = root / "results/reference/calibration/default-summary-1.csv"
-        return cls(projected, summary)
+        plans = root / "results/plan"
+        if not any(plans.glob("*/map.csv")):
+            plans = root / "results/reference/plan"
+        return cls(projected, summary, plans)
+
+    def plan_map(self, model: str, hardware: str) -> Path:
+        """The plan map (``snakemake plan``) of a model on a hardware preset."""
+        return (self.plans or Path.cwd() / "results/reference/plan") / f"{model}-{hardware}/map.csv"
 
     def table(self, name: str) -> pd.DataFrame:
         df = pd.read_csv(self.projected / f"{name}.csv")

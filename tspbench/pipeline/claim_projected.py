@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pandas as pd
+
 from tspbench.core.config import ConfigError, ModelConfig
+from tspbench.pipeline.aggregate import per_sweep
 from tspbench.pipeline.claim_checks import GB, GiB, Row, Sources, _rel, verdict
 from tspbench.pipeline.decode_claims import _layouts as layouts
 from tspbench.projection import analytic
@@ -141,5 +144,99 @@ def competitive_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
             "what it judges",
             c["source"],
             f"{_rel(src.projected)}/throughput_vs_seq.csv",
+        )
+    ]
+
+
+EQUAL = 1e-5  # relative: a pipelined cell's loss and gradient norm against its model group's
+
+
+def _pipeline_pairs(src: Sources) -> list[tuple[pd.Series, pd.Series]]:
+    """(pipelined, unpipelined) rows of the measured summary's ``pipeline`` sweep: the same
+    strategy, model group, length and global batch, with and without stages."""
+    if not src.measured.exists():
+        return []
+    df = per_sweep(pd.read_csv(src.measured))
+    if "pp" not in df:
+        return []
+    rows = df[(df.role == "pipeline") & (df.status == "ok")].drop_duplicates("cell")
+    staged = rows[rows.pp.fillna(1) > 1]
+    flat = rows[rows.pp.fillna(1) == 1]
+    pairs = []
+    for _, a in staged.iterrows():
+        same = flat[(flat.strategy == a.strategy) & (flat.degree == a.degree)
+                    & (flat.seq_len == a.seq_len) & (flat.global_batch == a.global_batch)
+                    & (flat["mode"] == a["mode"])]  # fmt: skip
+        if len(same):
+            pairs.append((a, same.iloc[0]))
+    return pairs
+
+
+def _equal(a: pd.Series, b: pd.Series) -> bool:
+    return all(abs(a[k] / b[k] - 1) <= EQUAL for k in ("loss", "grad_norm"))
+
+
+def pipeline_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
+    """The subject in pipeline stages: measured, each pipelined cell of the CPU sweep equals
+    its model group without stages (loss, gradient norm; the tests check every gradient), with
+    its peak per rank; projected (the plan map of ``hardware``), at each GPU count and length
+    the subject's best plan with its model group inside a node and stages across nodes, against
+    the best plan without a pipeline axis, with the ratio's range over the rates' corners."""
+    pairs = _pipeline_pairs(src)
+    subject = c["subject"]
+    equal = [_equal(a, b) for a, b in pairs]
+    mem = "; ".join(
+        f"{a.label} {a.peak_mem_bytes / 2**20:.0f} MiB/rank, "
+        f"{b.peak_mem_bytes / 2**20:.0f} without stages"
+        for a, b in pairs
+    )
+    measured = (
+        f"measured (CPU, {len(pairs)} pipelined cells): loss and gradient norm "
+        f"{'equal' if all(equal) else 'NOT equal'} to the same model group without stages "
+        f"(rel {EQUAL:g}); {mem}"
+        if pairs
+        else "measured: no pipelined cell in this summary (the tests check equality)"
+    )
+    path = src.plan_map(c.get("model", "7b"), c["hardware"])
+    shown, fits = [], True
+    if path.exists():
+        m = pd.read_csv(path)
+        m = m[m.gpus.isin(c["gpu_counts"]) & m.seq_len.isin(c["seq_lens"])]
+        for (S, G), g in m.groupby(["seq_len", "gpus"]):
+            r = g.iloc[0]
+            if pd.isna(r.get("focus_pp_tokens_per_s")):
+                fits = False
+                shown.append(f"{S // 1024}K G={G}: no {subject} pipeline fits")
+                continue
+            shown.append(
+                f"{S // 1024}K G={G}: {r.focus_pp_label} D={int(r.focus_pp_degree)} / "
+                f"{r.no_pp_label} {r.pp_ratio:.2f} ({r.pp_ratio_low:.2f}-{r.pp_ratio_high:.2f})"
+            )
+    else:
+        fits = False
+        shown.append(f"no plan map at {_rel(path)}")
+    projected = (
+        f"PROJECTED ({c['hardware']}, {cfg.name}): best {subject} plan with stages across nodes "
+        f"/ best plan without stages, tokens/s: " + ", ".join(shown)
+    )
+    if pairs and not all(equal):
+        judged = "differs"
+    elif not fits:
+        judged = "partly"
+    else:
+        judged = "holds" if pairs else "projected: holds"
+    return [
+        Row(
+            c["claim"] + f" ({c['hardware']})",
+            "composes with pipeline parallelism, a replica inside one node",
+            f"{measured}; {projected}",
+            judged,
+            "composition judged by equality to the model group without stages and by a "
+            "pipeline of the subject fitting at every GPU count; whether it is faster than the "
+            "best plan without stages is the ratio shown (below 1: it is not). Pipelines here: "
+            "TSP, TP and SP stages; FSDP+CP has none yet, so the plans without stages include "
+            "it and the plans with stages do not (docs/running.md)",
+            c["source"],
+            f"{_rel(path)}; {_rel(src.measured)}",
         )
     ]

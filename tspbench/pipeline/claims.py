@@ -42,6 +42,7 @@ CHECKS = {
     "crossover": checks.crossover_rows,
     "kv_cache": kv_cache_rows,
     "longest_context": longest_context_rows,
+    "pipeline": projected.pipeline_rows,
 }
 
 

@@ -7,13 +7,15 @@ PROJECTED (analytic memory, cost model); the planner's check is in :mod:`.check`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from tspbench.core.configfile import check_schema, read_yaml
+from tspbench.projection import costmodel
 from tspbench.projection.plan import search
 from tspbench.projection.plan.cache import OpsCache, cache_dir
-from tspbench.projection.plan.types import Plan, Request, Row
+from tspbench.projection.plan.types import Config, Plan, Request, Row, node_size
 from tspbench.runtime.registry import names, planned, schema, searched
 
 GiB = 2**30
@@ -52,12 +54,63 @@ def sweep(
                 max_batch=cfg["max_batch"], max_degree=cfg["max_degree"],
             )  # fmt: skip
             p = search.plan(req, top=1, ops=ops)
-            rows += cell_rows(p, cfg["focus"])
+            staged = pipeline_contest(p, cfg["focus"], ops)
+            rows += [r | staged for r in cell_rows(p, cfg["focus"])]
             if progress:
                 best = p.best
                 print(f"S={S} G={G}: {best.config.label if best else 'nothing fits'} "
                       f"({p.timings['total_s']:.1f} s)", flush=True)  # fmt: skip
     return pd.DataFrame(rows)
+
+
+def best_exact(p: Plan, keep: Callable[[Config], bool], ops: OpsCache) -> Row | None:
+    """The fastest fitting configuration among those ``keep`` accepts, its operations counted:
+    in the order of their bounds, until no bound left can beat the best counted."""
+    best: Row | None = None
+    for r in sorted((r for r in p.rows if r.fits and keep(r.config)), key=lambda r: -r.cand.speed):
+        if best is not None and best.cand.speed >= r.cand.speed:
+            break  # (a bound is above its counted value: none after this can win)
+        if not r.cand.exact:
+            search.count_config(r.config, ops, p.request.hardware)
+            top = r.config.best()
+            assert top is not None
+            r = Row(r.config, top)
+        if best is None or r.cand.speed > best.cand.speed:
+            best = r
+    return best
+
+
+def pipeline_contest(p: Plan, focus: str, ops: OpsCache) -> dict[str, Any]:
+    """Issue 34's question for one cell: the focus strategy's best plan with its model group
+    inside a node and pipeline stages (``focus_pp_*``) against the best plan of any strategy
+    without a pipeline axis (``no_pp_*``), with the ratio's lowest and highest over every
+    corner of the preset's rate ranges (the no-pipeline plan fixed at its nominal pick)."""
+    node = node_size(p.request.hardware)
+    staged = best_exact(
+        p, lambda c: c.strategy == focus and c.layout.pp > 1 and c.layout.degree <= node, ops
+    )
+    flat = best_exact(p, lambda c: c.layout.pp == 1, ops)
+    out: dict[str, Any] = {
+        "focus_pp_label": None, "focus_pp_degree": None, "focus_pp_stages": None,
+        "focus_pp_tokens_per_s": None, "no_pp_label": None, "no_pp_tokens_per_s": None,
+        "pp_ratio": None, "pp_ratio_low": None, "pp_ratio_high": None,
+    }  # fmt: skip
+    if flat is not None:
+        out |= {"no_pp_label": flat.config.label, "no_pp_tokens_per_s": flat.cand.speed}
+    if staged is not None:
+        lay = staged.config.layout
+        out |= {"focus_pp_label": staged.config.label, "focus_pp_degree": lay.degree,
+                "focus_pp_stages": lay.pp, "focus_pp_tokens_per_s": staged.cand.speed}  # fmt: skip
+    if staged is not None and flat is not None:
+        pair = [(r.cand.run, r.config.ops or 0) for r in (staged, flat)]
+        ratios = [
+            costmodel.project(pair[0][0], corner, pair[0][1])["tokens_per_s"]
+            / costmodel.project(pair[1][0], corner, pair[1][1])["tokens_per_s"]
+            for corner in costmodel.all_corners(p.request.hardware)
+        ]
+        out |= {"pp_ratio": staged.cand.speed / flat.cand.speed, "pp_ratio_low": min(ratios),
+                "pp_ratio_high": max(ratios)}  # fmt: skip
+    return out
 
 
 def cell_rows(p: Plan, focus: str) -> list[dict]:
