@@ -118,7 +118,8 @@ def schedule(c: Spec, loss: bool = True) -> Schedule:
                 ev.add("backward", M, "reduce", D, wm, D, overlapped=ov, exposed=1)
         # embedding grad, owner by owner
         ev.add("backward", M, "reduce", D, wv, D, overlapped=True, exposed=1)
-        ev.add("backward", M, "all_reduce", D, costs.replicated_numel(cfg) * e)  # norms, bo, b2
+        n = costs.replicated_numel(cfg) * e  # norms, bo, b2, in finish_grads
+        ev.add("backward", M, "all_reduce", D, n, per_step=True)
     return ev
 
 

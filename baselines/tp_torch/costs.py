@@ -43,12 +43,13 @@ def sequence_parallel(spec: costs.Spec) -> costs.Schedule:
         ev.add("backward", ax, "all_gather", D, act)  # the embedding's scatter, mirrored
         norms = [cfg.hidden] * (2 * L + 1)
         for n in norms:  # one reduction per norm weight, in finish_grads
-            ev.add("backward", ax, "all_reduce", D, n * spec.e)
+            ev.add("backward", ax, "all_reduce", D, n * spec.e, per_step=True)
         if cfg.o_bias or cfg.mlp_bias:
             ev.add("backward", ax, "all_reduce", D, cfg.hidden * spec.e,
-                   L * (cfg.o_bias + cfg.mlp_bias))  # fmt: skip
+                   L * (cfg.o_bias + cfg.mlp_bias), per_step=True)  # fmt: skip
         if cfg.qk_norm:  # on this rank's heads, as TP's
-            ev.add("backward", ax, "all_reduce", D, L * costs.qk_norm_numel(cfg) * spec.e)
+            n = L * costs.qk_norm_numel(cfg) * spec.e
+            ev.add("backward", ax, "all_reduce", D, n, per_step=True)
     return ev
 
 

@@ -178,3 +178,20 @@ def test_stage_peaks_equal_the_closed_form(cli_records, name):
     rec = cli_records[name]
     for stage, peak in zip(rec["pp_stage_per_rank"], rec["peak_mem_bytes_per_rank"]):
         assert peak == pytest.approx(stages.stage_memory(spec, stage)["peak"], rel=0.05), stage
+
+
+@pytest.mark.parametrize("name", ["tp-pp4-1f1b", "tsp-pp2"])
+def test_project_check_projects_a_pipelined_record(cli_records, tmp_path, name):
+    """``project-check --records`` projects a pipelined record as a pipeline (its stages,
+    schedule and micro-batches), on the calibrated 2-core preset: within the factor the
+    unpipelined cells of this machine kind show (docs/projection.md), not a stage's model
+    group's time or a whole model's."""
+    from tspbench.projection.costcheck import check_records
+    from tspbench.projection.costmodel import load_preset
+
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(cli_records[name]))
+    (row,) = check_records(
+        [str(path)], load_preset("results/reference/calibration/cpu-2c.json")
+    ).to_dict("records")
+    assert 1 / 3 < row["projected_s"] / row["measured_s"] < 3, row

@@ -210,7 +210,7 @@ def test_measured_cells_of_several_degrees_and_sweeps_are_compared_like_with_lik
     assert "measured on this CPU" in row["ours"]
 
 
-def _pipeline_sources(tmp_path, loss_tp_pp: float, fits: bool) -> Sources:
+def _pipeline_sources(tmp_path, loss_tsp_pp: float, fits: bool) -> Sources:
     """A measured summary with the pipeline sweep's four cells (TSP and TP, D = 2, with and
     without two stages) and a plan map whose cells have (or lack) a TSP pipeline."""
     base = {"sweep": "pipeline", "status": "ok", "degree": 2, "seq_len": 512, "global_batch": 4,
@@ -219,7 +219,7 @@ def _pipeline_sources(tmp_path, loss_tp_pp: float, fits: bool) -> Sources:
     for s in ("tsp", "tp"):
         rows.append(base | {"cell": f"{s}.flat", "strategy": s, "label": s, "gpus": 2,
                             "loss": 5.0})  # fmt: skip
-        loss = loss_tp_pp if s == "tp" else 5.0
+        loss = loss_tsp_pp if s == "tsp" else 5.0  # (TP's pair is shown, TSP's judges)
         rows.append(base | {"cell": f"{s}.pp", "strategy": s, "label": s, "gpus": 4, "pp": 2,
                             "loss": loss})  # fmt: skip
     pd.DataFrame(rows).to_csv(tmp_path / "summary.csv", index=False)

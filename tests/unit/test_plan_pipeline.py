@@ -9,6 +9,7 @@ import dataclasses
 import json
 
 import pytest
+import yaml
 
 from tests.unit.test_plan import counted, plan_cli  # noqa: F401  (a fixture)
 from tspbench.core.config import get_config
@@ -78,7 +79,12 @@ def test_a_pipelined_best_plan_runs_as_printed(capsys, counted, tmp_path):  # no
     argv = argv[: argv.index("--device")]
     spec = argv_spec(argv)
     assert spec.layout.pp == 2 and f"M={spec.microbatches} " in best
-    assert "the sweep configs take no pipeline axis yet" in out
+    # the sweep config the plan prints makes this very cell
+    from tspbench.pipeline.cells import sweep_cells
+
+    snippet = yaml.safe_load(out.split("pipeline config (workflows/config/<name>.yaml):\n")[1])
+    (cell,), _ = sweep_cells(snippet)
+    assert cell.spec.replace(quiet=spec.quiet, warmup=spec.warmup, steps=spec.steps) == spec
 
 
 def test_the_fullest_stage_is_among_the_three_priced():
@@ -113,8 +119,9 @@ def test_the_pipelined_step_is_the_schedule_of_its_slowest_stage():
     a = costmodel.project(_spec(batch=8, microbatches=8), pre, ops=0)
     b = costmodel.project(_spec(batch=16, microbatches=16), pre, ops=0)
     slot = a["pp_bubble_s"] / 3
-    assert a["device_s"] == pytest.approx(11 * slot + a["dp_reduce_s"])
-    assert b["device_s"] == pytest.approx(19 * slot + b["dp_reduce_s"])
+    once = a["pp_once_s"] + a["dp_reduce_s"]  # the step's own gradient reductions, once
+    assert a["device_s"] == pytest.approx(11 * slot + once)
+    assert b["device_s"] == pytest.approx(19 * slot + once)
     assert a["pp_bubble_fraction"] == pytest.approx(3 / 11)
     # the host issues every micro-batch's operations
     assert costmodel.recharge(a, 1000)["ops_per_step"] == 8 * 1000
@@ -137,3 +144,23 @@ def test_a_pipeline_that_leaves_the_node_sends_over_the_nic():
     # replicas in a pipeline: their gradient sum after the last micro-batch, not hidden
     dp = costmodel.project(_spec(degree=4, pp=4, dp=2), pre, ops=0)
     assert dp["dp_reduce_s"] > 0 and inside["dp_reduce_s"] == 0
+
+
+def test_sp_sums_its_gradients_once_a_step_not_once_a_micro_batch():
+    """SP's all-reduce of every gradient runs after the schedule (finish_grads): doubling the
+    micro-batches adds their slots, not another all-reduce, which is charged once."""
+    pre = costmodel.load_preset("h100")
+    sp = dict(degree=4, pp=2, seq_len=8192, recompute="none")
+    a = costmodel.project(_spec("sp", batch=8, microbatches=8, **sp), pre, ops=0)
+    b = costmodel.project(_spec("sp", batch=16, microbatches=16, **sp), pre, ops=0)
+    slot = a["pp_bubble_s"]  # pp - 1 = 1 slot
+    assert b["device_s"] - a["device_s"] == pytest.approx(8 * slot)
+    c = _spec("sp", batch=8, microbatches=8, **sp)
+    grads = (
+        stages.micro_spec(c).impl.costs.param_numel(
+            stages.micro_spec(c).cfg, stages.micro_spec(c).layout
+        )
+        * 2
+    )
+    r = costmodel.rates(pre, 8)["groups"]["4"]["all_reduce"]
+    assert a["pp_once_s"] >= r["lat"] + 2 * 3 / 4 * grads / r["bw"]

@@ -35,15 +35,24 @@ class Event(tuple):
     asynchronously ahead of, or drained behind, work that does not wait for it: a prefetched
     weight, a reduction finished one step later). The cost model hides exactly the overlapped
     events (docs/projection.md). The flag rides beside the five fields (code that unpacks five
-    keeps working) and takes no part in comparisons."""
+    keeps working) and takes no part in comparisons. ``per_step``: a gradient reduction of
+    ``finish_grads``, issued once per step however many micro-batches a pipeline runs."""
 
     overlapped: bool
+    per_step: bool
 
     def __new__(
-        cls, phase: str, axis: str, kind: str, size: int, nbytes: float, overlapped: bool = False
+        cls,
+        phase: str,
+        axis: str,
+        kind: str,
+        size: int,
+        nbytes: float,
+        overlapped: bool = False,
+        per_step: bool = False,
     ) -> Event:
         ev = super().__new__(cls, (phase, axis, kind, size, float(nbytes)))
-        ev.overlapped = overlapped
+        ev.overlapped, ev.per_step = overlapped, per_step
         return ev
 
 
@@ -94,13 +103,14 @@ class Schedule(list[Event]):
         times: int = 1,
         overlapped: bool = False,
         exposed: int = 0,
+        per_step: bool = False,
     ) -> None:
         """``times`` events; ``overlapped``: the implementation hides them behind compute, all
         but ``exposed`` of them (a prefetch loop's first transfer and a drain's last have nothing
-        to hide behind: they are waited for at once)."""
+        to hide behind: they are waited for at once); ``per_step``: :class:`Event`'s."""
         hidden = max(times - exposed, 0) if overlapped else 0
-        self.extend([Event(phase, axis, kind, size, nbytes)] * (times - hidden))
-        self.extend([Event(phase, axis, kind, size, nbytes, True)] * hidden)
+        self.extend([Event(phase, axis, kind, size, nbytes, False, per_step)] * (times - hidden))
+        self.extend([Event(phase, axis, kind, size, nbytes, True, per_step)] * hidden)
 
 
 def phases(c: Spec) -> tuple[str, ...]:
@@ -262,7 +272,7 @@ def cp_exchange(ev: Schedule, c: Spec, phase: str, axis: str, size: int, T: int 
 def grads_all_reduce(ev: Schedule, c: Spec, axis: str, size: int, numel: int) -> None:
     """Training: every gradient (``numel`` elements) summed in one packed all-reduce."""
     if c.train:
-        ev.add("backward", axis, "all_reduce", size, numel * c.e)
+        ev.add("backward", axis, "all_reduce", size, numel * c.e, per_step=True)
 
 
 def megatron(
@@ -290,7 +300,8 @@ def megatron(
         # QK norms: each rank's gradient sums over its heads only (Megatron-Core all-reduces
         # them over TP as well)
         if c.cfg.qk_norm:
-            ev.add("backward", axis, "all_reduce", T, c.cfg.layers * qk_norm_numel(c.cfg) * c.e)
+            n = c.cfg.layers * qk_norm_numel(c.cfg) * c.e
+            ev.add("backward", axis, "all_reduce", T, n, per_step=True)
     return ev
 
 

@@ -185,6 +185,7 @@ def pipeline_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
     pairs = _pipeline_pairs(src)
     subject = c["subject"]
     equal = [_equal(a, b) for a, b in pairs]
+    mine = [_equal(a, b) for a, b in pairs if a.strategy == subject]  # what judges the claim
     mem = "; ".join(
         f"{a.label} {a.peak_mem_bytes / 2**20:.0f} MiB/rank, "
         f"{b.peak_mem_bytes / 2**20:.0f} without stages"
@@ -199,9 +200,13 @@ def pipeline_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
     )
     path = src.plan_map(c.get("model", "7b"), c["hardware"])
     shown, fits = [], True
-    if path.exists():
-        m = pd.read_csv(path)
+    m = pd.read_csv(path) if path.exists() else None
+    if m is not None and "focus_pp_tokens_per_s" in m:
         m = m[m.gpus.isin(c["gpu_counts"]) & m.seq_len.isin(c["seq_lens"])]
+        asked = len(c["gpu_counts"]) * len(c["seq_lens"])
+        if m[["seq_len", "gpus"]].drop_duplicates().shape[0] < asked:
+            fits = False
+            shown.append(f"the map lacks some of the {asked} (length, GPUs) cells asked for")
         for (S, G), g in m.groupby(["seq_len", "gpus"]):
             r = g.iloc[0]
             if pd.isna(r.get("focus_pp_tokens_per_s")):
@@ -214,17 +219,18 @@ def pipeline_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
             )
     else:
         fits = False
-        shown.append(f"no plan map at {_rel(path)}")
+        why = "no plan map" if m is None else "a plan map from before pipelines"
+        shown.append(f"{why} at {_rel(path)} (snakemake plan)")
     projected = (
         f"PROJECTED ({c['hardware']}, {cfg.name}): best {subject} plan with stages across nodes "
         f"/ best plan without stages, tokens/s: " + ", ".join(shown)
     )
-    if pairs and not all(equal):
+    if mine and not all(mine):
         judged = "differs"
     elif not fits:
         judged = "partly"
     else:
-        judged = "holds" if pairs else "projected: holds"
+        judged = "holds" if mine else "projected: holds"
     return [
         Row(
             c["claim"] + f" ({c['hardware']})",

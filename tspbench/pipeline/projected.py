@@ -37,6 +37,7 @@ from tspbench.pipeline.plotting import (
 from tspbench.pipeline.projected_decode import write_decode_report
 from tspbench.projection.analytic import memory
 from tspbench.projection.costmodel import (
+    counted_ops,
     load_preset,
     project,
     project_range,
@@ -196,8 +197,8 @@ def throughput_tables(cfg: dict) -> dict[str, pd.DataFrame]:
                 for S in t["seq_lens"]:
                     c = spec(s, lay, S, mode=mode, rc=t["recompute"], options=opts)
                     p, m = project(c, preset), memory(c)
-                    lo, hi = project_range(c, preset, ops=p.get("ops_per_step"))
-                    cases.setdefault((mode, S), []).append((len(by_seq), c, p.get("ops_per_step")))
+                    lo, hi = project_range(c, preset, ops=counted_ops(p))
+                    cases.setdefault((mode, S), []).append((len(by_seq), c, counted_ops(p)))
                     by_seq.append(
                         {
                             **_row(c, hw, label),

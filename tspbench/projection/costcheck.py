@@ -56,17 +56,17 @@ def check_records(paths: list[str], preset: dict):
         rec = check_record(path)
         if rec["status"] != "ok" or rec["mode"] not in ("train", "infer"):
             continue
-        if rec.get("pp", 1) > 1:  # projected as one stage's model group, it would lie
-            raise ConfigError(
-                f"record {path!r}: pp={rec['pp']}: the cost model does not project pipelines yet"
-            )
         impl = strategies()[rec["strategy"]]
+        pipeline = {}  # a pipelined record's stages, schedule and micro-batches
+        if rec.get("pp", 1) > 1:
+            pipeline = {"pp": rec["pp"], "pp_schedule": rec["pp_schedule"],
+                        "microbatches": rec["microbatches"]}  # fmt: skip
         options = {o.name: rec[o.name] for o in impl.options if rec.get(o.name) is not None}
         c = RunSpec.make(
             rec["strategy"], _model(rec, path), degree=rec["degree"],
             tp=rec.get("tp") or 1, sp=rec.get("sp") or 1, dp=rec["dp"], seq_len=rec["seq_len"],
             batch=rec["batch"], mode=rec["mode"], dtype=rec["dtype"],
-            recompute=_field(rec, path, "recompute"), **options,
+            recompute=_field(rec, path, "recompute"), **pipeline, **options,
         )  # fmt: skip
         rows.append(_row(c, c.label, [rec["step_time_s"]], preset))
     return pd.DataFrame(rows)

@@ -218,17 +218,27 @@ def count_ops(c: RunSpec) -> int:
 
 
 def project(
-    c: RunSpec, preset: dict, ops: int | None = None, prefill: bool = False
+    c: RunSpec,
+    preset: dict,
+    ops: int | None = None,
+    prefill: bool = False,
+    *,
+    node_ranks: int | None = None,
+    micro: bool = False,
 ) -> dict[str, Any]:
     """Projected step time and its parts for one rank of case ``c`` on ``preset``; with
     ``prefill``, of a decoder's prefill of the forward-only ``c``: its collectives (the
     decoder's ``prefill_schedule``) and FLOPs (the LM head on the last positions, no loss);
-    a pipelined ``c``: :func:`project_pipeline` (``ops``: one stage's per micro-batch)."""
+    a pipelined ``c``: :func:`project_pipeline` (``ops``: one stage's per micro-batch).
+    ``node_ranks``: the ranks sharing a node, where ``c`` is part of a larger world (a
+    pipeline's stage); ``micro``: one micro-batch of a pipeline's stage, whose once-per-step
+    work (the ``per_step`` gradient reductions, the metrics' reductions) is left out of the
+    step and timed apart, in ``once_s``."""
     if c.layout.pp > 1:
         return project_pipeline(c, preset, ops)
     per_node = preset.get("gpus_per_node", 8)
     world = c.degree * c.dp
-    r = rates(preset, min(world, per_node))
+    r = rates(preset, node_ranks or min(world, per_node))
     fl = analytic.flop_parts(c, loss=not prefill)  # executed: recomputation takes time too
     elem = analytic.elementwise_bytes(c)
     gemm_rate = _rate(r, "gemm_flops", analytic.gemm_size(c))
@@ -239,26 +249,34 @@ def project(
     crit = ovl = 0.0
     decoder = c.impl.decoder
     events = decoder.prefill_schedule(c) if prefill and decoder else analytic.schedule(c)
-    calls: dict[tuple[str, str, int, bool], list[float]] = {}  # (calls, bytes) per link use
+    calls: dict[tuple[str, str, int, bool, bool], list[float]] = {}  # (calls, bytes) per use
     for ev in events:
         _, axis, kind, size, nbytes = ev
         if size > 1:
-            use = calls.setdefault((axis, kind, size, ev.overlapped), [0, 0.0])
+            once = micro and ev.per_step
+            use = calls.setdefault((axis, kind, size, ev.overlapped, once), [0, 0.0])
             use[0] += 1
             use[1] += nbytes
-    for (axis, kind, size, overlapped), (n, nbytes) in calls.items():
+    once_s = 0.0
+    for (axis, kind, size, overlapped, once), (n, nbytes) in calls.items():
         inter = crosses_nodes(c, axis, size, per_node)
         # a calibrated preset may hold fits per group size (groups of 2 in a 4-rank node...)
         link = r["inter"] if inter else _link(r.get("groups", {}).get(str(size), r), kind)
         t = n * link["lat"] + bus_bytes(kind, nbytes, size) / link["bw"]
-        if overlapped:  # what the implementation hides, as its schedule says
+        if once:
+            once_s += t
+        elif overlapped:  # what the implementation hides, as its schedule says
             ovl += t
         else:
             crit += t
     straggler = r.get("straggler", 1.0)  # the step waits for its slowest rank
     compute *= straggler
     for _, size in metric_reductions(c):  # uncounted, but they synchronise the ranks
-        crit += r.get("groups", {}).get(str(size), r)["all_reduce"]["lat"]
+        lat = r.get("groups", {}).get(str(size), r)["all_reduce"]["lat"]
+        if micro:
+            once_s += lat
+        else:
+            crit += lat
     hidden = min(ovl, r["overlap_efficiency"] * compute)
     device = compute + crit + ovl - hidden
     per_op = r["op_overhead_s"] * straggler
@@ -270,6 +288,7 @@ def project(
         "comm_hidden_s": hidden,
         "dispatch_s_per_op": per_op,
         "serial_dispatch": serial_dispatch(preset),
+        **({"once_s": once_s} if micro else {}),
         "flops_per_rank": analytic.flops(c, loss=not prefill),  # model FLOPs, as a record's
         "flops_executed_per_rank": fl["gemm"] + fl["attention"],
         "tokens_per_step": c.batch * c.seq_len * c.dp,
@@ -279,17 +298,17 @@ def project(
 
 
 @functools.lru_cache(maxsize=4096)
-def _slot(one: RunSpec, preset: str) -> dict[str, Any]:
-    """:func:`project` of one stage on one micro-batch, without host time (many pipelines
-    share it: a plan tries every micro-batch count of every batch)."""
-    return project(one, json.loads(preset), 0)
+def _slot(one: RunSpec, preset: str, node_ranks: int) -> dict[str, Any]:
+    """:func:`project` of one stage on one micro-batch, without host time and its once-per-step
+    work apart (many pipelines share it: a plan tries every micro-batch count of every batch)."""
+    return project(one, json.loads(preset), 0, node_ranks=node_ranks, micro=True)
 
 
 def project_pipeline(c: RunSpec, preset: dict, ops: int | None = None) -> dict[str, Any]:
     """A pipelined step (GPipe or 1F1B over pp equal stages, M micro-batches), as
     :mod:`tspbench.runtime.pipelined` runs it:
 
-        T = (M + pp - 1) x (t_stage + t_hop) + t_dp
+        T = (M + pp - 1) x (t_stage + t_hop) + t_once + t_dp
 
     - t_stage: the slowest stage (the last: its layers, the head and the loss) on one
       micro-batch: :func:`project` of :func:`stages.micro_spec` (the model group's collectives
@@ -302,7 +321,10 @@ def project_pipeline(c: RunSpec, preset: dict, ops: int | None = None) -> dict[s
     - (M + pp - 1): the schedules' length in micro-batch slots, of which pp - 1 are the bubble
       (the closed form the records compare with, :func:`bubble_closed_form`);
     - t_dp: the stage's gradients summed over its dp replicas after the last backward, not
-      hidden (the runtime issues it there: docs/running.md).
+      hidden (the runtime issues it there: docs/running.md);
+    - once a step, not per slot: the strategy's own gradient reductions after the schedule
+      (``per_step`` events: SP's all-reduce of every gradient, TSP's of the norms), sized by
+      the stage's model (both tables: an over-estimate by one), and the metrics' reductions.
     The host issues every micro-batch's operations: ``ops`` (one stage's on one micro-batch,
     counted on :func:`stages.micro_spec`) x M."""
     from tspbench.projection import stages
@@ -312,7 +334,7 @@ def project_pipeline(c: RunSpec, preset: dict, ops: int | None = None) -> dict[s
     pp, M, per_node = c.layout.pp, c.microbatches, preset.get("gpus_per_node", 8)
     world = c.layout.world_size
     r = rates(preset, min(world, per_node))
-    slot = _slot(one, json.dumps(preset, sort_keys=True))
+    slot = _slot(one, json.dumps(preset, sort_keys=True), min(world, per_node))
     link = r["inter"] if crosses_nodes(c, Axis.PP, 2, per_node) else _link(r, "send_recv")
     sends = 2 if c.train else 1
     hop = sends * (link["lat"] + mb.tokens * c.cfg.hidden * c.e / link["bw"])
@@ -324,15 +346,17 @@ def project_pipeline(c: RunSpec, preset: dict, ops: int | None = None) -> dict[s
         dp = dlink["lat"] + bus_bytes("all_reduce", n * c.e, c.dp) / dlink["bw"]
     slots = M + pp - 1
     whole = c.replace(layout=replace(c.layout, pp=1), microbatches=0)
+    once = slot["once_s"] + dp  # the stage's gradient reductions and the metrics, once a step
     base = {
-        "device_s": slots * (slot["device_s"] + hop) + dp,
+        "device_s": slots * (slot["device_s"] + hop) + once,
         "compute_s": M * slot["compute_s"],
-        "comm_critical_s": M * (slot["comm_critical_s"] + hop) + dp,
+        "comm_critical_s": M * (slot["comm_critical_s"] + hop) + once,
         "comm_overlappable_s": M * slot["comm_overlappable_s"],
         "comm_hidden_s": M * slot["comm_hidden_s"],
         "pp_bubble_s": (pp - 1) * (slot["device_s"] + hop),
         "pp_bubble_fraction": (pp - 1) / slots,
         "pp_hop_s": hop,
+        "pp_once_s": slot["once_s"],
         "dp_reduce_s": dp,
         "dispatch_s_per_op": slot["dispatch_s_per_op"],
         "serial_dispatch": slot["serial_dispatch"],
@@ -417,6 +441,12 @@ def exposed_host(host_s: float, device_s: float, per_op_s: float, serial: bool) 
     return min(host_s, per_op_s) + max(0.0, host_s - device_s)
 
 
+def counted_ops(p: dict[str, Any]) -> int:
+    """The operations a projection was charged with, as :func:`project` takes them back (a
+    pipeline's ``ops_per_step`` is its stage's count times its micro-batches)."""
+    return int(p["ops_per_step"]) // p.get("op_repeats", 1)
+
+
 def recharge(p: dict[str, Any], ops: int) -> dict[str, Any]:
     """A projection with ``ops`` operations issued: its step time, throughput and MFU from its
     device time and the host's exposed issue time (:func:`exposed_host`). :func:`project` ends
@@ -454,9 +484,13 @@ def case_of_row(row: dict) -> RunSpec:
     cells = {o.name: (o, row.get(o.name)) for o in strategies()[row["strategy"]].options}
     given = {k: (o, v) for k, (o, v) in cells.items() if v is not None and v == v}
     options: dict[str, Any] = {k: o.from_cell(v) for k, (o, v) in given.items()}
+    pipeline: dict[str, Any] = {}  # a pipelined row's (NaN elsewhere)
+    if opt("pp") > 1:
+        pipeline = {"pp": opt("pp"), "pp_schedule": row["pp_schedule"],
+                    "microbatches": opt("microbatches")}  # fmt: skip
     return RunSpec.make(
         row["strategy"], cfg, degree=int(row["degree"]), tp=opt("tp"), sp=opt("sp"),
         dp=int(row["dp"]), seq_len=int(row["seq_len"]), batch=int(row["batch"]),
         mode=row["mode"], dtype=row["dtype"], recompute=row.get("recompute", "none"),
-        **options,
+        **pipeline, **options,
     )  # fmt: skip

@@ -127,12 +127,12 @@ def estimate_report(
 def project_report(spec: RunSpec, preset: dict[str, Any]) -> tuple[dict[str, Any], str]:
     """``tspbench project``: the cost model's step time and throughput of ``spec`` on
     ``preset`` (record, text); the options a preset chooses (TSP's MLP schedule) are named."""
-    from tspbench.projection.costmodel import project, project_range
+    from tspbench.projection.costmodel import counted_ops, project, project_range
     from tspbench.projection.decode import project_decode
 
     res = project_decode(spec, preset) if spec.decoding else project(spec, preset)
     if not spec.decoding:  # the range the rates' stated uncertainty gives (hardware.json)
-        lo, hi = project_range(spec, preset, ops=res["ops_per_step"])
+        lo, hi = project_range(spec, preset, ops=counted_ops(res))
         res |= {"step_time_low_s": lo, "step_time_high_s": hi}
     chosen = {k: spec.options[k] for k in spec.impl.preset_options(preset)}
     obj = {"hardware": preset["name"], "projected": True, **chosen, **res}

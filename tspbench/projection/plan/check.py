@@ -12,7 +12,7 @@ import statistics
 from pathlib import Path
 
 from tspbench.core.config import ConfigError, load_model
-from tspbench.projection import analytic, costmodel
+from tspbench.projection import analytic, costmodel, stages
 from tspbench.projection.costcheck import measured_runs
 from tspbench.projection.plan import search
 from tspbench.projection.plan.cache import OpsCache, cache_dir
@@ -69,7 +69,7 @@ def _memory_records(runs: list, cells: list) -> list[dict]:
     for cell in cells:
         row = runs[0].loc[cell].to_dict()
         spec = costmodel.case_of_row(row)
-        mem = analytic.memory(spec)
+        mem = stages.memory(spec)[1] if spec.layout.pp > 1 else analytic.memory(spec)
         recs.append({"cell": cell, "spec": spec, "measured": float(row["peak_mem_bytes"]),
                      "measured_first": float(row["peak_mem_bytes_first_step"]),
                      "first": float(mem["peak_first"]), "steady": float(mem["peak"])})  # fmt: skip

@@ -62,11 +62,6 @@ def pipeline_config(req: Request, spec: RunSpec, models: list[str] | None = None
     ``models``: the presets the config schema accepts."""
     import yaml
 
-    if spec.layout.pp > 1:  # (workflows/config's sweeps have no pipeline axis yet)
-        return (
-            f"# tspbench plan: {spec.label} is pipelined (pp={spec.layout.pp}); the sweep "
-            "configs take no pipeline axis yet: run it with the run or srun line above\n"
-        )
     base = nearest_preset(spec.cfg, models)
     over = {
         f.name: getattr(spec.cfg, f.name)
@@ -79,6 +74,8 @@ def pipeline_config(req: Request, spec: RunSpec, models: list[str] | None = None
         sweep["tpsp"] = [[lay.tp, lay.sp]]
     sweep.update(gpus=[lay.world_size], seq_lens=[req.seq_len], batches=[spec.batch],
                  modes=[req.mode])  # fmt: skip
+    if lay.pp > 1:  # gpus: the whole world, pp x D x dp
+        sweep.update(pp=lay.pp, pp_schedule=spec.pp_schedule, microbatches=spec.microbatches)
     if spec.decoding:
         sweep["new_tokens"] = [spec.new_tokens]
     own = {o.name: o.default for o in impl.options}
@@ -97,6 +94,8 @@ def pipeline_config(req: Request, spec: RunSpec, models: list[str] | None = None
             config["node_resources"] = "preset"
     config["sweeps"] = [sweep]
     head = f"# tspbench plan: {spec.label} D={lay.degree} dp={lay.dp} B={spec.batch}"
+    if lay.pp > 1:
+        head += f" pp={lay.pp} {spec.pp_schedule} M={spec.microbatches}"
     if spec.decoding and req.gpus > lay.world_size:
         head += f" (one of {req.gpus // lay.world_size} model groups that serve apart)"
     return head + "\n" + yaml.safe_dump(config, sort_keys=False, default_flow_style=None)

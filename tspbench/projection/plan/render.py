@@ -37,7 +37,8 @@ def candidate_dict(c: Candidate, req: Request) -> dict[str, Any]:
                    "kv_cache_bytes": r.get("kv_cache_bytes")}  # fmt: skip
     return {
         "strategy": c.strategy,
-        "label": strategies()[c.strategy].label(lay),
+        "label": strategies()[c.strategy].label(lay)
+        + (f" x PP{lay.pp} {c.pp_schedule}" if lay.pp > 1 else ""),  # (Config.label)
         "degree": lay.degree,
         "tp": factors["tp"],
         "sp": factors["sp"],

@@ -157,7 +157,9 @@ def enumerate_configs(req: Request) -> tuple[list[Config], list[dict]]:
                 continue  # the single-device model: the one-rank strategy stands for it
             for pp in _pipelines(req, impl, lay.degree):
                 staged = dataclasses.replace(lay, dp=req.gpus // (lay.degree * pp), pp=pp)
-                for schedule in req.pp_schedules if pp > 1 else ("1f1b",):
+                # (forward only, GPipe and 1F1B run the same schedule: one of them)
+                tried = req.pp_schedules if req.mode == "train" else req.pp_schedules[:1]
+                for schedule in tried if pp > 1 else ("1f1b",):
                     configs += _layout_configs(req, name, impl, staged, schedule)
     return configs, _skipped_degrees(req)
 
@@ -387,7 +389,8 @@ def limit(row: Row, req: Request) -> str:
     bigger = [x for x in row.config.valid if x.batch > c.batch]
     if not bigger:
         return f"max batch {req.max_batch}"
-    nxt = min(bigger, key=lambda x: x.batch)
+    b = min(x.batch for x in bigger)  # (a pipeline's every micro-batch count of it)
+    nxt = min((x for x in bigger if x.batch == b), key=lambda x: x.peak_bytes)
     if not nxt.fits:
         return f"memory at B={nxt.batch} ({nxt.peak_bytes / GiB:.1f} GiB)"
     return "throughput (a larger batch fits but projects less)"

@@ -70,8 +70,8 @@ class Request:
         _check_sizes(seq_len, gpus, max_degree, kw)
         _check_choices(kw)
         _check_options(kw.get("options", {}))
-        _check_pipeline(kw)
         _set_mode(kw)
+        _check_pipeline(kw)
         return cls(
             cfg=cfg, hardware=preset, seq_len=seq_len, gpus=gpus, memory_cap=int(memory_cap),
             max_degree=max_degree, model=model if isinstance(model, str) else cfg.name,
@@ -122,6 +122,9 @@ def _check_pipeline(kw: dict[str, Any]) -> None:
     for v in kw.get("pp", ()):
         if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 65536:
             raise ConfigError(f"--pp={v!r}: must be an integer between 1 and 65536")
+    mode = kw.get("mode", "train")
+    if any(v > 1 for v in kw.get("pp", ())) and mode not in ("train", "infer"):
+        raise ConfigError(f"--pp: pipelines here train or infer (got --mode {mode})")
     for v in kw.get("pp_schedules", ()):
         if v not in SCHEDULES:
             raise ConfigError(f"--pp-schedule={v!r}: must be one of {', '.join(SCHEDULES)}")
