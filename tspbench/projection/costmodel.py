@@ -441,10 +441,12 @@ def exposed_host(host_s: float, device_s: float, per_op_s: float, serial: bool) 
     return min(host_s, per_op_s) + max(0.0, host_s - device_s)
 
 
-def counted_ops(p: dict[str, Any]) -> int:
+def counted_ops(p: dict[str, Any]) -> int | None:
     """The operations a projection was charged with, as :func:`project` takes them back (a
-    pipeline's ``ops_per_step`` is its stage's count times its micro-batches)."""
-    return int(p["ops_per_step"]) // p.get("op_repeats", 1)
+    pipeline's ``ops_per_step`` is its stage's count times its micro-batches); None where it
+    states none (:func:`project` then counts them)."""
+    ops = p.get("ops_per_step")
+    return None if ops is None else int(ops) // p.get("op_repeats", 1)
 
 
 def recharge(p: dict[str, Any], ops: int) -> dict[str, Any]:
