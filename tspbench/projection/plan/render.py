@@ -13,7 +13,7 @@ from tspbench.core.config import ModelConfig
 from tspbench.projection.costmodel import usable_memory
 from tspbench.projection.plan.launch import pipeline_config, run_lines
 from tspbench.projection.plan.search import binding, contest, limit
-from tspbench.projection.plan.types import Candidate, Plan, Request, node_size
+from tspbench.projection.plan.types import Candidate, Plan, Request, label, node_size
 from tspbench.runtime.registry import searched, strategies
 
 GiB = 2**30
@@ -37,8 +37,7 @@ def candidate_dict(c: Candidate, req: Request) -> dict[str, Any]:
                    "kv_cache_bytes": r.get("kv_cache_bytes")}  # fmt: skip
     return {
         "strategy": c.strategy,
-        "label": strategies()[c.strategy].label(lay)
-        + (f" x PP{lay.pp} {c.pp_schedule}" if lay.pp > 1 else ""),  # (Config.label)
+        "label": label(c.strategy, lay, c.pp_schedule),
         "degree": lay.degree,
         "tp": factors["tp"],
         "sp": factors["sp"],
@@ -135,9 +134,9 @@ def filtered_lines(plan: Plan) -> list[str]:
             else:
                 runnable.add((conf.label, conf.layout.degree))
     lines = []
-    for (label, D, why), batches in rules.items():
-        some = f" (B={_ranges(sorted(batches))})" if (label, D) in runnable else ""
-        lines.append(f"{label} D={D}{some}: {why}")
+    for (name, D, why), batches in rules.items():
+        some = f" (B={_ranges(sorted(batches))})" if (name, D) in runnable else ""
+        lines.append(f"{name} D={D}{some}: {why}")
     if any(conf.layout.pp > 1 for conf in plan.configs):
         lines.append("x PPn: each micro-batch B split into M micro-batches, every M from n up "
                      "that divides B; a B with none (B < n) is not tried")  # fmt: skip

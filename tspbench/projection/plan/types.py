@@ -173,6 +173,12 @@ def divisors(n: int) -> list[int]:
 
 
 # -- what is tried --------------------------------------------------------------------------------
+def label(strategy: str, layout: Layout, schedule: str) -> str:
+    """The strategy's label, and its pipeline where it has one: ``TSP x PP4 1f1b``."""
+    own = strategies()[strategy].label(layout)
+    return own if layout.pp == 1 else f"{own} x PP{layout.pp} {schedule}"
+
+
 @dataclass
 class Candidate:
     """One runnable (or refused) combination, and what the models say about it."""
@@ -272,10 +278,7 @@ class Config:
 
     @property
     def label(self) -> str:
-        """The strategy's label, and its pipeline: ``TSP x PP4 1f1b``."""
-        own = strategies()[self.strategy].label(self.layout)
-        pp, schedule = self.pipeline
-        return own if pp == 1 else f"{own} x PP{pp} {schedule}"
+        return label(self.strategy, self.layout, self.pipeline[1])
 
     @property
     def valid(self) -> list[Candidate]:
