@@ -16,6 +16,7 @@ so the summed gradients are the whole batch's, as the reference computes them.
 
 from __future__ import annotations
 
+import inspect
 import time
 from typing import Any
 
@@ -65,6 +66,14 @@ def _torch_knows(name: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _no_outputs(sched: Any) -> dict[str, bool]:
+    """``return_outputs=False`` where this torch's schedules take it (the last stage then keeps
+    no merged outputs); an older torch's ``step`` has no such parameter and would hand an
+    unknown keyword to the stage's forward."""
+    takes = "return_outputs" in inspect.signature(sched.step).parameters
+    return {"return_outputs": False} if takes else {}
 
 
 class _StageModule(nn.Module):
@@ -174,11 +183,11 @@ class Pipelined:
         args = (batch.tokens,) if st.first else ()
         t0 = time.perf_counter()
         if not st.last:
-            sched.step(*args, return_outputs=False)
+            sched.step(*args, **_no_outputs(sched))
             local = torch.zeros((), device=self.strat.device)
         elif self.train:
             losses: list[torch.Tensor] = []
-            sched.step(*args, target=batch.labels, losses=losses, return_outputs=False)
+            sched.step(*args, target=batch.labels, losses=losses, **_no_outputs(sched))
             local = torch.stack(losses).sum().detach()
         else:  # (the loss of the merged outputs: the stage's work too)
             out = sched.step(*args)
