@@ -105,6 +105,7 @@ class FSDPCP(SequenceSharded):
     cp_a2a: int
     costs = FSDPCPCosts()
     decoder = None  # no decode path (docs/decode.md)
+    stages = True
 
     @classmethod
     def checked_options(cls) -> list[dict[str, Value]]:
@@ -118,9 +119,11 @@ class FSDPCP(SequenceSharded):
         shapes = param_shapes(cfg)
         self.units = []
         for names in unit_names(cfg):
-            self.units.append(
-                Unit(names, [shapes[n] for n in names], self.to_param(self.shard(names)))
-            )
+            if self.stage.holds(names[0]):  # (a pipeline stage: its units; each on one stage)
+                shard = self.to_param(self.shard(names))
+                self.units.append(Unit(names, [shapes[n] for n in names], shard))
+        # the unit of this stage's first layer: after the embedding's on the first stage
+        self.first_layer_unit = int(self.stage.first)
         self.regathered: dict[int, torch.Tensor] = {}
         self.prefetched: dict[int, Pending] = {}  # at most one unit's gather in flight
         self.reusing = False  # tied embeddings: the head gathers the first unit once more
@@ -148,8 +151,8 @@ class FSDPCP(SequenceSharded):
     def gather(self, unit: int) -> torch.Tensor:
         """Unit ``unit``'s weights, gathered: its prefetch, or gathered now. With ``overlap`` the
         next unit of this pass starts gathering before this one is used: forward the one above;
-        in backward (a regather, or a recompute) the one below, down to the first layer (the
-        embedding saves no weight: it is never regathered)."""
+        in backward (a regather, or a recompute) the one below, down to the stage's first layer
+        (the embedding saves no weight: it is never regathered)."""
         pending = self.prefetched.pop(unit, None)
         shard = self.units[unit].shard
         flat = pending.wait() if pending is not None else self.comm.all_gather(shard, dim=0)
@@ -159,7 +162,7 @@ class FSDPCP(SequenceSharded):
         if (
             self.overlap
             and ahead
-            and int(backward) <= nxt < len(self.units)
+            and int(backward) * self.first_layer_unit <= nxt < len(self.units)
             and nxt not in self.prefetched
         ):
             self.prefetched[nxt] = self.comm.all_gather(self.units[nxt].shard, dim=0, async_op=True)
@@ -226,43 +229,53 @@ class FSDPCP(SequenceSharded):
     def shard_batch(self, tokens: torch.Tensor, labels: torch.Tensor) -> Batch:
         return self.zigzag_batch(tokens, labels, self.comm)
 
-    def _body(self, batch: Batch) -> torch.Tensor:
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.run_unit(0, lambda w: F.embedding(tokens, w["embed"]))
+
+    def run_layers(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
-        S = batch.tokens.shape[1] * self.comm.size
-        x = self.run_unit(0, lambda w: F.embedding(batch.tokens, w["embed"]))
+        S = x.shape[1] * self.comm.size
         cos, sin, hooks = cp_tables(
             self, S, self.comm, cfg, x, self.cp_comm, self.overlap, self.cp_groups
         )
-        for i in range(cfg.layers):
+        for unit, _ in enumerate(self.stage.layers, self.first_layer_unit):
             x = self.checkpointed(
                 self.run_unit,
-                1 + i,
+                unit,
                 lambda w, x: transformer_layer(x, w, cfg.norm_eps, cfg.d_head, cos, sin, hooks),
                 x,
             )
         return x
 
-    def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        def ce(x, w):
-            logits = (x @ w.T).float()
-            return F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), reduction="sum")
+    def _body(self, batch: Batch) -> torch.Tensor:
+        return self.run_layers(self.embed(batch.tokens))
 
+    @staticmethod
+    def _ce(x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = (x @ w.T).float()
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+
+    def head_loss(self, x: torch.Tensor, labels: torch.Tensor, n_tokens: int) -> torch.Tensor:
         def head(w, x):
-            return ce(rms_norm(x, w["norm"], self.cfg.norm_eps), w["head"])
+            return self._ce(rms_norm(x, w["norm"], self.cfg.norm_eps), w["head"], labels)
 
-        x, last = self._body(batch), len(self.units) - 1
+        return self.run_unit(len(self.units) - 1, head, x) / n_tokens
+
+    def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self._body(batch)
         if not self.cfg.tie_embeddings:
-            return self._mean(self.run_unit(last, head, x), batch)
+            local = self.head_loss(x, batch.labels, batch.n_tokens)
+            return local, self.total_loss(local)
         # tied: the norm's unit, then the embedding's gathered again as the head; the head's
         # gradient waits for the lookup's, and the sum is reduce-scattered once (GatherUnit)
-        x = self.run_unit(last, lambda w, x: rms_norm(x, w["norm"], self.cfg.norm_eps), x)
+        x = self.run_unit(
+            len(self.units) - 1, lambda w, x: rms_norm(x, w["norm"], self.cfg.norm_eps), x
+        )
         self.reusing = True
         try:
-            return self._mean(self.run_unit(0, lambda w, x: ce(x, w["embed"]), x), batch)
+            total = self.run_unit(0, lambda w, x: self._ce(x, w["embed"], batch.labels), x)
         finally:
             self.reusing = False
-
-    def _mean(self, total: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         local = total / batch.n_tokens
         return local, self.total_loss(local)
 

@@ -42,6 +42,7 @@ class TPSP(Strategy):
     costs = TPSPCosts()
     decoder = TPSPDecoder
     factored = True
+    stages = True
     options = (CP_COMM, CP_A2A)  # over Sigma; the ring's hops always behind the attention
     cp_comm: str
     cp_a2a: int
@@ -111,7 +112,7 @@ class TPSP(Strategy):
         T, r = self.tp.size, self.tp.rank
         self.cp_groups = exchange_groups(mesh, Axis.SP, cfg, self.cp_comm, self.cp_a2a, T)
         self.params: dict[str, torch.nn.Parameter] = {}
-        for name in param_shapes(cfg):
+        for name in filter(self.stage.holds, param_shapes(cfg)):  # (a pipeline stage: its part)
             rows, cols = megatron_block(cfg, name, T, r, shard_dim(name))
             self.params[name] = self.to_param(self.init_block(name, rows, cols))
 
@@ -119,27 +120,38 @@ class TPSP(Strategy):
         return self.zigzag_batch(tokens, labels, self.sp)
 
     def hidden_local(self, batch: Batch) -> torch.Tensor:
+        x = self.run_layers(self.embed(batch.tokens))
+        return rms_norm(x, self.params["norm"], self.cfg.norm_eps)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return embedding(tokens, self.params["embed"], self.tp)
+
+    def run_layers(self, x: torch.Tensor) -> torch.Tensor:
         cfg, p = self.cfg, self.params
-        S = batch.tokens.shape[1] * self.sp.size
-        x = embedding(batch.tokens, p["embed"], self.tp)
+        S = x.shape[1] * self.sp.size
         cos, sin, hooks = cp_tables(
             self, S, self.sp, cfg, x, self.cp_comm, groups=self.cp_groups,
             enter=lambda t: copy_to(t, self.tp), exit=lambda t: reduce_from(t, self.tp),
         )  # fmt: skip
-        for i in range(cfg.layers):
+        for i in self.stage.layers:
             lp = {k: p[f"layers.{i}.{k}"] for k in layer_params(cfg)}
             x = self.checkpointed(
                 transformer_layer, x, lp, cfg.norm_eps, cfg.d_head, cos, sin, hooks
             )
-        return rms_norm(x, p["norm"], cfg.norm_eps)
+        return x
+
+    def head_loss(self, x: torch.Tensor, labels: torch.Tensor, n_tokens: int) -> torch.Tensor:
+        h = rms_norm(x, self.params["norm"], self.cfg.norm_eps)
+        return cross_entropy_sum(h, self.params[head_name(self.cfg)], labels, self.tp) / n_tokens
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        h = self.hidden_local(batch)
-        local = (
-            cross_entropy_sum(h, self.params[head_name(self.cfg)], batch.labels, self.tp)
-            / batch.n_tokens
+        local = self.head_loss(
+            self.run_layers(self.embed(batch.tokens)), batch.labels, batch.n_tokens
         )
-        return local, self.total_loss(local, token_axes=(Axis.SP,))
+        return local, self.reported_loss(local)
+
+    def reported_loss(self, local: torch.Tensor) -> torch.Tensor:
+        return self.total_loss(local, token_axes=(Axis.SP,))  # a TP group shares its tokens
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return list(self.params.values())

@@ -299,7 +299,7 @@ def test_forced_oom_is_a_result(tmp_path):
         (PP + ["--microbatches", "1"], "microbatches=1: 1f1b needs at least pp=2"),
         (PP + ["--pp-schedule", "zbv"], "pp_schedule='zbv': must be one of gpipe, 1f1b"),
         (PP + ["--pp-schedule", "interleaved1f1b"], "pp_schedule='interleaved1f1b' (torch's"),
-        (["--strategy", "fsdp_cp", *PP[2:]], "pp=2: strategy fsdp_cp does not run as a pipel"),
+        (["--strategy", "fsdp2_cp", *PP[2:]], "pp=2: strategy fsdp2_cp does not run as a pip"),
         (PP + ["--set", "tie_embeddings=True"], "pp=2: model.tie_embeddings=True puts one"),
         (PP + ["--mode", "decode"], "mode='decode' with pp=2: pipelines here train or infer"),
         (PP + ["--batch", "3"], "microbatches=2: must divide batch=3"),

@@ -1,11 +1,12 @@
-"""Pipeline parallelism (torch.distributed.pipelining) over TSP and TP: each stage equals the
-single-device reference (loss, gradient norm, every gradient, weights after three AdamW steps;
-fp32, rtol 1e-4) under GPipe and 1F1B, with MHA and GQA, recomputation, and four stages; the
-bytes between stages are the activations' and their gradients'. One 4-rank gloo world runs
-every case; the CLI's runs are in test_cli.py."""
+"""Pipeline parallelism (torch.distributed.pipelining) over TSP, TP, SP, FSDP+CP and TP+SP:
+each stage equals the single-device reference (loss, gradient norm, every gradient, weights
+after three AdamW steps; fp32, rtol 1e-4) under GPipe and 1F1B, with MHA and GQA,
+recomputation, replicas and four stages; the bytes between stages are the activations' and
+their gradients'. One 4-rank gloo world runs every case; then the CLI's runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jsonschema
@@ -16,9 +17,8 @@ from tests.helpers.distributed import run_world
 from tests.helpers.records import written_keys
 from tests.helpers.runner import tspbench
 from tspbench.core.config import get_config
-from tspbench.core.layout import Layout
 from tspbench.projection import stages
-from tspbench.runtime.registry import schema, strategies
+from tspbench.runtime.registry import schema
 
 GQA = {"kv_heads": 4, "qk_norm": True, "head_dim": 16}
 
@@ -29,6 +29,8 @@ def _case(strategy: str, D: int, pp: int, schedule: str, M: int, **kw) -> dict:
         f"{strategy}-D{D}-pp{pp}-{schedule}-m{M}"
         + (f"-dp{kw['dp']}" if "dp" in kw else "")
         + (f"-{kw['cp_comm']}" if "cp_comm" in kw else "")
+        + (f"-{kw['tp']}x{kw['sp']}" if "tp" in kw else "")
+        + ("-overlap-off" if kw.get("overlap") is False else "")
         + "".join(f"-{k}" for k in model)
         + ("-recompute" if kw.get("recompute") else "")
         + ("-infer" if kw.get("mode") == "infer" else "")
@@ -48,8 +50,17 @@ CASES = [
     # SP (context parallelism) in stages: the ring and Ulysses
     _case("sp", 2, 2, "1f1b", 2, model=GQA, cp_comm="ring"),
     _case("sp", 2, 2, "gpipe", 2, cp_comm="a2a"),
+    # FSDP+CP in stages: the units of its layers gathered per micro-batch, prefetched (overlap)
+    # or not, under recomputation; and TP+SP, each factorisation
+    _case("fsdp_cp", 2, 2, "1f1b", 4, model=GQA),
+    _case("fsdp_cp", 2, 2, "gpipe", 2, cp_comm="ring", overlap=False),
+    _case("fsdp_cp", 2, 2, "1f1b", 2, model=GQA, recompute="full"),
+    _case("tpsp", 2, 2, "1f1b", 2, model=GQA, tp=2, sp=1),
+    _case("tpsp", 2, 2, "gpipe", 2, tp=1, sp=2, cp_comm="a2a"),
     # two replicas of a two-stage pipeline: each stage's gradients summed over its replicas
+    # (FSDP+CP's after its last reduce-scatters)
     _case("tsp", 1, 2, "1f1b", 2, dp=2, model=GQA),
+    _case("fsdp_cp", 1, 2, "1f1b", 2, dp=2),
     # one micro-batch through GPipe: the stages cannot overlap (the bubble test below)
     _case("tp", 2, 2, "gpipe", 1),
 ]
@@ -67,11 +78,11 @@ def test_every_stage_equals_the_reference(results, case):
     for r in ranks:
         assert r["ok"], f"stage {r['stage']} failed: {r.get('failed')}; errors {r['errors']}"
     # the stages of one model-group position hold the strategy's whole share (closed form)
-    impl = strategies()[case["strategy"]]
-    whole = impl.costs.param_numel(get_config("tiny", **case["model"]), Layout(degree=case["D"]))
+    spec = case_spec(case, pp=case["pp"], pp_schedule=case["schedule"], microbatches=case["M"])
+    group = dataclasses.replace(spec.layout, pp=1, dp=1)
+    whole = spec.impl.costs.param_numel(spec.cfg, group)
     dp = case.get("dp", 1)  # (ranks: stage outermost, then replica, then model-group position)
     assert sum(r["numel"] for r in ranks[:: case["D"]]) == whole * dp
-    spec = case_spec(case, pp=case["pp"], pp_schedule=case["schedule"], microbatches=case["M"])
     assert [r["numel"] for r in ranks] == [stages.stage_params(spec, r["stage"]) for r in ranks]
     if case in TRAIN:  # the stages together hold every parameter, once per model group
         held = [n for r in ranks for n in r["names"]]
@@ -91,10 +102,11 @@ def test_one_micro_batch_leaves_the_stages_no_overlap(results):
 @pytest.mark.parametrize("case", TRAIN, ids=[c["id"] for c in TRAIN])
 def test_stages_send_activations_and_their_gradients(results, case):
     """Per step, each boundary carries every micro-batch's local activations forward and their
-    gradients back: B x S/cp x h elements each way (TSP and SP split the tokens D ways, TP
-    not)."""
+    gradients back: B x S/cp x h elements each way (TSP, SP and FSDP+CP split the tokens D
+    ways, TP+SP Sigma ways, TP not)."""
     cfg = get_config("tiny", **case["model"])
-    local = case["S"] // (1 if case["strategy"] == "tp" else case["D"])  # TSP, SP: zigzag
+    spec = case_spec(case, pp=case["pp"], pp_schedule=case["schedule"], microbatches=case["M"])
+    local = case["S"] // spec.impl.context_parallel(spec.layout)
     one_way = case["B"] * local * cfg.hidden * 4  # fp32
     steps = 3
     for rank, r in enumerate(results):
@@ -110,10 +122,15 @@ CLI_BASE = ["--model", "tiny", "--set", "layers=4", "--seq-len", "32", "--batch"
             "--warmup", "1", "--steps", "3", "--quiet"]  # fmt: skip
 CLI_RUNS = {
     "single": (["--strategy", "single"], 1),
+    "single-s256": (["--strategy", "single", "--seq-len", "256"], 1),
     "tsp-pp2": (["--strategy", "tsp", "--degree", "2", "--pp", "2", "--microbatches", "4"], 4),
     "tp-pp4-1f1b": (["--strategy", "tp", "--pp", "4", "--microbatches", "8"], 4),
     "tp-pp2-dp2": (["--strategy", "tp", "--pp", "2", "--dp", "2", "--batch", "4"], 4),
     "sp-pp2-ring": (["--strategy", "sp", "--degree", "2", "--pp", "2", "--cp-comm", "ring"], 4),
+    # (at 256 tokens: at 32 its gathered units outweigh the activations, and the closed form
+    # of whole-model FSDP+CP is itself 28% under there; at 2048 it is within 10%: test_scale)
+    "fsdp_cp-pp2": (["--strategy", "fsdp_cp", "--degree", "2", "--pp", "2", "--seq-len", "256"], 4),
+    "tpsp-pp2": (["--strategy", "tpsp", "--tp", "2", "--sp", "1", "--pp", "2"], 4),
     "tsp-pp2-infer": (["--strategy", "tsp", "--degree", "2", "--pp", "2", "--mode", "infer"], 4),
 }
 
@@ -137,9 +154,13 @@ def test_cli_pipelined_forward_equals_single(cli_records):
     assert rec["grad_norm"] is None and list(rec) == written_keys("infer", pipelined=True)
 
 
-@pytest.mark.parametrize("name", ["tsp-pp2", "tp-pp4-1f1b", "tp-pp2-dp2", "sp-pp2-ring"])
+PIPELINES = ["tsp-pp2", "tp-pp4-1f1b", "tp-pp2-dp2", "sp-pp2-ring", "fsdp_cp-pp2", "tpsp-pp2"]
+
+
+@pytest.mark.parametrize("name", PIPELINES)
 def test_cli_pipelines_equal_single(cli_records, name):
-    ref, rec = cli_records["single"], cli_records[name]
+    rec = cli_records[name]
+    ref = cli_records["single" if rec["seq_len"] == 32 else f"single-s{rec['seq_len']}"]
     jsonschema.validate(rec, schema("record.schema.json"))
     assert rec["status"] == "ok" and list(rec) == written_keys("train", pipelined=True)
     assert rec["loss"] == pytest.approx(ref["loss"], rel=1e-5)
@@ -147,7 +168,7 @@ def test_cli_pipelines_equal_single(cli_records, name):
     pp, D, dp = rec["pp"], rec["degree"], rec["dp"]
     assert rec["pp_stage_per_rank"] == [r // (D * dp) for r in range(pp * dp * D)]
     # each rank sends its micro-batches' activations forward and their gradients back
-    local = 32 // (1 if rec["strategy"] == "tp" else D)
+    local = rec["seq_len"] // {"tp": 1, "tpsp": rec["sp"]}.get(rec["strategy"], D)
     one_way = rec["batch"] * local * 64 * 4  # replica's batch x local tokens x h x fp32
     ends = (0, pp - 1)
     sends = [one_way * (1 if s in ends else 2) for s in rec["pp_stage_per_rank"]]
@@ -167,17 +188,19 @@ def test_1f1b_bubble_is_measured_beside_its_closed_form(cli_records):
     assert all(0 < b < 1 for b in rec["pp_bubble_fraction_per_rank"])
 
 
-@pytest.mark.parametrize(
-    "name", ["tsp-pp2", "tp-pp4-1f1b", "tp-pp2-dp2", "sp-pp2-ring", "tsp-pp2-infer"]
-)
+@pytest.mark.parametrize("name", [*PIPELINES, "tsp-pp2-infer"])
 def test_stage_peaks_equal_the_closed_form(cli_records, name):
     """Each rank's measured peak (live tensors, tracked) against its stage's closed form
     (tspbench/projection/stages.py: the stage's parameters, its micro-batches in flight under
     the schedule, torch's receive buffers, the gradients a later micro-batch's backward finds)."""
     spec = argv_spec([*CLI_BASE, *CLI_RUNS[name][0]])
     rec = cli_records[name]
+    # the closed forms model NCCL, which stages nothing; gloo stages FSDP+CP's gathered units
+    # (the record's part "collective staging", at the fullest rank's peak)
+    staged = rec["peak_parts_bytes"].get("collective staging", 0)
     for stage, peak in zip(rec["pp_stage_per_rank"], rec["peak_mem_bytes_per_rank"]):
-        assert peak == pytest.approx(stages.stage_memory(spec, stage)["peak"], rel=0.05), stage
+        closed = stages.stage_memory(spec, stage)["peak"]
+        assert 0.95 * closed <= peak <= 1.05 * closed + staged, (stage, peak, closed, staged)
 
 
 @pytest.mark.parametrize("name", ["tp-pp4-1f1b", "tsp-pp2"])

@@ -48,7 +48,7 @@ def test_stages_go_outermost_so_model_groups_stay_in_a_node():
     for world, degree, pp, strategy, needle in (
         (24, 16, 1, "tsp", "must be a multiple of the model group"),
         (24, 8, 2, "tsp", r"must be a multiple of the model group \(8\) x pp \(2\)"),
-        (16, 8, 2, "fsdp_cp", "strategy fsdp_cp does not run as a pipeline stage"),
+        (16, 8, 2, "fsdp2_cp", "strategy fsdp2_cp does not run as a pipeline stage"),
     ):
         with pytest.raises(ConfigError, match=needle):
             world_layout(strategy, world, degree, pp=pp)

@@ -198,15 +198,16 @@ class Pipelined:
         return self.pp.all_reduce_metric(total.float().clone())  # from the last stage
 
     def forward_backward(self, batch: Batch) -> torch.Tensor:
-        """A step; then the stage's gradients summed over the data-parallel replicas of the
-        same stage, in one packed all-reduce once the last micro-batch's backward is done (the
+        """A step; the strategy's own gradient reductions over its model group (FSDP+CP's
+        last reduce-scatters complete its shards' gradients there); then the stage's gradients
+        summed over the data-parallel replicas of the same stage, in one packed all-reduce (the
         strategies' bucketed reducer would issue it at the first micro-batch's gradients; the
         cost model charges it as not hidden: docs/running.md)."""
         total = self._step(batch)
+        self.strat.finish_grads()
         dp = self.mesh.comms.get(Axis.DP)
         if dp is not None and dp.size > 1:
             self.strat.all_reduce_grads(self.strat.parameters(), dp)
-        self.strat.finish_grads()
         return total
 
     @torch.no_grad()
