@@ -25,6 +25,21 @@ class FSDPCPCosts(costs.Costs):
         u0, ul, un = (-(-u // layout.degree) for u in self.unit_numels(cfg))  # padded shards
         return u0 + cfg.layers * ul + un
 
+    @staticmethod
+    def kept(spec: costs.Spec) -> bool:
+        """Whether ``spec`` is a pipeline stage (or one stage's micro-batch) that gathers its
+        units once a step and keeps them (``pp_keep_gathered``, model.py)."""
+        staged = spec.layout.pp > 1 or spec.stage_of > 1
+        return staged and bool(spec.options.get("pp_keep_gathered"))
+
+    def stage_held(self, spec: costs.Spec, numel: int) -> tuple[int, int]:
+        """Kept units: the stage's gathered weights (its shards x D, padding included) and their
+        full gradients, summed over the micro-batches until finish_grads reduce-scatters them."""
+        if not self.kept(spec):
+            return 0, 0
+        whole = numel * spec.degree * spec.e
+        return whole, whole if spec.train else 0
+
     def unit_bytes(self, spec: costs.Spec) -> tuple[int, int, int]:
         """Bytes of the gathered (padded) units: the embedding; one layer; final norm + head."""
         D, e = spec.degree, spec.e
@@ -39,6 +54,8 @@ class FSDPCPCosts(costs.Costs):
         D, L, ov = spec.degree, spec.cfg.layers, spec.options["overlap"]
         ev = costs.context_parallel(spec, Axis.MODEL, D)
         u0, ul, un = self.unit_bytes(spec)
+        if self.kept(spec):
+            return self._kept_schedule(spec, ev)
         ev.add("forward", Axis.MODEL, "all_gather", D, u0)  # waited for at once
         ev.add("forward", Axis.MODEL, "all_gather", D, ul, L, overlapped=ov)
         ev.add("forward", Axis.MODEL, "all_gather", D, un, overlapped=ov)
@@ -61,10 +78,27 @@ class FSDPCPCosts(costs.Costs):
             ev.add("backward", Axis.MODEL, "reduce_scatter", D, un, overlapped=ov)
         return ev
 
+    def _kept_schedule(self, spec: costs.Spec, ev: costs.Schedule) -> costs.Schedule:
+        """A stage keeping its units: each gathered once a step, in its first micro-batch's
+        forward (hidden behind it with ``overlap``, but for the first), never in backward; the
+        summed gradients reduce-scattered once after the schedule, back to back."""
+        D, L, ov = spec.degree, spec.cfg.layers, spec.options["overlap"]
+        u0, ul, un = self.unit_bytes(spec)
+        ev.add("forward", Axis.MODEL, "all_gather", D, u0, per_step=True)
+        ev.add("forward", Axis.MODEL, "all_gather", D, ul, L, overlapped=ov, per_step=True)
+        ev.add("forward", Axis.MODEL, "all_gather", D, un, overlapped=ov, per_step=True)
+        if spec.train:
+            for nbytes, times in ((un, 1), (ul, L), (u0, 1)):
+                ev.add("backward", Axis.MODEL, "reduce_scatter", D, nbytes, times, per_step=True)
+        return ev
+
     def inference_working_set(self, spec: costs.Spec) -> tuple[int, int]:
         """The plain model's, and the gathered unit in use; with ``overlap`` a layer also has the
-        next unit's gather in flight (the top layer's: the head unit)."""
+        next unit's gather in flight (the top layer's: the head unit). Kept units: the plain
+        model's (the stage holds them: :meth:`stage_held`)."""
         base = super().inference_working_set(spec)
+        if self.kept(spec):
+            return base
         return costs.gathered_unit_working_set(
             spec, base, self.unit_bytes(spec), spec.options["overlap"]
         )
@@ -72,8 +106,11 @@ class FSDPCPCosts(costs.Costs):
     def backward_transients(self, spec: costs.Spec) -> tuple[int, int, int]:
         """The plain model's; with ``overlap``, a layer's backward also has the layer below's
         gather in flight and the gradient of the unit above still reduce-scattering
-        (:func:`tspbench.core.costs.gathered_unit_transients`)."""
+        (:func:`tspbench.core.costs.gathered_unit_transients`). Kept units: the plain model's
+        (no gather or reduce-scatter runs in a backward: :meth:`stage_held`)."""
         base = super().backward_transients(spec)
+        if self.kept(spec):
+            return base
         return costs.gathered_unit_transients(
             spec, base, self.unit_bytes(spec), spec.options["overlap"], self.saved_per_layer(spec)
         )

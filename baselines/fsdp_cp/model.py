@@ -46,9 +46,19 @@ from tspbench.core.context_parallel import (
 from tspbench.core.layers import rms_norm, transformer_layer
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.optim import grad_sq_sum
-from tspbench.core.options import CP_A2A, CP_COMM, OVERLAP, Value
+from tspbench.core.options import CP_A2A, CP_COMM, OVERLAP, Option, Value
 from tspbench.core.reference import param_shapes, unit_names
 from tspbench.core.strategy import Batch, tensor_of
+
+PP_KEEP_GATHERED = Option(
+    "pp_keep_gathered", True,
+    "in a pipeline stage: gather each unit once a step and keep it over the micro-batches, "
+    "reduce-scatter the summed gradients once after the last (torch's PipelineStage with FSDP2, "
+    "torchtitan's default with pipelines); off: regather and reduce-scatter every micro-batch "
+    "(ZeRO-3's memory, the weights' traffic M times)",
+    searched=True, pipelines_only=True, tag="-ppkeep-{value}", label=" (units per micro-batch)",
+    short="keep",
+)  # fmt: skip
 
 
 @dataclass
@@ -88,6 +98,10 @@ class GatherUnit(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         owner, unit, reused = ctx.meta
+        if owner.keep:  # summed over the micro-batches, reduce-scattered in finish_grads
+            held = owner.full_grads.get(unit)
+            owner.full_grads[unit] = g if held is None else held.add_(g)
+            return None, None, None
         owner.regathered.pop(unit, None)
         if reused:  # the later use's backward runs first: keep its gradient for the earlier's
             owner.held[unit] = g
@@ -99,10 +113,11 @@ class GatherUnit(torch.autograd.Function):
 class FSDPCP(SequenceSharded):
     name = "fsdp_cp"
     display = "FSDP+CP"  # legends, titles and tables' captions
-    options = (OVERLAP, CP_COMM, CP_A2A)
+    options = (OVERLAP, CP_COMM, CP_A2A, PP_KEEP_GATHERED)
     overlap: bool  # set from the options (Strategy.__init__)
     cp_comm: str
     cp_a2a: int
+    pp_keep_gathered: bool
     costs = FSDPCPCosts()
     decoder = None  # no decode path (docs/decode.md)
     stages = True
@@ -128,6 +143,11 @@ class FSDPCP(SequenceSharded):
         self.prefetched: dict[int, Pending] = {}  # at most one unit's gather in flight
         self.reusing = False  # tied embeddings: the head gathers the first unit once more
         self.held: dict[int, torch.Tensor] = {}  # a reused unit's gradient, until its first use
+        # in a pipeline stage, as torch's PipelineStage runs FSDP2 (PP_KEEP_GATHERED): the units
+        # gathered at the first micro-batch, kept to the schedule's end; their full gradients
+        self.keep = self.pp_keep_gathered and self.stage.count > 1
+        self.kept: dict[int, torch.Tensor] = {}
+        self.full_grads: dict[int, torch.Tensor] = {}
         self.reducing: list[tuple[int, torch.Tensor, Pending]] = []  # (unit, gradient, its RS)
 
     def shard(self, names: list[str]) -> torch.Tensor:
@@ -153,6 +173,8 @@ class FSDPCP(SequenceSharded):
         next unit of this pass starts gathering before this one is used: forward the one above;
         in backward (a regather, or a recompute) the one below, down to the stage's first layer
         (the embedding saves no weight: it is never regathered)."""
+        if unit in self.kept:
+            return self.kept[unit]
         pending = self.prefetched.pop(unit, None)
         shard = self.units[unit].shard
         flat = pending.wait() if pending is not None else self.comm.all_gather(shard, dim=0)
@@ -164,8 +186,11 @@ class FSDPCP(SequenceSharded):
             and ahead
             and int(backward) * self.first_layer_unit <= nxt < len(self.units)
             and nxt not in self.prefetched
+            and nxt not in self.kept
         ):
             self.prefetched[nxt] = self.comm.all_gather(self.units[nxt].shard, dim=0, async_op=True)
+        if self.keep:
+            self.kept[unit] = flat
         return flat
 
     def _regather(self, unit: int) -> torch.Tensor:
@@ -189,25 +214,40 @@ class FSDPCP(SequenceSharded):
         data-parallel reducer (whose hook only autograd's accumulation fires)."""
         while len(self.reducing) > keep:
             unit, g, pending = self.reducing.pop(0)
-            grad, shard = pending.wait(), self.units[unit].shard
+            grad = pending.wait()
             del g  # the full gradient lives until its reduce-scatter is done
-            if shard.grad is None:
-                shard.grad = grad
-            else:
-                shard.grad += grad
-            if self._dp_sync is not None:
-                self._dp_sync.grad_ready(shard)
+            self._assign(unit, grad)
+
+    def _assign(self, unit: int, grad: torch.Tensor) -> None:
+        shard = self.units[unit].shard
+        if shard.grad is None:
+            shard.grad = grad
+        else:
+            shard.grad += grad
+        if self._dp_sync is not None:
+            self._dp_sync.grad_ready(shard)
 
     def finish_grads(self) -> None:
-        self.finish_reduces()  # the last reduce-scatter; then the data-parallel sums
+        """The pipeline's summed unit gradients reduce-scattered (kept units), and the last
+        reduce-scatter finished; then the data-parallel sums."""
+        for unit in sorted(self.full_grads, reverse=True):  # (the backward's order)
+            reduced = self.reduce_grad(unit, self.full_grads.pop(unit))
+            if reduced is not None:  # (overlap off: waited for at once)
+                self._assign(unit, reduced)
+        self.finish_reduces()
         super().finish_grads()
+
+    def schedule_done(self) -> None:
+        """The pipeline's step is over: the kept units are dropped (resharded)."""
+        self.kept.clear()
 
     def run_unit(self, unit: int, fn, *args):
         """Gather unit ``unit``, run ``fn(weights, *args)``; save no gathered weight."""
         flat = GatherUnit.apply(self.units[unit].shard, self, unit)
-        if self.recompute == "full" and torch.is_grad_enabled():
-            # Under activation checkpointing the layer keeps only its input, and its recompute
-            # gathers the unit again: the hooks below would only shadow the checkpoint's own.
+        if self.keep or (self.recompute == "full" and torch.is_grad_enabled()):
+            # Kept units stay gathered anyway. Under activation checkpointing the layer keeps
+            # only its input, and its recompute gathers the unit again: the hooks below would
+            # only shadow the checkpoint's own.
             return fn(self.units[unit].views(flat), *args)
         # identity, not data_ptr (fake tensors have none); weak, or the hook would keep it alive
         storage = weakref.ref(flat.untyped_storage())

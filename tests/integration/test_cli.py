@@ -305,6 +305,10 @@ def test_forced_oom_is_a_result(tmp_path):
         (PP + ["--batch", "3"], "microbatches=2: must divide batch=3"),
         (PP[:-4] + ["--microbatches", "2"], "--microbatches: only with --pp > 1 (got pp=1)"),
         (PP[:-4] + ["--pp-schedule", "gpipe"], "--pp-schedule: only with --pp > 1 (got pp=1)"),
+        (
+            ["--strategy", "fsdp_cp", *PP[2:-4], "--pp-keep-gathered", "off"],
+            "pp_keep_gathered=off: only with pp > 1 (got pp=1)",
+        ),  # fmt: skip
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(tmp_path, capsys, monkeypatch, args, needle):

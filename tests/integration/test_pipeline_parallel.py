@@ -31,6 +31,7 @@ def _case(strategy: str, D: int, pp: int, schedule: str, M: int, **kw) -> dict:
         + (f"-{kw['cp_comm']}" if "cp_comm" in kw else "")
         + (f"-{kw['tp']}x{kw['sp']}" if "tp" in kw else "")
         + ("-overlap-off" if kw.get("overlap") is False else "")
+        + ("-reshard" if kw.get("pp_keep_gathered") is False else "")
         + "".join(f"-{k}" for k in model)
         + ("-recompute" if kw.get("recompute") else "")
         + ("-infer" if kw.get("mode") == "infer" else "")
@@ -50,17 +51,22 @@ CASES = [
     # SP (context parallelism) in stages: the ring and Ulysses
     _case("sp", 2, 2, "1f1b", 2, model=GQA, cp_comm="ring"),
     _case("sp", 2, 2, "gpipe", 2, cp_comm="a2a"),
-    # FSDP+CP in stages: the units of its layers gathered per micro-batch, prefetched (overlap)
-    # or not, under recomputation; and TP+SP, each factorisation
+    # FSDP+CP in stages: its units kept over the micro-batches (torch's FSDP2 stage) or
+    # regathered per micro-batch, prefetched (overlap) or not, under recomputation; and TP+SP,
+    # each factorisation
     _case("fsdp_cp", 2, 2, "1f1b", 4, model=GQA),
+    _case("fsdp_cp", 2, 2, "1f1b", 4, model=GQA, pp_keep_gathered=False),
     _case("fsdp_cp", 2, 2, "gpipe", 2, cp_comm="ring", overlap=False),
+    _case("fsdp_cp", 2, 2, "gpipe", 2, overlap=False, pp_keep_gathered=False),
     _case("fsdp_cp", 2, 2, "1f1b", 2, model=GQA, recompute="full"),
+    _case("fsdp_cp", 2, 2, "1f1b", 2, recompute="full", pp_keep_gathered=False),
     _case("tpsp", 2, 2, "1f1b", 2, model=GQA, tp=2, sp=1),
     _case("tpsp", 2, 2, "gpipe", 2, tp=1, sp=2, cp_comm="a2a"),
     # two replicas of a two-stage pipeline: each stage's gradients summed over its replicas
     # (FSDP+CP's after its last reduce-scatters)
     _case("tsp", 1, 2, "1f1b", 2, dp=2, model=GQA),
     _case("fsdp_cp", 1, 2, "1f1b", 2, dp=2),
+    _case("fsdp_cp", 1, 2, "1f1b", 2, dp=2, pp_keep_gathered=False),
     # one micro-batch through GPipe: the stages cannot overlap (the bubble test below)
     _case("tp", 2, 2, "gpipe", 1),
 ]
@@ -130,6 +136,21 @@ CLI_RUNS = {
     # (at 256 tokens: at 32 its gathered units outweigh the activations, and the closed form
     # of whole-model FSDP+CP is itself 28% under there; at 2048 it is within 10%: test_scale)
     "fsdp_cp-pp2": (["--strategy", "fsdp_cp", "--degree", "2", "--pp", "2", "--seq-len", "256"], 4),
+    "fsdp_cp-pp2-reshard": (
+        [
+            "--strategy",
+            "fsdp_cp",
+            "--degree",
+            "2",
+            "--pp",
+            "2",
+            "--seq-len",
+            "256",
+            "--pp-keep-gathered",
+            "off",
+        ],
+        4,
+    ),  # fmt: skip
     "tpsp-pp2": (["--strategy", "tpsp", "--tp", "2", "--sp", "1", "--pp", "2"], 4),
     "tsp-pp2-infer": (["--strategy", "tsp", "--degree", "2", "--pp", "2", "--mode", "infer"], 4),
 }
@@ -154,7 +175,8 @@ def test_cli_pipelined_forward_equals_single(cli_records):
     assert rec["grad_norm"] is None and list(rec) == written_keys("infer", pipelined=True)
 
 
-PIPELINES = ["tsp-pp2", "tp-pp4-1f1b", "tp-pp2-dp2", "sp-pp2-ring", "fsdp_cp-pp2", "tpsp-pp2"]
+PIPELINES = ["tsp-pp2", "tp-pp4-1f1b", "tp-pp2-dp2", "sp-pp2-ring", "fsdp_cp-pp2",
+             "fsdp_cp-pp2-reshard", "tpsp-pp2"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", PIPELINES)
@@ -173,6 +195,20 @@ def test_cli_pipelines_equal_single(cli_records, name):
     ends = (0, pp - 1)
     sends = [one_way * (1 if s in ends else 2) for s in rec["pp_stage_per_rank"]]
     assert rec["comm_bytes_pp_per_rank"] == sends
+
+
+def test_fsdp_cp_stages_keep_their_units_over_the_micro_batches(cli_records):
+    """Kept (the default, as torch runs an FSDP2 stage), each stage's units are reduce-scattered
+    once a step; regathered per micro-batch, once per micro-batch: M - 1 = 1 more set of the
+    stages' gradients (one model-group position per stage, bus bytes: x (D - 1) / D), exactly.
+    Both equal single (above); the kept stages move fewer bytes and keep more weights."""
+    kept, per_mb = cli_records["fsdp_cp-pp2"], cli_records["fsdp_cp-pp2-reshard"]
+    spec = argv_spec([*CLI_BASE, *CLI_RUNS["fsdp_cp-pp2"][0]])
+    D, M = spec.degree, spec.microbatches
+    units = sum(stages.stage_params(spec, s) for s in range(spec.layout.pp)) * D * 4
+    extra = per_mb["comm_bytes"]["reduce_scatter"] - kept["comm_bytes"]["reduce_scatter"]
+    assert extra == (M - 1) * units * (D - 1) // D
+    assert kept["comm_bytes"]["all_gather"] < per_mb["comm_bytes"]["all_gather"]
 
 
 def test_1f1b_bubble_is_measured_beside_its_closed_form(cli_records):

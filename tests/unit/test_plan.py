@@ -113,7 +113,14 @@ def test_ranks_strategies_and_prints_commands(capsys, counted, tmp_path):
     cells, filtered = sweep_cells(yaml.safe_load(snippet))
     assert len(cells) == 1 and not filtered and cells[0].spec.strategy == best
     opts = cells[0].spec.options  # the sweep's options: the best row's
-    assert [str(opts.get(n, "-")) for n in cols] == [rows[0][c] for c in cols.values()]
+    flat = cells[0].spec.layout.pp == 1  # (an option of pipelines only: "-" without one)
+    shown = [
+        "-"
+        if n not in opts or (flat and searched()[n].pipelines_only)
+        else searched()[n].text(opts[n])
+        for n in cols
+    ]
+    assert shown == [rows[0][c] for c in cols.values()]
 
 
 def test_json_best_7b_128k_on_8_mi300x_fits(capsys, counted, tmp_path):

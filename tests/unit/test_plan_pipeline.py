@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from tests.unit.test_plan import counted, plan_cli  # noqa: F401  (a fixture)
-from tspbench.core.config import get_config
+from tspbench.core.config import ConfigError, get_config
 from tspbench.projection import costmodel, stages
 from tspbench.projection.plan import Request, search
 from tspbench.runtime.registry import strategies
@@ -28,12 +28,13 @@ def _spec(strategy: str = "tsp", **kw) -> RunSpec:
 
 
 def test_plans_try_every_pipeline_of_the_strategies_that_stage(counted):  # noqa: F811
-    p = search.plan(Request.make("7b", "h100", 131072, 16), use_cache=False)
+    both = ("1f1b", "gpipe")
+    p = search.plan(Request.make("7b", "h100", 131072, 16, pp_schedules=both), use_cache=False)
     tried: dict[str, set] = {}
     for conf in p.configs:
         tried.setdefault(conf.strategy, set()).add((conf.layout.degree, *conf.pipeline))
     staged = {n for n, s in strategies().items() if s.stages}
-    assert staged >= {"tsp", "tp", "sp"}
+    assert staged >= {"tsp", "tp", "sp", "tpsp", "fsdp_cp"}
     for name, got in tried.items():
         pps = {pp for _, pp, _ in got}
         if name in staged and name != "single":
@@ -58,9 +59,12 @@ def test_the_user_restricts_the_pipelines(capsys, counted, tmp_path):  # noqa: F
             "--cache", tmp_path)  # fmt: skip
     rc, out, _ = plan_cli(capsys, *base, "--pp", 1)
     assert rc == 0 and {c["pp"] for c in json.loads(out)["candidates"]} == {1}
-    rc, out, _ = plan_cli(capsys, *base, "--pp", 2, "--pp-schedule", "1f1b")
+    rc, out, _ = plan_cli(capsys, *base, "--pp", 2, "--pp-schedule", "gpipe")
     cands = json.loads(out)["candidates"]
-    assert rc == 0 and {(c["pp"], c["pp_schedule"]) for c in cands} == {(2, "1f1b")}
+    assert rc == 0 and {(c["pp"], c["pp_schedule"]) for c in cands} == {(2, "gpipe")}
+    # by default 1F1B alone: GPipe's projected step is its twin's, with more in flight
+    rc, out, _ = plan_cli(capsys, *base, "--pp", 2)
+    assert rc == 0 and {c["pp_schedule"] for c in json.loads(out)["candidates"]} == {"1f1b"}
     assert {c["strategy"] for c in cands} <= {n for n, s in strategies().items() if s.stages}
 
 
@@ -99,8 +103,9 @@ def test_the_fullest_stage_is_among_the_three_priced():
 
 
 def test_stage_parameters_split_the_whole_model_exactly():
-    for name in ("tsp", "tp", "sp"):
-        c = _spec(name, degree=4 if name != "sp" else 8)
+    for name, kw in (("tsp", {}), ("tp", {}), ("sp", {"degree": 8}), ("fsdp_cp", {}),
+                     ("tpsp", {"tp": 2, "sp": 2})):  # fmt: skip
+        c = _spec(name, **({"degree": 4} | kw))
         whole = c.impl.costs.param_numel(c.cfg, dataclasses.replace(c.layout, pp=1))
         assert sum(stages.stage_params(c, s) for s in range(4)) == whole, name
 
@@ -164,3 +169,42 @@ def test_sp_sums_its_gradients_once_a_step_not_once_a_micro_batch():
     )
     r = costmodel.rates(pre, 8)["groups"]["4"]["all_reduce"]
     assert a["pp_once_s"] >= r["lat"] + 2 * 3 / 4 * grads / r["bw"]
+
+
+def test_fsdp_cp_stages_keep_their_units_or_move_them_every_micro_batch():
+    """Kept units (torch's FSDP2 stage): the gathers and reduce-scatters are charged once a
+    step, so doubling the micro-batches adds only their slots; the stage holds its gathered
+    weights and their full gradients (D x its shards each). Regathered per micro-batch: every
+    slot carries its unit traffic, and the stage holds neither."""
+    pre = costmodel.load_preset("h100")
+    kw = dict(degree=8, pp=2, seq_len=8192, recompute="none")
+    for keep in (True, False):
+        a = _spec("fsdp_cp", batch=8, microbatches=8, pp_keep_gathered=keep, **kw)
+        b = _spec("fsdp_cp", batch=16, microbatches=16, pp_keep_gathered=keep, **kw)
+        pa, pb = costmodel.project(a, pre, ops=0), costmodel.project(b, pre, ops=0)
+        assert pb["device_s"] - pa["device_s"] == pytest.approx(8 * pa["pp_bubble_s"]), keep
+        mb = stages.micro_spec(a)
+        sizes = set(a.impl.costs.unit_bytes(mb))  # (the K/V gathers' differ)
+        units = [ev for ev in costmodel.analytic.schedule(mb)
+                 if ev[2] in ("all_gather", "reduce_scatter") and ev[4] in sizes]  # fmt: skip
+        assert units and all(ev.per_step == keep for ev in units), keep
+        n = stages.stage_params(a, 0)
+        held = (n * 8 * 2, n * 8 * 2) if keep else (0, 0)
+        assert a.impl.costs.stage_held(a, n) == held
+    kept = stages.stage_memory(_spec("fsdp_cp", **kw), 0)
+    per_mb = stages.stage_memory(_spec("fsdp_cp", pp_keep_gathered=False, **kw), 0)
+    assert kept["peak"] > per_mb["peak"]
+
+
+def test_an_option_of_pipelines_only_is_planned_and_checked_only_in_pipelines(counted):  # noqa: F811
+    """FSDP+CP's pp_keep_gathered: both values in a pipeline, left out without one (the run's
+    default, and refused if set there); and never among the shared tests' flat option settings."""
+    p = search.plan(Request.make("7b", "h100", 131072, 16), use_cache=False)
+    values: dict[int, set] = {}
+    for conf in p.configs:
+        if conf.strategy == "fsdp_cp":
+            values.setdefault(conf.layout.pp, set()).add(conf.options.get("pp_keep_gathered"))
+    assert values[1] == {None} and values[2] == {True, False}  # (None: the default, unshown)
+    assert all("pp_keep_gathered" not in o for o in strategies()["fsdp_cp"].checked_options())
+    with pytest.raises(ConfigError, match=r"^pp_keep_gathered=off: only with pp > 1 \(got pp=1\)$"):
+        _spec("fsdp_cp", pp=1, microbatches=0, pp_keep_gathered=False)

@@ -70,7 +70,7 @@ def test_options_belong_to_their_strategy():
         "overlap", "kv_bucket", "mlp_schedule", "kv_backward", "kv_exchange"]  # fmt: skip
     keys = list(tp.header("local", 1))
     want = ["recompute", "overlap", "kv_bucket", "mlp_schedule", "kv_backward", "kv_exchange"]
-    want += ["cp_comm", "cp_a2a"]
+    want += ["cp_comm", "cp_a2a", "pp_keep_gathered"]
     want += ["sequence_parallel"]  # (tp_torch's)
     assert keys[keys.index("recompute") :][: len(want) + 1] == [*want, "model_config"]
     assert {k: tp.header("local", 1)[k] for k in tsp.options} == dict(tsp.options)

@@ -35,8 +35,9 @@ class Event(tuple):
     asynchronously ahead of, or drained behind, work that does not wait for it: a prefetched
     weight, a reduction finished one step later). The cost model hides exactly the overlapped
     events (docs/projection.md). The flag rides beside the five fields (code that unpacks five
-    keeps working) and takes no part in comparisons. ``per_step``: a gradient reduction of
-    ``finish_grads``, issued once per step however many micro-batches a pipeline runs."""
+    keeps working) and takes no part in comparisons. ``per_step``: issued once per step however
+    many micro-batches a pipeline runs (a gradient reduction of ``finish_grads``; FSDP+CP's kept
+    units' gathers, in the first micro-batch)."""
 
     overlapped: bool
     per_step: bool
@@ -88,6 +89,8 @@ class Spec(Protocol):
     def tokens(self) -> int: ...  # t
     @property  # the strategy's own options (tspbench/core/options.py)
     def options(self) -> Mapping[str, Any]: ...
+    @property  # one stage's work of a pipeline of this many stages (0: a whole model)
+    def stage_of(self) -> int: ...
 
 
 class Schedule(list[Event]):
@@ -513,3 +516,9 @@ class Costs(ABC):
         """Transient bytes at the loss's backward, a layer's backward and the end of backward."""
         staging = self.grad_staging_copies * self.param_numel(spec.cfg, spec.layout) * spec.e
         return (*backward_transients(spec, self.tensor_degree(spec.layout)), staging)
+
+    def stage_held(self, spec: Spec, numel: int) -> tuple[int, int]:
+        """A pipeline stage's bytes beyond its ``numel`` parameter elements that it keeps over
+        its micro-batches: (weights, from the first forward to the schedule's end; gradients,
+        from the first backward to their reduction after it). None by default."""
+        return 0, 0

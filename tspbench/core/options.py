@@ -36,6 +36,8 @@ class Option:
     # (the planner bounds an uncounted value's dispatch by its counted default twin)
     only_with: tuple[str, Value] | None = None  # (option, value) it matters under; elsewhere
     # the planner and the projected report use its default only (:func:`only_where_used`)
+    pipelines_only: bool = False  # it matters only in a pipeline stage (layout.pp > 1): set
+    # elsewhere it is refused, the planner tries its default only and the shared tests skip it
 
     @property
     def flag(self) -> str:

@@ -186,6 +186,10 @@ class Strategy(ABC):
     def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(local loss to call backward on, global mean loss for reporting, detached)."""
 
+    def schedule_done(self) -> None:  # noqa: B027 (a hook: a no-op unless a stage keeps)
+        """A pipeline schedule's step is over (every micro-batch through this stage): what a
+        stage kept across its micro-batches is dropped (the default keeps nothing)."""
+
     def finish_grads(self) -> None:
         """Gradient reductions after backward; the base sums gradients over data-parallel replicas.
 
@@ -355,9 +359,10 @@ class Strategy(ABC):
     @classmethod
     def checked_options(cls) -> list[dict[str, Value]]:
         """Option settings the shared tests check beside the defaults: each bool flipped and
-        each other choice of a str option, one at a time (a strategy adds its own mixes)."""
+        each other choice of a str option, one at a time (a strategy adds its own mixes); not
+        those of pipelines only (tests/integration/test_pipeline_parallel.py checks them)."""
         out: list[dict[str, Value]] = []
-        for o in cls.options:
+        for o in (o for o in cls.options if not o.pipelines_only):
             values = (not o.default,) if isinstance(o.default, bool) else o.choices
             out += [{o.name: v} for v in values if v != o.default]
         return out

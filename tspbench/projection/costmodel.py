@@ -32,6 +32,7 @@ Presets: :data:`PRESETS` (datasheets, with sources) or a file written by ``tspbe
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import json
@@ -233,7 +234,8 @@ def project(
     ``node_ranks``: the ranks sharing a node, where ``c`` is part of a larger world (a
     pipeline's stage); ``micro``: one micro-batch of a pipeline's stage, whose once-per-step
     work (the ``per_step`` gradient reductions, the metrics' reductions) is left out of the
-    step and timed apart, in ``once_s``."""
+    step and timed apart, in ``once_s`` (those it overlaps, less what one micro-batch's compute
+    hides)."""
     if c.layout.pp > 1:
         return project_pipeline(c, preset, ops)
     per_node = preset.get("gpus_per_node", 8)
@@ -250,20 +252,24 @@ def project(
     decoder = c.impl.decoder
     events = decoder.prefill_schedule(c) if prefill and decoder else analytic.schedule(c)
     calls: dict[tuple[str, str, int, bool, bool], list[float]] = {}  # (calls, bytes) per use
-    for ev in events:
-        _, axis, kind, size, nbytes = ev
-        if size > 1:
-            once = micro and ev.per_step
-            use = calls.setdefault((axis, kind, size, ev.overlapped, once), [0, 0.0])
-            use[0] += 1
-            use[1] += nbytes
-    once_s = 0.0
+    same = collections.Counter(  # (a schedule repeats each layer's events: counted in C)
+        (ev[1], ev[2], ev[3], ev.overlapped, micro and ev.per_step, ev[4])
+        for ev in events
+        if ev[3] > 1
+    )
+    for (axis, kind, size, overlapped, once, nbytes), times in same.items():
+        use = calls.setdefault((axis, kind, size, overlapped, once), [0, 0.0])
+        use[0] += times
+        use[1] += times * nbytes
+    once_s = once_ovl = 0.0
     for (axis, kind, size, overlapped, once), (n, nbytes) in calls.items():
         inter = crosses_nodes(c, axis, size, per_node)
         # a calibrated preset may hold fits per group size (groups of 2 in a 4-rank node...)
         link = r["inter"] if inter else _link(r.get("groups", {}).get(str(size), r), kind)
         t = n * link["lat"] + bus_bytes(kind, nbytes, size) / link["bw"]
-        if once:
+        if once and overlapped:  # (FSDP+CP's kept units, gathered in one micro-batch's forward)
+            once_ovl += t
+        elif once:
             once_s += t
         elif overlapped:  # what the implementation hides, as its schedule says
             ovl += t
@@ -279,6 +285,9 @@ def project(
             crit += lat
     hidden = min(ovl, r["overlap_efficiency"] * compute)
     device = compute + crit + ovl - hidden
+    # once-a-step transfers the implementation overlaps hide behind the one micro-batch whose
+    # compute they run beside, where its own transfers leave room
+    once_s += max(0.0, once_ovl - (r["overlap_efficiency"] * compute - hidden))
     per_op = r["op_overhead_s"] * straggler
     base = {
         "device_s": device,
@@ -302,6 +311,28 @@ def _slot(one: RunSpec, preset: str, node_ranks: int) -> dict[str, Any]:
     """:func:`project` of one stage on one micro-batch, without host time and its once-per-step
     work apart (many pipelines share it: a plan tries every micro-batch count of every batch)."""
     return project(one, json.loads(preset), 0, node_ranks=node_ranks, micro=True)
+
+
+@functools.lru_cache(maxsize=4096)
+def _one_replica(mb: RunSpec) -> RunSpec:
+    return mb.replace(layout=replace(mb.layout, dp=1))
+
+
+def _model_flops(c: RunSpec) -> int:
+    """The whole model's FLOPs per rank of pipelined ``c`` (the same model group without
+    stages, options of pipelines only at their defaults): cached, since every schedule and
+    micro-batch count of one batch shares them."""
+    flat = tuple((o.name, c.options[o.name]) for o in c.impl.options if not o.pipelines_only)
+    return _flat_flops(c.strategy, c.cfg, replace(c.layout, pp=1), c.seq_len, c.batch, c.mode,
+                       c.dtype, c.recompute, flat)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=4096)
+def _flat_flops(strategy: str, *args: Any) -> int:
+    cfg, layout, seq_len, batch, mode, dtype, recompute, options = args
+    whole = RunSpec(strategy=strategy, cfg=cfg, layout=layout, seq_len=seq_len, batch=batch,
+                    mode=mode, dtype=dtype, recompute=recompute, options=dict(options))  # fmt: skip
+    return analytic.flops(whole)
 
 
 def project_pipeline(c: RunSpec, preset: dict, ops: int | None = None) -> dict[str, Any]:
@@ -330,7 +361,7 @@ def project_pipeline(c: RunSpec, preset: dict, ops: int | None = None) -> dict[s
     from tspbench.projection import stages
 
     mb = stages.micro_spec(c)
-    one = mb.replace(layout=replace(mb.layout, dp=1))
+    one = _one_replica(mb)
     pp, M, per_node = c.layout.pp, c.microbatches, preset.get("gpus_per_node", 8)
     world = c.layout.world_size
     r = rates(preset, min(world, per_node))
@@ -345,7 +376,6 @@ def project_pipeline(c: RunSpec, preset: dict, ops: int | None = None) -> dict[s
         dlink = r["inter"] if inter else r.get("groups", {}).get(str(c.dp), r)["all_reduce"]
         dp = dlink["lat"] + bus_bytes("all_reduce", n * c.e, c.dp) / dlink["bw"]
     slots = M + pp - 1
-    whole = c.replace(layout=replace(c.layout, pp=1), microbatches=0)
     once = slot["once_s"] + dp  # the stage's gradient reductions and the metrics, once a step
     base = {
         "device_s": slots * (slot["device_s"] + hop) + once,
@@ -361,7 +391,7 @@ def project_pipeline(c: RunSpec, preset: dict, ops: int | None = None) -> dict[s
         "dispatch_s_per_op": slot["dispatch_s_per_op"],
         "serial_dispatch": slot["serial_dispatch"],
         "op_repeats": M,  # the stage's operations, once per micro-batch
-        "flops_per_rank": analytic.flops(whole) // pp,  # model FLOPs: a stage's share
+        "flops_per_rank": _model_flops(c) // pp,  # model FLOPs: a stage's share
         "flops_executed_per_rank": M * slot["flops_executed_per_rank"],
         "tokens_per_step": c.batch * c.seq_len * c.dp,
         "peak_flops": preset.get("peak_flops"),

@@ -35,7 +35,9 @@ def micro_spec(c: RunSpec) -> RunSpec:
     pp = c.layout.pp
     cfg = dataclasses.replace(c.cfg, layers=c.cfg.layers // pp)
     lay = dataclasses.replace(c.layout, pp=1)
-    return c.replace(cfg=cfg, layout=lay, batch=c.batch // c.microbatches, microbatches=0)
+    return c.replace(
+        cfg=cfg, layout=lay, batch=c.batch // c.microbatches, microbatches=0, stage_of=pp
+    )
 
 
 def stage_params(c: RunSpec, stage: int) -> int:
@@ -43,13 +45,18 @@ def stage_params(c: RunSpec, stage: int) -> int:
     the first stage, the final norm and the head on the last (the strategy's closed form, split
     by its per-layer part and its two vocabulary tables, each linear in the vocabulary)."""
     cfg, pp = c.cfg, c.layout.pp
-    per_layer, tables, norm = _parts(c.impl, cfg, dataclasses.replace(c.layout, pp=1))
+    per_layer, tables, norm = _parts(c.impl, cfg, _unstaged(c.layout))
     n = cfg.layers // pp * per_layer
     if stage == 0:
         n += tables // 2
     if stage == pp - 1:
         n += tables - tables // 2 + norm
     return n
+
+
+@functools.lru_cache(maxsize=1024)
+def _unstaged(lay: Layout) -> Layout:
+    return dataclasses.replace(lay, pp=1)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -84,6 +91,9 @@ def stage_memory(c: RunSpec, stage: int) -> Memory:
     act = t * cfg.hidden * e  # one micro-batch's [t, h] activation
     weights, masters = n * e, (4 * n if c.train and e != 4 else 0)
     rest = weights + masters + 16 * c.tokens  # + the replica's int64 tokens and labels
+    # what the strategy keeps over the micro-batches (FSDP+CP's gathered units and their
+    # full gradients): the weights to the schedule's end, the gradients to their reduction
+    kept_w, kept_g = impl.costs.stage_held(c, n)
     parts: Memory = {
         "weights": weights,
         "master_weights": masters,
@@ -96,7 +106,7 @@ def stage_memory(c: RunSpec, stage: int) -> Memory:
         work = max(layer, loss_work) if last else layer
         outputs = c.microbatches * act * (1 + (stage > 0)) if last else 0
         parts.update({"saved_activations": outputs, "transient": work, "peak_at": "inference"})
-        parts["peak_first"] = parts["peak"] = rest + outputs + work
+        parts["peak_first"] = parts["peak"] = rest + kept_w + outputs + work
         return parts
     # torch's stage keeps a receive buffer per micro-batch: activations from the previous
     # stage, and in training their gradients from the next
@@ -108,7 +118,8 @@ def stage_memory(c: RunSpec, stage: int) -> Memory:
     per_layer = analytic.saved_per_layer(mb)
     unit = mb.cfg.layers * (act if c.rc else per_layer)  # one micro-batch's saved layers
     loss_unit = analytic.saved_loss(mb) if last else 0
-    grads = n * e if c.microbatches > 1 else 0
+    # (kept gradients are summed in full, the shards' assigned only after the schedule)
+    grads = (kept_g or n * e) if c.microbatches > 1 else 0
     head_grad = cfg.vocab // impl.costs.weight_split(c.layout) * cfg.hidden * e if last else 0
     loss_t, layer_t, end_t = impl.costs.backward_transients(mb)
     top = per_layer - act if c.rc else 0
@@ -122,11 +133,11 @@ def stage_memory(c: RunSpec, stage: int) -> Memory:
         return max(first, again)
 
     crests = {
-        "layer backward": rest + held(False) + top + layer_t + head_grad,
-        "end of backward": rest + n * e + end_t,
+        "layer backward": rest + kept_w + held(False) + top + layer_t + head_grad,
+        "end of backward": rest + n * e + end_t + kept_g,
     }
     if last:
-        crests["loss backward"] = rest + held(True) + loss_t + head_grad
+        crests["loss backward"] = rest + kept_w + held(True) + loss_t + head_grad
     layers = k * unit + k * loss_unit
     opt = rest + n * e + 8 * n + (4 * n if e != 4 else 0)
     at = max(crests, key=lambda x: crests[x])

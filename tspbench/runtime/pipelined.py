@@ -194,6 +194,7 @@ class Pipelined:
             assert self._stage is not None
             local = self._stage._timed(self.strat.head_loss, out, batch.labels, batch.n_tokens)
         self._schedule_s += time.perf_counter() - t0
+        self.strat.schedule_done()
         total = self.strat.reported_loss(local) if st.last else local
         return self.pp.all_reduce_metric(total.float().clone())  # from the last stage
 

@@ -70,6 +70,8 @@ class RunSpec:
     pp_schedule: str = "1f1b"  # with layout.pp > 1: torch.distributed.pipelining's schedule
     microbatches: int = 0  # with layout.pp > 1: micro-batches the schedule splits batch into
     # (0: pp, the fewest 1F1B takes)
+    stage_of: int = 0  # a closed form's whole-model spec standing for one stage's work on one
+    # micro-batch (tspbench.projection.stages.micro_spec): the pipeline's pp; 0: not a stage
     seed: int = 0
     warmup: int = 1
     steps: int = 3
@@ -88,6 +90,11 @@ class RunSpec:
             object.__setattr__(self, "microbatches", lay.pp)
         if lay.pp > 1 and self.mode not in ("train", "infer"):
             raise ConfigError(f"mode={self.mode!r} with pp={lay.pp}: pipelines here train or infer")
+        for o in self.impl.options:
+            if o.pipelines_only and lay.pp == 1 and not self.stage_of:
+                if options[o.name] != o.default:
+                    value = o.text(options[o.name])
+                    raise ConfigError(f"{o.name}={value}: only with pp > 1 (got pp=1)")
         if self.decoding:
             if self.recompute != "none":
                 raise ConfigError(
@@ -185,7 +192,9 @@ class RunSpec:
         if self.decoding:
             argv += ["--new-tokens", str(self.new_tokens)]
         argv += ["--dtype", self.dtype, "--recompute", self.recompute]
-        for o in self.impl.options:  # each named (``project`` would pick the preset's)
+        for o in self.impl.options:  # each named (``project`` would pick the preset's), but
+            if o.pipelines_only and lay.pp == 1:  # those that do nothing without a pipeline
+                continue
             argv += [o.flag, o.text(self.options[o.name])]
         argv += ["--seed", str(self.seed), "--warmup", str(self.warmup), "--steps", str(self.steps)]
         if self.max_memory is not None:

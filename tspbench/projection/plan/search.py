@@ -89,18 +89,23 @@ def _spec(
     )  # fmt: skip
 
 
-def option_sets(req: Request, impl: type[Strategy], base: RunSpec | None) -> list[dict]:
+def option_sets(
+    req: Request, impl: type[Strategy], base: RunSpec | None, pp: int = 1
+) -> list[dict]:
     """Every combination of the strategy's searched options (the plan's order: the first varies
     slowest), each restricted to the values the request names (none of them: its default); an
     option that matters only under another's value (``only_with``) takes its default elsewhere,
-    so no combination repeats a run."""
+    so no combination repeats a run; one that matters only in a pipeline is left out where
+    ``pp`` is 1 (the run's default, which it cannot change: no column, no flag)."""
     offered = impl.searched_values(base)
     axes = []
     for name in (k for k in searched() if k in offered):
+        o = next(o for o in impl.options if o.name == name)
+        if o.pipelines_only and pp == 1:
+            continue
         asked = req.options.get(name)
         values = [v for v in offered[name] if asked is None or v in asked]
-        default = next(o.default for o in impl.options if o.name == name)
-        axes.append([(name, v) for v in values or [default]])
+        axes.append([(name, v) for v in values or [o.default]])
     return only_where_used(impl.options, [dict(c) for c in itertools.product(*axes)])
 
 
@@ -201,7 +206,7 @@ def _layout_configs(
         except ConfigError:
             pass
     configs = []
-    tries = [(rc, o) for rc in req.recompute for o in option_sets(req, impl, base)]
+    tries = [(rc, o) for rc in req.recompute for o in option_sets(req, impl, base, lay.pp)]
     for rc, opts in tries:
         conf = Config(name, lay, rc, opts, pp_schedule=schedule)
         if isinstance(batches, str):

@@ -43,7 +43,7 @@ class Request:
     # restricted to these values (the rest: every value the strategy offers)
     pp: tuple[int, ...] = ()  # pipeline stages to try (empty: 1 and every pp that divides the
     # layers and G / D, for the strategies that run as stages)
-    pp_schedules: tuple[str, ...] = ("1f1b", "gpipe")
+    pp_schedules: tuple[str, ...] = ("1f1b",)  # GPipe: the same step, more memory (--pp-schedule)
     model: str = ""  # as the user named it (preset or path)
     notes: tuple[str, ...] = ()
 
