@@ -213,9 +213,15 @@ def pipeline_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
                 fits = False
                 shown.append(f"{S // 1024}K G={G}: no {subject} pipeline fits")
                 continue
+            rival = (
+                f"; / {r.rival_pp_label} {r.pp_rival_ratio:.2f}"
+                if pd.notna(r.get("pp_rival_ratio"))
+                else ""
+            )
             shown.append(
                 f"{S // 1024}K G={G}: {r.focus_pp_label} D={int(r.focus_pp_degree)} / "
                 f"{r.no_pp_label} {r.pp_ratio:.2f} ({r.pp_ratio_low:.2f}-{r.pp_ratio_high:.2f})"
+                + rival
             )
     else:
         fits = False
@@ -223,7 +229,8 @@ def pipeline_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
         shown.append(f"{why} at {_rel(path)} (snakemake plan)")
     projected = (
         f"PROJECTED ({c['hardware']}, {cfg.name}): best {subject} plan with stages across nodes "
-        f"/ best plan without stages, tokens/s: " + ", ".join(shown)
+        f"/ best plan without stages, tokens/s (and / the best other strategy's pipeline): "
+        + ", ".join(shown)
     )
     if mine and not all(mine):
         judged = "differs"
@@ -239,9 +246,11 @@ def pipeline_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
             judged,
             "composition judged by equality to the model group without stages and by a "
             "pipeline of the subject fitting at every GPU count; whether it is faster than the "
-            "best plan without stages is the ratio shown (below 1: it is not). Pipelines here: "
-            "TSP, TP and SP stages; FSDP+CP has none yet, so the plans without stages include "
-            "it and the plans with stages do not (docs/running.md)",
+            "best plan without stages is the ratio shown (below 1: it is not), and against the "
+            "best other strategy's pipeline the second ratio. Pipelines here: TSP, TP, SP, "
+            "TP+SP and FSDP+CP stages (FSDP+CP's units kept over the micro-batches, as torch "
+            "runs FSDP2 stages, or regathered per micro-batch); not FSDP2+CP or DTensor TP "
+            "(docs/running.md)",
             c["source"],
             f"{_rel(path)}; {_rel(src.measured)}",
         )

@@ -84,17 +84,27 @@ def pipeline_contest(p: Plan, focus: str, ops: OpsCache) -> dict[str, Any]:
     """Issue 34's question for one cell: the focus strategy's best plan with its model group
     inside a node and pipeline stages (``focus_pp_*``) against the best plan of any strategy
     without a pipeline axis (``no_pp_*``), with the ratio's lowest and highest over every
-    corner of the preset's rate ranges (the no-pipeline plan fixed at its nominal pick)."""
+    corner of the preset's rate ranges (the no-pipeline plan fixed at its nominal pick); and
+    against the best pipeline of any other strategy, its group inside a node likewise
+    (``rival_pp_*``, ``pp_rival_ratio``: FSDP+CP in stages, say)."""
     node = node_size(p.request.hardware)
     staged = best_exact(
         p, lambda c: c.strategy == focus and c.layout.pp > 1 and c.layout.degree <= node, ops
     )
     flat = best_exact(p, lambda c: c.layout.pp == 1, ops)
+    rival = best_exact(
+        p, lambda c: c.strategy != focus and c.layout.pp > 1 and c.layout.degree <= node, ops
+    )
     out: dict[str, Any] = {
         "focus_pp_label": None, "focus_pp_degree": None, "focus_pp_stages": None,
         "focus_pp_tokens_per_s": None, "no_pp_label": None, "no_pp_tokens_per_s": None,
         "pp_ratio": None, "pp_ratio_low": None, "pp_ratio_high": None,
+        "rival_pp_label": None, "rival_pp_tokens_per_s": None, "pp_rival_ratio": None,
     }  # fmt: skip
+    if rival is not None:
+        out |= {"rival_pp_label": rival.config.label, "rival_pp_tokens_per_s": rival.cand.speed}
+        if staged is not None:
+            out["pp_rival_ratio"] = staged.cand.speed / rival.cand.speed
     if flat is not None:
         out |= {"no_pp_label": flat.config.label, "no_pp_tokens_per_s": flat.cand.speed}
     if staged is not None:
