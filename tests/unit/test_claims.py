@@ -228,7 +228,9 @@ def _pipeline_sources(tmp_path, loss_tsp_pp: float, fits: bool) -> Sources:
         for G in (64, 256, 1024):
             pp = {"focus_pp_label": "tsp x PP2 1f1b", "focus_pp_degree": 8,
                   "focus_pp_tokens_per_s": 2.0, "no_pp_label": "fsdp_cp", "pp_ratio": 1.1,
-                  "pp_ratio_low": 1.0, "pp_ratio_high": 1.2}  # fmt: skip
+                  "pp_ratio_low": 1.0, "pp_ratio_high": 1.2,
+                  "rival_pp_label": "fsdp_cp x PP2 1f1b", "rival_pp_tokens_per_s": 2.5,
+                  "pp_rival_ratio": 0.8}  # fmt: skip
             if not fits and G == 1024:
                 pp = {k: None for k in pp}
             cells.append({"seq_len": S, "gpus": G, "strategy": "tsp"} | pp)
@@ -251,7 +253,8 @@ def test_the_pipeline_row_is_judged_by_equality_and_by_fitting(tmp_path, loss, f
     assert row.verdict == verdict, row.ours
     assert (
         "2 pipelined cells" in row.ours
-        and "32K G=64: tsp x PP2 1f1b D=8 / fsdp_cp 1.10" in row.ours
+        and "32K G=64: tsp x PP2 1f1b D=8 / fsdp_cp 1.10 (1.00-1.20); / fsdp_cp x PP2 1f1b 0.80"
+        in row.ours
     )
     # without pipelined cells in the summary, only the projection answers
     pd.read_csv(src.measured).query("cell.str.endswith('flat')").to_csv(src.measured, index=False)
