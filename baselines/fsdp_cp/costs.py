@@ -33,12 +33,13 @@ class FSDPCPCosts(costs.Costs):
         return staged and bool(spec.options.get("pp_keep_gathered"))
 
     def stage_held(self, spec: costs.Spec, numel: int) -> tuple[int, int]:
-        """Kept units: the stage's gathered weights (its shards x D, padding included) and their
-        full gradients, summed over the micro-batches until finish_grads reduce-scatters them."""
+        """Kept units: the stage's gathered weights (its shards x D, padding included; none
+        beyond the shards at D = 1, where a gather returns the shard) and their full gradients,
+        summed over the micro-batches until finish_grads reduce-scatters them."""
         if not self.kept(spec):
             return 0, 0
         whole = numel * spec.degree * spec.e
-        return whole, whole if spec.train else 0
+        return whole if spec.degree > 1 else 0, whole if spec.train else 0
 
     def unit_bytes(self, spec: costs.Spec) -> tuple[int, int, int]:
         """Bytes of the gathered (padded) units: the embedding; one layer; final norm + head."""

@@ -14,6 +14,10 @@ from tspbench.core.optim import AdamW
 from tspbench.core.reference import ReferenceModel, make_batch
 from tspbench.runtime.measure import build_strategy
 
+# what FSDP+CP's stage holds only within a step (kept units, their summed gradients, gathers
+# and reduce-scatters in flight): empty after every step
+CARRIED = ("kept", "full_grads", "prefetched", "regathered", "reducing", "held")
+
 
 def check_pipelined(case: dict) -> dict:
     spec = case_spec(case, pp=case["pp"], pp_schedule=case["schedule"], microbatches=case["M"])
@@ -40,11 +44,17 @@ def check_pipelined(case: dict) -> dict:
         ref_loss, _ = ref.loss(tokens, labels)
         ref_loss.backward()
         loss = strat.forward_backward(batch)
+        # every step's loss and gradient norm (state a stage wrongly carries from one step to
+        # the next, kept units or gradients, shows from the second), and nothing carried
+        record(f"loss{step}", loss, ref_loss)
+        ref_norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in ref.parameters()))
+        record(f"grad_norm{step}", strat.grad_sq_norm().sqrt(), ref_norm)
+        for name in CARRIED:
+            if getattr(strat.strat, name, None):
+                res["ok"] = False
+                res.setdefault("failed", []).append(f"step {step}: {name} not empty")
         if step == 0:
             res["times"] = strat.take_times()  # (schedule, stage compute) seconds
-            record("loss", loss, ref_loss)
-            ref_norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in ref.parameters()))
-            record("grad_norm", strat.grad_sq_norm().sqrt(), ref_norm)
             ref_grads = {n: p.grad for n, p in ref.named_full_params().items()}
             held = strat.full_params(grads=True)
             res["names"] = sorted(held)

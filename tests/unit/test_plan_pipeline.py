@@ -178,11 +178,14 @@ def test_fsdp_cp_stages_keep_their_units_or_move_them_every_micro_batch():
     slot carries its unit traffic, and the stage holds neither."""
     pre = costmodel.load_preset("h100")
     kw = dict(degree=8, pp=2, seq_len=8192, recompute="none")
+    added, once = {}, {}
     for keep in (True, False):
         a = _spec("fsdp_cp", batch=8, microbatches=8, pp_keep_gathered=keep, **kw)
         b = _spec("fsdp_cp", batch=16, microbatches=16, pp_keep_gathered=keep, **kw)
         pa, pb = costmodel.project(a, pre, ops=0), costmodel.project(b, pre, ops=0)
-        assert pb["device_s"] - pa["device_s"] == pytest.approx(8 * pa["pp_bubble_s"]), keep
+        added[keep] = pb["device_s"] - pa["device_s"]
+        once[keep] = pa["pp_once_s"]
+        assert added[keep] == pytest.approx(8 * pa["pp_bubble_s"]), keep
         mb = stages.micro_spec(a)
         sizes = set(a.impl.costs.unit_bytes(mb))  # (the K/V gathers' differ)
         units = [ev for ev in costmodel.analytic.schedule(mb)
@@ -191,6 +194,12 @@ def test_fsdp_cp_stages_keep_their_units_or_move_them_every_micro_batch():
         n = stages.stage_params(a, 0)
         held = (n * 8 * 2, n * 8 * 2) if keep else (0, 0)
         assert a.impl.costs.stage_held(a, n) == held
+    # each micro-batch more costs the kept stage less (no unit traffic in its slot), and its
+    # once-a-step work holds the units' reduce-scatters (at least their bus time)
+    assert added[True] < added[False]
+    r = costmodel.rates(pre, 8)["groups"]["8"]["reduce_scatter"]
+    n = stages.stage_params(_spec("fsdp_cp", **kw), 1)
+    assert once[True] - once[False] >= 7 / 8 * n * 8 * 2 / r["bw"]
     kept = stages.stage_memory(_spec("fsdp_cp", **kw), 0)
     per_mb = stages.stage_memory(_spec("fsdp_cp", pp_keep_gathered=False, **kw), 0)
     assert kept["peak"] > per_mb["peak"]

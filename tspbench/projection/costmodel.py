@@ -285,9 +285,14 @@ def project(
             crit += lat
     hidden = min(ovl, r["overlap_efficiency"] * compute)
     device = compute + crit + ovl - hidden
-    # once-a-step transfers the implementation overlaps hide behind the one micro-batch whose
-    # compute they run beside, where its own transfers leave room
-    once_s += max(0.0, once_ovl - (r["overlap_efficiency"] * compute - hidden))
+    # once-a-step transfers the implementation overlaps (FSDP+CP's kept units, gathered one
+    # ahead in the first micro-batch's forward) hide behind that forward (a third of a
+    # training micro-batch's compute, a quarter with recomputation), where its own hidden
+    # transfers leave room
+    if once_ovl:
+        fwd = 1 / (3 + c.rc) if c.train else 1.0
+        room = fwd * (r["overlap_efficiency"] * compute - hidden)
+        once_s += max(0.0, once_ovl - room)
     per_op = r["op_overhead_s"] * straggler
     base = {
         "device_s": device,

@@ -129,12 +129,16 @@ def stage_memory(c: RunSpec, stage: int) -> Memory:
         """Saved tensors at a backward: the loss's saved tensors of the micro-batch in
         backward too at the loss, only the others' at a layer."""
         first = k * unit + (k - (not at_loss)) * loss_unit
+        if c.microbatches == 1:  # (kept gradients fill during the one backward: all, at most)
+            first += kept_g
         again = later * unit + (later - (not at_loss)) * loss_unit + grads if later else 0
         return max(first, again)
 
     crests = {
         "layer backward": rest + kept_w + held(False) + top + layer_t + head_grad,
-        "end of backward": rest + n * e + end_t + kept_g,
+        # (kept units: their weights until the schedule ends, their full gradients until
+        # reduce-scattered after it; else the shards' gradients)
+        "end of backward": rest + end_t + (kept_w + kept_g if kept_g else n * e),
     }
     if last:
         crests["loss backward"] = rest + kept_w + held(True) + loss_t + head_grad
