@@ -278,7 +278,7 @@ class FSDPCP(SequenceSharded):
         cos, sin, hooks = cp_tables(
             self, S, self.comm, cfg, x, self.cp_comm, self.overlap, self.cp_groups
         )
-        for unit, _ in enumerate(self.stage.layers, self.first_layer_unit):
+        for unit in range(self.first_layer_unit, self.first_layer_unit + len(self.stage.layers)):
             x = self.checkpointed(
                 self.run_unit,
                 unit,
@@ -286,6 +286,11 @@ class FSDPCP(SequenceSharded):
                 x,
             )
         return x
+
+    @property
+    def head_unit(self) -> int:
+        """The final norm's (and untied head's) unit: the last, on the last stage."""
+        return len(self.units) - 1
 
     def _body(self, batch: Batch) -> torch.Tensor:
         return self.run_layers(self.embed(batch.tokens))
@@ -299,7 +304,7 @@ class FSDPCP(SequenceSharded):
         def head(w, x):
             return self._ce(rms_norm(x, w["norm"], self.cfg.norm_eps), w["head"], labels)
 
-        return self.run_unit(len(self.units) - 1, head, x) / n_tokens
+        return self.run_unit(self.head_unit, head, x) / n_tokens
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         x = self._body(batch)
@@ -308,9 +313,7 @@ class FSDPCP(SequenceSharded):
             return local, self.total_loss(local)
         # tied: the norm's unit, then the embedding's gathered again as the head; the head's
         # gradient waits for the lookup's, and the sum is reduce-scattered once (GatherUnit)
-        x = self.run_unit(
-            len(self.units) - 1, lambda w, x: rms_norm(x, w["norm"], self.cfg.norm_eps), x
-        )
+        x = self.run_unit(self.head_unit, lambda w, x: rms_norm(x, w["norm"], self.cfg.norm_eps), x)
         self.reusing = True
         try:
             total = self.run_unit(0, lambda w, x: self._ce(x, w["embed"], batch.labels), x)
@@ -329,7 +332,7 @@ class FSDPCP(SequenceSharded):
         with torch.no_grad():
             x = self._body(batch)
             h = self.run_unit(
-                len(self.units) - 1, lambda w, x: rms_norm(x, w["norm"], self.cfg.norm_eps), x
+                self.head_unit, lambda w, x: rms_norm(x, w["norm"], self.cfg.norm_eps), x
             )
         return zigzag.unshard(list(self.comm.all_gather(h, dim=1).chunk(self.comm.size, dim=1)))
 

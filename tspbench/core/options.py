@@ -39,6 +39,11 @@ class Option:
     pipelines_only: bool = False  # it matters only in a pipeline stage (layout.pp > 1): set
     # elsewhere it is refused, the planner tries its default only and the shared tests skip it
 
+    def applies(self, pp: int) -> bool:
+        """Whether a value of it can change a run of ``pp`` pipeline stages (one of pipelines
+        only cannot without stages: the one place that rule lives)."""
+        return pp > 1 or not self.pipelines_only
+
     @property
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")

@@ -362,7 +362,7 @@ class Strategy(ABC):
         each other choice of a str option, one at a time (a strategy adds its own mixes); not
         those of pipelines only (tests/integration/test_pipeline_parallel.py checks them)."""
         out: list[dict[str, Value]] = []
-        for o in (o for o in cls.options if not o.pipelines_only):
+        for o in (o for o in cls.options if o.applies(1)):
             values = (not o.default,) if isinstance(o.default, bool) else o.choices
             out += [{o.name: v} for v in values if v != o.default]
         return out

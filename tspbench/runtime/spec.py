@@ -91,7 +91,7 @@ class RunSpec:
         if lay.pp > 1 and self.mode not in ("train", "infer"):
             raise ConfigError(f"mode={self.mode!r} with pp={lay.pp}: pipelines here train or infer")
         for o in self.impl.options:
-            if o.pipelines_only and lay.pp == 1 and not self.stage_of:
+            if not o.applies(lay.pp) and not self.stage_of:
                 if options[o.name] != o.default:
                     value = o.text(options[o.name])
                     raise ConfigError(f"{o.name}={value}: only with pp > 1 (got pp=1)")
@@ -193,7 +193,7 @@ class RunSpec:
             argv += ["--new-tokens", str(self.new_tokens)]
         argv += ["--dtype", self.dtype, "--recompute", self.recompute]
         for o in self.impl.options:  # each named (``project`` would pick the preset's), but
-            if o.pipelines_only and lay.pp == 1:  # those that do nothing without a pipeline
+            if not o.applies(lay.pp):  # those that do nothing without a pipeline
                 continue
             argv += [o.flag, o.text(self.options[o.name])]
         argv += ["--seed", str(self.seed), "--warmup", str(self.warmup), "--steps", str(self.steps)]

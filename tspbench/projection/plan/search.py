@@ -101,7 +101,7 @@ def option_sets(
     axes = []
     for name in (k for k in searched() if k in offered):
         o = next(o for o in impl.options if o.name == name)
-        if o.pipelines_only and pp == 1:
+        if not o.applies(pp):
             continue
         asked = req.options.get(name)
         values = [v for v in offered[name] if asked is None or v in asked]
