@@ -229,7 +229,7 @@ def test_model_override_bounds_are_the_model_configs():
     from tspbench.core.config import RANGES
 
     fields = SCHEMA["properties"]["model_overrides"]["properties"]
-    flags = {"qk_norm", "qkv_bias", "o_bias", "mlp_bias", "tie_embeddings"}
+    flags = {"qk_norm", "qkv_bias", "o_bias", "mlp_bias", "tie_embeddings", "norm_topk"}
     assert set(fields) == set(RANGES) | flags | {"rope_scaling"}  # the fields not numbers
     assert fields["rope_scaling"]["type"] == "string"
     assert {fields[f]["type"] for f in flags} == {"boolean"}

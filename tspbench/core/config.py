@@ -83,7 +83,13 @@ RANGES: dict[str, tuple[float, float]] = {
     "norm_eps": (1e-12, 0.1),
     "init_std": (1e-6, 10.0),
     "head_dim": (0, 4096),  # 0: hidden/heads
+    "experts": (0, 4096),  # 0: a dense MLP
+    "top_k": (0, 4096),
+    "expert_ffn": (0, 2**20),  # 0: ffn
+    "shared_ffn": (0, 2**20),  # 0: no shared expert
+    "aux_loss": (0.0, 1.0),
 }
+FLOATS = ("rope_theta", "norm_eps", "init_std", "aux_loss")
 
 
 def _num(x: float) -> str:
@@ -92,7 +98,9 @@ def _num(x: float) -> str:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A dense decoder-only Llama-style model (RMSNorm, RoPE, GQA attention, SwiGLU MLP)."""
+    """A decoder-only Llama-style model (RMSNorm, RoPE, GQA attention, SwiGLU MLP), dense or
+    with a dropless mixture of experts in every layer's MLP (Mixtral, Qwen2/3-MoE:
+    tspbench/core/moe.py)."""
 
     name: str = "custom"
     vocab: int = 256
@@ -111,11 +119,17 @@ class ModelConfig:
     mlp_bias: bool = False  # biases on W1, W3 and W2 (Llama's mlp_bias)
     tie_embeddings: bool = False  # the LM head is the embedding (Llama 3.2 1B/3B, small Qwens)
     head_dim: int = 0  # each head's size d; 0: hidden/heads (Qwen3 0.6B/4B/32B set it wider)
+    experts: int = 0  # E routed experts per layer; 0: a dense MLP
+    top_k: int = 0  # experts per token (num_experts_per_tok)
+    expert_ffn: int = 0  # each expert's f_e (Qwen's moe_intermediate_size); 0: ffn (Mixtral)
+    norm_topk: bool = True  # the k weights renormalised to 1 (Mixtral; Qwen: norm_topk_prob)
+    shared_ffn: int = 0  # a gated shared expert's width (Qwen2-MoE); 0: none
+    aux_loss: float = 0.0  # the load-balancing loss's coefficient (router_aux_loss_coef); 0: off
 
     def __post_init__(self) -> None:
         for f, (lo, hi) in RANGES.items():
             v = getattr(self, f)
-            integral = f not in ("rope_theta", "norm_eps", "init_std")
+            integral = f not in FLOATS
             if integral and (not isinstance(v, int) or isinstance(v, bool)):
                 raise ConfigError(f"model.{f}={v!r}: must be an integer")
             if not isinstance(v, int | float) or not math.isfinite(v) or not lo <= v <= hi:
@@ -132,7 +146,8 @@ class ModelConfig:
         if self.d_head % 2:
             what = "model.head_dim" if self.head_dim else "head dim hidden/heads"
             raise ConfigError(f"{what}={self.d_head}: must be even for RoPE")
-        for flag in ("qk_norm", "qkv_bias", "o_bias", "mlp_bias", "tie_embeddings"):
+        self._check_experts()
+        for flag in ("qk_norm", "qkv_bias", "o_bias", "mlp_bias", "tie_embeddings", "norm_topk"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"model.{flag}={getattr(self, flag)!r}: must be true or false")
         if not isinstance(self.rope_scaling, str):
@@ -141,6 +156,33 @@ class ModelConfig:
             rope.parse(self.rope_scaling)
         except rope.RopeError as e:
             raise ConfigError(f"model.rope_scaling={self.rope_scaling!r}: {e}") from None
+
+    def _check_experts(self) -> None:
+        """The mixture-of-experts fields agree: k experts of E per token, the MoE fields only
+        with experts, no dense MLP biases in an MoE layer."""
+        if not self.experts:
+            for f in ("top_k", "expert_ffn", "shared_ffn", "aux_loss"):
+                if getattr(self, f):
+                    raise ConfigError(
+                        f"model.{f}={getattr(self, f)!r}: only with experts (model.experts=0)"
+                    )
+            return
+        if not 1 <= self.top_k <= self.experts:
+            raise ConfigError(
+                f"model.top_k={self.top_k}: must be between 1 and model.experts={self.experts}"
+            )
+        if self.mlp_bias:
+            raise ConfigError("model.mlp_bias=True: an MoE layer's experts have no biases")
+
+    @property
+    def moe(self) -> bool:
+        """Whether each layer's MLP is a mixture of experts."""
+        return self.experts > 0
+
+    @property
+    def moe_ffn(self) -> int:
+        """f_e, each routed expert's width: ``expert_ffn`` where set, ``ffn`` otherwise."""
+        return self.expert_ffn or self.ffn
 
     @property
     def d_head(self) -> int:
@@ -160,7 +202,11 @@ class ModelConfig:
     def n_params(self, embeddings: bool = True) -> int:
         """Total parameter count (embedding and LM head are untied)."""
         h, f, q = self.hidden, self.ffn, self.q_dim
-        per_layer = 2 * h * q + 2 * h * self.kv_dim + 3 * h * f + 2 * h
+        mlp = 3 * h * f
+        if self.moe:  # the router, E experts and a shared expert with its gate
+            mlp = self.experts * (h + 3 * h * self.moe_ffn)
+            mlp += (3 * h * self.shared_ffn + h) if self.shared_ffn else 0
+        per_layer = 2 * h * q + 2 * h * self.kv_dim + mlp + 2 * h
         per_layer += 2 * self.d_head if self.qk_norm else 0
         per_layer += q + 2 * self.kv_dim if self.qkv_bias else 0
         per_layer += h if self.o_bias else 0
@@ -207,6 +253,12 @@ class ModelOverrides(TypedDict, total=False):
     mlp_bias: bool
     tie_embeddings: bool
     head_dim: int
+    experts: int
+    top_k: int
+    expert_ffn: int
+    norm_topk: bool
+    shared_ffn: int
+    aux_loss: float
 
 
 BOOLS = {"true": True, "false": False, "1": True, "0": False}
@@ -221,6 +273,11 @@ def parse_overrides(items: list[str] | None) -> ModelOverrides:
             raise ConfigError(f"--set {item!r}: expected field=value, e.g. --set kv_heads=4")
         key, raw = item.split("=", 1)
         key = key.strip()
+        if key in HF_CAPACITY_KEYS:
+            raise ConfigError(
+                f"--set {key}={raw}: the MoE here is dropless (every routed token is computed):"
+                " no capacity"
+            )
         if key not in fields or key == "name":
             raise ConfigError(
                 f"--set {key!r}: unknown model field; known: {', '.join(sorted(fields))}"
@@ -259,15 +316,21 @@ HF_FIELDS = {  # ModelConfig field <- config.json key (and the key's default, No
     "rope_theta": ("rope_theta", 10000.0),
     "norm_eps": ("rms_norm_eps", 1e-6),
 }
-# dense pre-norm RMSNorm/RoPE/GQA/SwiGLU decoders (docs/models.md); Qwen3 adds QK norms
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-HF_FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3")
-HF_ARCHS = {f"{n}{h}": n.lower() for n in HF_FAMILIES for h in ("ForCausalLM", "Model")}
-QK_NORM_TYPES = ("qwen3",)  # Qwen3 norms each head's Q and K
+# pre-norm RMSNorm/RoPE/GQA/SwiGLU decoders (docs/models.md); Qwen3 adds QK norms; Mixtral and
+# Qwen2/3-MoE route each layer's tokens to experts (tspbench/core/moe.py)
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+HF_FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3", "Mixtral", "Qwen2Moe", "Qwen3Moe")
+HF_ARCHS = {
+    f"{n}{h}": t for n, t in zip(HF_FAMILIES, HF_MODEL_TYPES) for h in ("ForCausalLM", "Model")
+}
+QK_NORM_TYPES = ("qwen3", "qwen3_moe")  # Qwen3 norms each head's Q and K
 QKV_BIAS_TYPES = ("qwen2",)  # Qwen2 (and 2.5) has biases on its Q, K, V projections
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 HF_MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "n_shared_experts",
                "num_experts_per_tok", "moe_intermediate_size", "moe_layer_freq",
                "shared_expert_intermediate_size", "decoder_sparse_step")  # fmt: skip
+# the keys of a capacity that drops tokens (Switch, Megatron-Core): the MoE here is dropless
+HF_CAPACITY_KEYS = ("capacity_factor", "expert_capacity", "moe_expert_capacity_factor")
 
 
 def hf_config(data: object, where: str = "config.json") -> tuple[ModelConfig, list[str]]:
@@ -285,6 +348,8 @@ def hf_config(data: object, where: str = "config.json") -> tuple[ModelConfig, li
     family = data.get("model_type") or (HF_ARCHS[archs[0]] if archs else "")  # its model_type
     values["qk_norm"] = family in QK_NORM_TYPES
     values.update(_hf_biases(data, where, family or "llama"))
+    if family in MOE_TYPES:
+        values.update(_hf_experts(data, where, family))
     tie = data.get("tie_word_embeddings", False)
     if not isinstance(tie, bool):
         raise _hf_refuse(data, where, "tie_word_embeddings", "must be true or false")
@@ -309,6 +374,15 @@ def _hf_notes(data: dict) -> list[str]:
     dropout = data.get("attention_dropout")
     if isinstance(dropout, int | float) and not isinstance(dropout, bool) and dropout:
         notes.append(f"attention_dropout={dropout}: not modelled (the step has no dropout)")
+    jitter = data.get("router_jitter_noise")
+    if isinstance(jitter, int | float) and not isinstance(jitter, bool) and jitter:
+        notes.append(f"router_jitter_noise={jitter}: not modelled (the step has no noise)")
+    coef = data.get("router_aux_loss_coef")
+    if coef and not data.get("output_router_logits"):
+        notes.append(
+            f"router_aux_loss_coef={coef}: HF adds it only with output_router_logits; off here"
+            f" (--set aux_loss={coef} turns it on)"
+        )
     tp = data.get("pretraining_tp")
     if isinstance(tp, int) and not isinstance(tp, bool) and tp > 1:
         notes.append(f"pretraining_tp={tp}: HF's sliced emulation of the same layers; not modelled")
@@ -341,7 +415,11 @@ def _hf_check_architecture(data: dict, where: str) -> None:
             "architectures",
             f"not a Llama-style decoder (one of {', '.join(HF_ARCHS)})",
         )
-    for key in HF_MOE_KEYS:
+    for key in HF_CAPACITY_KEYS:
+        if data.get(key) is not None:
+            raise _hf_refuse(data, where, key, "a capacity drops tokens; the MoE here is dropless")
+    family = mtype or (HF_ARCHS[archs[0]] if archs else "")
+    for key in HF_MOE_KEYS * (family not in MOE_TYPES):
         if data.get(key):
             raise _hf_refuse(
                 data,
@@ -366,8 +444,14 @@ def _hf_biases(data: dict, where: str, family: str) -> dict[str, bool]:
     """The projections' biases: Qwen2's on Q, K and V always; ``attention_bias`` (Llama, Qwen3:
     Q, K, V and O) and ``mlp_bias`` (Llama: gate, up and down) where the family's class reads
     them; set in a family whose class ignores it, refused naming the key."""
-    out = {"qkv_bias": family in QKV_BIAS_TYPES, "o_bias": False, "mlp_bias": False}
-    for key, families in (("attention_bias", ("llama", "qwen3")), ("mlp_bias", ("llama",))):
+    qkv = family in QKV_BIAS_TYPES
+    if family == "qwen2_moe":  # Qwen2-MoE's own key, true by default
+        qkv = data.get("qkv_bias", True)
+        if not isinstance(qkv, bool):
+            raise _hf_refuse(data, where, "qkv_bias", "must be true or false")
+    out = {"qkv_bias": qkv, "o_bias": False, "mlp_bias": False}
+    attention_bias = ("llama", "qwen3", "qwen3_moe")
+    for key, families in (("attention_bias", attention_bias), ("mlp_bias", ("llama",))):
         v = data.get(key)
         if v is None or v is False:
             continue
@@ -379,6 +463,37 @@ def _hf_biases(data: dict, where: str, family: str) -> dict[str, bool]:
             out.update(qkv_bias=True, o_bias=True)
         else:
             out["mlp_bias"] = True
+    return out
+
+
+def _hf_experts(data: dict, where: str, family: str) -> dict[str, int | float | bool]:
+    """The experts of a Mixtral or Qwen2/3-MoE ``config.json``: E, k, each expert's width
+    (Mixtral's ``intermediate_size``, Qwen's ``moe_intermediate_size``), Qwen2-MoE's shared
+    expert, the top-k renormalisation (Mixtral always; Qwen where ``norm_topk_prob``) and the
+    load-balancing loss where HF adds it (``output_router_logits``). Every layer here is MoE:
+    a sparse step other than 1 or dense ``mlp_only_layers`` is refused, naming the key."""
+    E = "num_local_experts" if family == "mixtral" else "num_experts"
+    out: dict[str, int | float | bool] = {
+        "experts": _hf_value(data, where, "experts", E, None),
+        "top_k": _hf_value(data, where, "top_k", "num_experts_per_tok", None),
+    }
+    if family != "mixtral":
+        out["expert_ffn"] = _hf_value(data, where, "expert_ffn", "moe_intermediate_size", None)
+        norm = data.get("norm_topk_prob", False)
+        if not isinstance(norm, bool):
+            raise _hf_refuse(data, where, "norm_topk_prob", "must be true or false")
+        out["norm_topk"] = norm
+    if family == "qwen2_moe":
+        out["shared_ffn"] = _hf_value(
+            data, where, "shared_ffn", "shared_expert_intermediate_size", None
+        )
+    step = data.get("decoder_sparse_step")
+    if step not in (None, 1):
+        raise _hf_refuse(data, where, "decoder_sparse_step", "every layer here is MoE (1)")
+    if data.get("mlp_only_layers"):
+        raise _hf_refuse(data, where, "mlp_only_layers", "every layer here is MoE (none dense)")
+    if data.get("output_router_logits") is True:
+        out["aux_loss"] = _hf_value(data, where, "aux_loss", "router_aux_loss_coef", 0.001)
     return out
 
 
@@ -402,7 +517,7 @@ def _hf_value(
     else:
         v = data[default] if isinstance(default, str) and default in data else default
     lo, hi = RANGES[field]
-    integral = field not in ("rope_theta", "norm_eps")
+    integral = field not in FLOATS
     bad = isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v)
     if bad or (integral and not isinstance(v, int)):
         raise ConfigError(
@@ -451,9 +566,21 @@ def _hf_model(values: dict[str, int | float | str | bool], where: str) -> ModelC
         return ModelConfig(name="custom", **cast(ModelOverrides, values))  # int where integral
     except ConfigError as e:  # a rule across fields: say it with the file's keys
         msg = str(e)
-        for field, key in [(f, k) for f, (k, _) in HF_FIELDS.items()] + [("head_dim", "head_dim")]:
+        keys = [(f, k) for f, (k, _) in HF_FIELDS.items()] + [("head_dim", "head_dim")]
+        keys += [("top_k", "num_experts_per_tok"), ("experts", "num_experts")]
+        for field, key in keys:
             msg = msg.replace(f"model.{field}", key)
         raise ConfigError(f"{where}: {msg}") from None
+
+
+def require_dense(cfg: ModelConfig, what: str) -> None:
+    """Refuse a model with experts where ``what`` (a command) models dense ones only: its
+    closed forms would price a dense MLP that the model does not have."""
+    if cfg.moe:
+        raise ConfigError(
+            f"model.experts={cfg.experts}: {what} covers dense models only so far (the closed "
+            "forms, estimator and cost model have no experts); tspbench run measures this one"
+        )
 
 
 def read_hf_config(path: str) -> tuple[ModelConfig, list[str]]:

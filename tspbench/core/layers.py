@@ -169,8 +169,10 @@ class LayerHooks:
 
     enter: on each normed input before the column-parallel projections (TP: identity forward,
     all-reduce backward); exit: on each row-parallel output (TP: all-reduce forward);
-    gather_kv: on local (k, v) (context parallel: all-gather the sequence); attn: the kernel.
-    The defaults are the single-device model.
+    gather_kv: on local (k, v) (context parallel: all-gather the sequence); attn: the kernel;
+    moe: the whole mixture-of-experts MLP on the normed tokens (a layer with experts needs one:
+    routing, and where the experts live, are the strategy's). The defaults are the
+    single-device model.
     """
 
     enter: Callable[[torch.Tensor], torch.Tensor] = _identity
@@ -179,6 +181,7 @@ class LayerHooks:
         lambda k, v: (k, v)
     )
     attn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = _causal_sdpa
+    moe: Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor] | None = None
 
 
 def transformer_layer(
@@ -193,7 +196,7 @@ def transformer_layer(
     """One pre-norm Llama block on x [B, L, h] with (possibly sharded) weights ``p`` (with
     ``q_norm`` and ``k_norm``: Qwen3's, each head's Q and K normed before RoPE; with ``bq``,
     ``bk``, ``bv``: Qwen2's QKV biases; with ``bo``, ``b1``, ``b3``, ``b2``: Llama's attention
-    output and MLP biases).
+    output and MLP biases; with ``router``: a mixture of experts, ``hooks.moe``).
 
     Head counts follow from the weight shapes, so a TP shard of Wq simply yields fewer heads.
     The attention and the MLP are functions of their own, as ``nn.Module``s are: a forward-only
@@ -212,6 +215,10 @@ def transformer_layer(
         return out_proj(o, p, "wo", hooks.exit)
 
     def mlp(x: torch.Tensor) -> torch.Tensor:
+        if "router" in p:  # experts: the strategy's MoE block, its communication its own
+            if hooks.moe is None:
+                raise ValueError("a layer with experts needs LayerHooks.moe")
+            return hooks.moe(rms_norm(x, p["mlp_norm"], eps), p)
         m = hooks.enter(rms_norm(x, p["mlp_norm"], eps))
         return out_proj(F.silu(in_proj(m, p, "w1")) * in_proj(m, p, "w3"), p, "w2", hooks.exit)
 

@@ -6,10 +6,13 @@ kernels and schedules the strategies use, so a bug there cannot hide in the refe
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import torch
 import torch.nn.functional as F
 
-from tspbench.core import init
+from tspbench.core import init, moe
 from tspbench.core.config import ModelConfig
 from tspbench.core.layers import LayerHooks, cached, rms_norm, rope_on, transformer_layer
 
@@ -24,8 +27,9 @@ OUTPUT_BIASES = ("bo", "b2")
 def layer_params(cfg: ModelConfig) -> tuple[str, ...]:
     """The parameters of one layer of ``cfg``: Llama's nine, then the QK norms and the biases
     where it has them."""
+    dense = LAYER_PARAMS if not cfg.moe else LAYER_PARAMS[:6] + moe.moe_params(cfg)
     return (
-        LAYER_PARAMS + QK_NORMS * cfg.qk_norm + QKV_BIASES * cfg.qkv_bias
+        dense + QK_NORMS * cfg.qk_norm + QKV_BIASES * cfg.qkv_bias
         + ("bo",) * cfg.o_bias + MLP_BIASES * cfg.mlp_bias
     )  # fmt: skip
 
@@ -58,9 +62,7 @@ def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         "wv": (kv, h),
         "wo": (h, q),
         "mlp_norm": (h,),
-        "w1": (f, h),
-        "w3": (f, h),
-        "w2": (h, f),
+        **({"w1": (f, h), "w3": (f, h), "w2": (h, f)} if not cfg.moe else moe.moe_shapes(cfg)),
         **{k: (cfg.d_head,) for k in QK_NORMS if cfg.qk_norm},
         **({"bq": (q,), "bk": (kv,), "bv": (kv,)} if cfg.qkv_bias else {}),
         **({"bo": (h,)} if cfg.o_bias else {}),
@@ -87,9 +89,18 @@ def init_param(
 
     Each element is a function of (seed, name, its index in the full tensor) only, so every
     strategy generates just its shard and all start from bit-identical weights (norms: ones;
-    a bias: random as a weight, a [n, 1] column).
+    a bias: random as a weight, a [n, 1] column; the experts' [E, a, b] stacks: an [E * a, b]
+    weight, ``rows`` indexing its first dimension, so an expert's own rows are contiguous).
     """
     shape = param_shapes(cfg)[name]
+    if len(shape) == 3:
+        E, a, b = shape
+        rows = slice(None) if rows is None else rows
+        ix = torch.arange(E)[rows]  # the experts wanted, in order
+        flat = (ix[:, None] * a + torch.arange(a)[None, :]).flatten()
+        keys = init.param_keys(seed, name)
+        out = init.block((E * a, b), keys, cfg.init_std, flat, cols, device)
+        return out.view(len(ix), a, out.shape[-1])
     if len(shape) == 1 and is_norm(name):
         return torch.ones(shape, device=device)[rows if rows is not None else slice(None)]
     if len(shape) == 1:
@@ -105,7 +116,7 @@ def init_param_flat(
     shape = param_shapes(cfg)[name]
     if len(shape) == 1 and is_norm(name):
         return torch.ones(max(0, min(stop, shape[0]) - max(0, start)), device=device)
-    numel = shape[0] * (shape[1] if len(shape) == 2 else 1)
+    numel = math.prod(shape)
     return init.flat_range(numel, init.param_keys(seed, name), cfg.init_std, start, stop, device)
 
 
@@ -150,25 +161,41 @@ class ReferenceModel(torch.nn.Module):
         return {n: self.p(n) for n in param_shapes(self.cfg)}
 
     def forward(
-        self, tokens: torch.Tensor, layer_call=None, hooks: LayerHooks | None = None
+        self,
+        tokens: torch.Tensor,
+        layer_call=None,
+        hooks: LayerHooks | None = None,
+        stats: moe.RouterStats | None = None,
     ) -> torch.Tensor:
         """Final normed hidden states; ``layer_call(fn, *args)`` wraps each layer (recompute);
-        ``hooks`` (default: the single-device layer, PyTorch's SDPA) picks the attention."""
+        ``hooks`` (default: the single-device layer, PyTorch's SDPA) picks the attention;
+        ``stats`` collects the routing of a model with experts (the load-balancing loss)."""
         cfg = self.cfg
         layer_call = layer_call or (lambda fn, *args: fn(*args))
+        hooks = hooks or LayerHooks()
+        if cfg.moe and hooks.moe is None:  # every expert here: dropless, no communication
+            hooks = dataclasses.replace(
+                hooks,
+                moe=lambda m, p: moe.moe_mlp(m, p, cfg.top_k, cfg.norm_topk, stats),
+            )
         x = F.embedding(tokens, self.p("embed"))
         L = tokens.shape[1]
         key = ("rope", L, x.dtype, x.device)
         cos, sin = cached(self, key, lambda: rope_on(torch.arange(L), cfg, x))
         for i in range(cfg.layers):
             p = {k: self.p(f"layers.{i}.{k}") for k in layer_params(cfg)}
-            x = layer_call(
-                transformer_layer, x, p, cfg.norm_eps, cfg.d_head, cos, sin, hooks or LayerHooks()
-            )
+            x = layer_call(transformer_layer, x, p, cfg.norm_eps, cfg.d_head, cos, sin, hooks)
         return rms_norm(x, self.p("norm"), cfg.norm_eps)
 
     def loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mean cross-entropy over all tokens, final hidden states)."""
-        hidden = self.forward(tokens)
-        logits = (hidden @ self.head().T).float()
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten()), hidden
+        """(mean cross-entropy over all tokens, plus the load-balancing loss where the model
+        has one, final hidden states)."""
+        stats = moe.RouterStats() if self.cfg.aux_loss else None
+        hidden = self.forward(tokens, stats=stats)
+        logits = hidden @ self.head().T
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp64 stays
+        ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        if stats is None:
+            return ce, hidden
+        aux = moe.aux_loss_part(stats, moe.local_counts(stats), stats.rows, self.cfg.experts)
+        return ce + self.cfg.aux_loss * aux, hidden

@@ -1,0 +1,149 @@
+"""Mixture-of-experts MLP, dropless, as Mixtral, Qwen2-MoE and Qwen3-MoE define it.
+
+A linear router scores each token against the E experts; softmax (fp32), top-k, and (Mixtral
+always, Qwen where ``norm_topk_prob``) the k weights renormalised to sum to one. Every routed
+token is computed (no capacity, nothing dropped), so a strategy that moves tokens or weights
+differently still equals the reference exactly. Qwen2-MoE adds a shared SwiGLU expert that every
+token passes through, scaled by a sigmoid gate of its own.
+
+The router's load-balancing loss (Switch Transformer's, as HF's ``load_balancing_loss_func``
+computes it over every layer's tokens together) is E * sum_e (n_e / N) * (P_e / N), with n_e
+the top-k assignments to expert e and P_e the summed router probabilities, N the routed rows of
+all layers. Only P carries a gradient, so a rank holding some tokens contributes
+E / N^2 * sum_e n_e * P_e(local) with the global counts: the contributions sum to the loss and
+its gradient, whatever the rank's share of the tokens (:func:`aux_loss_part`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from tspbench.core import recompute
+from tspbench.core.config import ModelConfig
+
+# a MoE layer's parameters (in place of the dense MLP's w1, w3, w2): the router [E, h]; the
+# experts' gate and up [E, f_e, h], down [E, h, f_e]; Qwen2-MoE's shared expert and its gate
+ROUTER = ("router",)
+EXPERTS = ("ew1", "ew3", "ew2")
+SHARED = ("sw1", "sw3", "sw2", "sgate")
+
+
+def moe_params(cfg: ModelConfig) -> tuple[str, ...]:
+    """The MLP parameters of one MoE layer of ``cfg``."""
+    return ROUTER + EXPERTS + SHARED * bool(cfg.shared_ffn)
+
+
+def moe_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Their full shapes; the experts' weights stacked on a leading expert dimension."""
+    h, E, fe, fs = cfg.hidden, cfg.experts, cfg.moe_ffn, cfg.shared_ffn
+    shapes: dict[str, tuple[int, ...]] = {
+        "router": (E, h), "ew1": (E, fe, h), "ew3": (E, fe, h), "ew2": (E, h, fe)
+    }  # fmt: skip
+    if fs:
+        shapes.update(sw1=(fs, h), sw3=(fs, h), sw2=(h, fs), sgate=(1, h))
+    return shapes
+
+
+@dataclass
+class RouterStats:
+    """What the load-balancing loss needs of the layers run so far on this rank's tokens:
+    top-k assignments per expert (no gradient), router probabilities summed per expert (with
+    it), and the rows routed."""
+
+    counts: list[torch.Tensor] = field(default_factory=list)
+    probs: list[torch.Tensor] = field(default_factory=list)
+    rows: int = 0
+
+    def add(self, probs: torch.Tensor, idx: torch.Tensor) -> None:
+        """Count one layer's routing (not again while backward recomputes the layer: the
+        forward's sums carry the gradient)."""
+        if recompute.active():
+            return
+        E = probs.shape[-1]
+        self.counts.append(torch.bincount(idx.flatten(), minlength=E).to(probs.dtype))
+        self.probs.append(probs.sum(0))
+        self.rows += probs.shape[0]
+
+
+def route(
+    m: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(probs [T, E] fp32 (fp64 for fp64), weights [T, k] in m's dtype, experts [T, k]) of the
+    tokens m [T, h]: softmax over the router's logits, the k largest, renormalised where the
+    family does."""
+    acc = torch.float64 if m.dtype == torch.float64 else torch.float32
+    probs = F.softmax((m @ router.T).to(acc), dim=-1)
+    weights, idx = torch.topk(probs, top_k, dim=-1)
+    if norm_topk:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return probs, weights.to(m.dtype), idx
+
+
+def expert_ffn(
+    x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
+    """One SwiGLU expert on its tokens x [n, h]."""
+    return (F.silu(x @ w1.T) * (x @ w3.T)) @ w2.T
+
+
+def routed_experts(
+    m: torch.Tensor,
+    weights: torch.Tensor,
+    idx: torch.Tensor,
+    p: dict[str, torch.Tensor],
+    first: int = 0,
+) -> torch.Tensor:
+    """sum over each token's routed experts of weight x expert(token), for the experts
+    ``first`` .. ``first + len(p['ew1'])`` whose weights ``p`` holds (all of them in the
+    reference; an expert-parallel rank's own); tokens routed elsewhere get zeros. An expert no
+    token reached still runs (on no rows): its gradient is zeros, not missing, on every rank
+    and in every strategy alike (AdamW moves a weight with a zero gradient, not one without)."""
+    out = torch.zeros_like(m)
+    for j in range(p["ew1"].shape[0]):
+        tok, slot = torch.where(idx == first + j)
+        y = expert_ffn(m[tok], p["ew1"][j], p["ew3"][j], p["ew2"][j])
+        out = out.index_add(0, tok, y * weights[tok, slot, None])
+    return out
+
+
+def shared_expert(m: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Qwen2-MoE's shared expert, scaled by sigmoid of its own gate."""
+    return torch.sigmoid(m @ p["sgate"].T) * expert_ffn(m, p["sw1"], p["sw3"], p["sw2"])
+
+
+def moe_mlp(
+    m: torch.Tensor,
+    p: dict[str, torch.Tensor],
+    top_k: int,
+    norm_topk: bool,
+    stats: RouterStats | None = None,
+) -> torch.Tensor:
+    """The MoE MLP on the normed tokens m [..., h] with the whole layer's weights ``p``;
+    ``stats`` collects what the load-balancing loss needs."""
+    shape = m.shape
+    m = m.reshape(-1, shape[-1])
+    probs, weights, idx = route(m, p["router"], top_k, norm_topk)
+    if stats is not None:
+        stats.add(probs, idx)
+    out = routed_experts(m, weights, idx, p)
+    if "sgate" in p:
+        out = out + shared_expert(m, p)
+    return out.view(shape)
+
+
+def aux_loss_part(
+    stats: RouterStats, counts: torch.Tensor, rows: int, experts: int
+) -> torch.Tensor:
+    """This rank's share of the load-balancing loss: E / N^2 * sum_e n_e * P_e(local), with
+    ``counts`` (n_e) and ``rows`` (N) over every rank's tokens: the shares sum to HF's loss and
+    to its gradient."""
+    local = torch.stack(stats.probs).sum(0)
+    return experts / rows**2 * (counts.to(local.dtype) * local).sum()
+
+
+def local_counts(stats: RouterStats) -> torch.Tensor:
+    """This rank's top-k assignments per expert, summed over its layers."""
+    return torch.stack(stats.counts).sum(0)
