@@ -24,9 +24,11 @@ from tsp_impl.decode import TSPDecoder
 from tsp_impl.mlp import BroadcastMLP, RingMLP
 from tsp_impl.mlp import bias_rows as mlp_bias_rows
 from tsp_impl.mlp import biases as mlp_biases
+from tsp_impl.moe import SCHEDULES as MOE_SCHEDULES
+from tsp_impl.moe import tsp_experts
 from tsp_impl.plan import TSPPlan
 from tsp_impl.vocab import VocabEmbedding, VocabParallelLoss
-from tspbench.core import recompute, zigzag
+from tspbench.core import moe, recompute, zigzag
 from tspbench.core.config import ConfigError, ModelConfig
 from tspbench.core.costs import Spec
 from tspbench.core.init import chunk_slice
@@ -67,6 +69,14 @@ KV_EXCHANGE = Option(
     short="kvx",
 )  # fmt: skip
 
+MOE_SCHEDULE = Option(
+    "moe_schedule", "all_to_all",
+    "how a model's experts meet its tokens: all_to_all (expert parallel: each token row to its "
+    "experts' owner and back) or the experts move, ring or broadcast as the MLP's slices",
+    choices=MOE_SCHEDULES, experts_only=True, tag="-moe-{value}", label=" ({value} experts)",
+    short="moe",
+)  # fmt: skip
+
 
 class TSP(Strategy):
     name = "tsp"
@@ -74,12 +84,15 @@ class TSP(Strategy):
     costs = TSPCosts()  # tsp_impl/costs.py
     decoder = TSPDecoder  # tsp_impl/decode.py
     stages = True
+    experts = True
     overlap: bool  # the options' values, set by Strategy.__init__
     kv_bucket: int
     mlp_schedule: str
     kv_backward: str
     kv_exchange: str
-    options = (OVERLAP, KV_BUCKET, MLP_SCHEDULE, KV_BACKWARD, KV_EXCHANGE)  # the record's order
+    moe_schedule: str
+    # the record's order
+    options = (OVERLAP, KV_BUCKET, MLP_SCHEDULE, KV_BACKWARD, KV_EXCHANGE, MOE_SCHEDULE)
 
     @classmethod
     def context_parallel(cls, layout: Layout) -> int:
@@ -121,7 +134,8 @@ class TSP(Strategy):
         kv_bucket = int(options.get(KV_BUCKET.name, KV_BUCKET.default))
         D = layout.degree
         zigzag.check_divisible(seq_len, D)
-        for field in ("heads", "kv_heads", "ffn", "vocab"):
+        dense = ("ffn",) if not cfg.moe else ("experts", "shared_ffn")  # E/D experts each
+        for field in ("heads", "kv_heads", *dense, "vocab"):
             cls.require_divisible(f"model.{field}", getattr(cfg, field), D, "D (degree)")
 
         hkv = cfg.kv_heads // D
@@ -165,20 +179,36 @@ class TSP(Strategy):
                     *self.bias_block(n, own),
                 ]
             )
-            w13 = [self.init_block(n + k, own["f"]) for k in ("w1", "w3")]
-            w2t = self.init_block(n + "w2", cols=own["f"]).T
-            mlp = torch.cat([*w13, w2t, *self.mlp_bias_block(n, own)])
             self.layers.append(
                 {
                     "attn_norm": self.to_param(self.init_block(n + "attn_norm")),
                     "attn": self.to_param(attn),
                     "mlp_norm": self.to_param(self.init_block(n + "mlp_norm")),
-                    "mlp": self.to_param(mlp),
+                    **{k: self.to_param(v) for k, v in self.mlp_blocks(n, own).items()},
                     **{k: self.to_param(self.init_block(n + k)) for k in self.whole},
                 }
             )
         self._plans: dict[int, TSPPlan] = {}
+        self.router_stats: moe.RouterStats | None = None  # a step's routing (experts only)
         self.recomputing = False  # set while backward recomputes a layer (checkpointed)
+
+    def mlp_blocks(self, n: str, own: dict[str, slice]) -> dict[str, torch.Tensor]:
+        """Layer ``n``'s MLP weights on rank r: slice r packed [W1_r; W3_r; W2_r^T] (``mlp``);
+        with experts, its E/D experts packed likewise, one [W1_e; W3_e; W2_e^T] block each
+        (``mlp``), and a shared expert's slice r (``shared``, Qwen2-MoE)."""
+        if not self.cfg.moe:
+            w13 = [self.init_block(n + k, own["f"]) for k in ("w1", "w3")]
+            w2t = self.init_block(n + "w2", cols=own["f"]).T
+            return {"mlp": torch.cat([*w13, w2t, *self.mlp_bias_block(n, own)])}
+        D, r = self.comm.size, self.comm.rank
+        mine = chunk_slice(self.cfg.experts, D, r)
+        w1, w3, w2 = (self.init_block(n + k, mine) for k in ("ew1", "ew3", "ew2"))
+        out = {"mlp": torch.cat([w1, w3, w2.transpose(1, 2)], dim=1).flatten(0, 1)}
+        if self.cfg.shared_ffn:
+            fs = chunk_slice(self.cfg.shared_ffn, D, r)
+            w2t = self.init_block(n + "sw2", cols=fs).T
+            out["shared"] = torch.cat([self.init_block(n + k, fs) for k in ("sw1", "sw3")] + [w2t])
+        return out
 
     def bias_block(self, n: str, own: dict[str, slice]) -> list[torch.Tensor]:
         """Head group r's QKV biases as the zero-padded rows of width h its packed shard ends
@@ -235,6 +265,8 @@ class TSP(Strategy):
                 x = x + lp["bo"]
             # (the normed input is a temporary: inference frees it after the attention)
             mlp_in = rms_norm(x, lp["mlp_norm"], eps)
+            if self.cfg.moe:
+                return x + self.moe_block(mlp_in, lp, grad)
             mlp = MLP[self.mlp_schedule]
             x = mlp.apply(
                 x, mlp_in, lp["mlp"], self.comm, self.overlap, grad, self.recomputing,
@@ -245,6 +277,25 @@ class TSP(Strategy):
         for lp in self.layers:
             x = self.checkpointed(block, x, lp)
         return x
+
+    def moe_block(self, m: torch.Tensor, lp: dict, grad: bool) -> torch.Tensor:
+        """The mixture of experts on this rank's normed tokens: routed here (the replicated
+        router), the experts met by ``moe_schedule`` (tsp_impl/moe.py); a shared expert is a
+        dense MLP slice on TSP's MLP schedule, scaled by its gate."""
+        cfg, shape = self.cfg, m.shape
+        m2 = m.reshape(-1, shape[-1])
+        probs, weights, idx = moe.route(m2, lp["router"], cfg.top_k, cfg.norm_topk)
+        if self.router_stats is not None:
+            self.router_stats.add(probs, idx)
+        y = tsp_experts(
+            m2, weights, idx, lp["mlp"], self.comm, self.overlap, self.moe_schedule,
+            cfg.experts, cfg.moe_ffn,
+        )  # fmt: skip
+        if "shared" in lp:  # (its output is used, recomputed or not: the gate scales it)
+            mlp = MLP[self.mlp_schedule]
+            sh = mlp.apply(torch.zeros_like(m), m, lp["shared"], self.comm, self.overlap, grad)
+            y = y + torch.sigmoid(m2 @ lp["sgate"].T) * sh.reshape(m2.shape)
+        return y.view(shape)
 
     def head_loss(self, x: torch.Tensor, labels: torch.Tensor, n_tokens: int) -> torch.Tensor:
         h = rms_norm(x, self.norms[0], self.cfg.norm_eps)
@@ -273,8 +324,12 @@ class TSP(Strategy):
         return contextlib.nullcontext(), recomputing()
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        self.router_stats = moe.RouterStats() if self.cfg.moe else None
         x = self.run_layers(self.embed(batch.tokens))
         local = self.head_loss(x, batch.labels, batch.n_tokens)
+        if self.router_stats is not None:
+            local = local + self.routing_done(self.router_stats)
+        self.router_stats = None
         return local, self.reported_loss(local)
 
     @property
@@ -286,14 +341,16 @@ class TSP(Strategy):
     def whole(self) -> tuple[str, ...]:
         """A layer's weights every rank holds whole besides its two norms: the QK norms and the
         output biases (Llama's bo, b2), where the model has them."""
-        return self.qk_norms + ("bo",) * self.cfg.o_bias + ("b2",) * self.cfg.mlp_bias
+        experts = ("router",) + ("sgate",) * bool(self.cfg.shared_ffn) if self.cfg.moe else ()
+        return self.qk_norms + ("bo",) * self.cfg.o_bias + ("b2",) * self.cfg.mlp_bias + experts
 
     def replicated(self) -> list[torch.nn.Parameter]:
         names = ("attn_norm", "mlp_norm", *self.whole)
         return self.norms + [lp[k] for lp in self.layers for k in names]
 
     def sharded(self) -> list[torch.nn.Parameter]:
-        return self.tables + [lp[k] for lp in self.layers for k in ("attn", "mlp")]
+        shared = ("shared",) * bool(self.cfg.shared_ffn)
+        return self.tables + [lp[k] for lp in self.layers for k in ("attn", "mlp", *shared)]
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return self.sharded() + self.replicated()
@@ -337,6 +394,11 @@ class TSP(Strategy):
                 biases = [f.split([hq * d, hkv * d, hkv * d]) for f in flat]
                 for j, k in enumerate(("bq", "bk", "bv")):
                     out[pre + k] = torch.cat([b[j] for b in biases])
+            if self.cfg.moe:
+                out.update(self.full_experts(pre, lp, g))
+                for k in ("attn_norm", "mlp_norm", *self.whole):
+                    out[pre + k] = tensor_of(lp[k], grads)
+                continue
             fd = self.cfg.ffn // D
             parts = [s[: 3 * fd].chunk(3) for s in g(lp["mlp"])]
             out[pre + "w1"] = torch.cat([p[0] for p in parts])
@@ -348,4 +410,17 @@ class TSP(Strategy):
                 out[pre + "b3"] = torch.cat([b[1] for b in flat])
             for k in ("attn_norm", "mlp_norm", *self.whole):
                 out[pre + k] = tensor_of(lp[k], grads)
+        return out
+
+    def full_experts(self, pre: str, lp: dict, g) -> dict[str, torch.Tensor]:
+        """A layer's whole expert stacks (and shared expert) from every rank's packed blocks."""
+        fe, h = self.cfg.moe_ffn, self.cfg.hidden
+        blocks = torch.cat([s.view(-1, 3 * fe, h) for s in g(lp["mlp"])])  # [E, 3 f_e, h]
+        out = {pre + "ew1": blocks[:, :fe], pre + "ew3": blocks[:, fe : 2 * fe]}
+        out[pre + "ew2"] = blocks[:, 2 * fe :].transpose(1, 2)
+        if "shared" in lp:
+            parts = [s.chunk(3) for s in g(lp["shared"])]
+            out[pre + "sw1"] = torch.cat([p[0] for p in parts])
+            out[pre + "sw3"] = torch.cat([p[1] for p in parts])
+            out[pre + "sw2"] = torch.cat([p[2].T for p in parts], dim=1)
         return out

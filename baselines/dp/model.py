@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from baselines.dp.costs import DPCosts, SingleCosts
 from baselines.dp.decode import SingleDecoder
+from tspbench.core import moe
 from tspbench.core.attention import attention
 from tspbench.core.config import ConfigError, ModelConfig
 from tspbench.core.decode import Decoder
@@ -26,6 +27,7 @@ class DP(Strategy):
     name = "dp"
     display = "DP"  # legends, titles and tables' captions
     costs = DPCosts()
+    experts = True  # the reference's own mixture of experts, every expert on every rank
     decoder: ClassVar[type[Decoder] | None] = None  # no decode path: the reference's is single's
 
     @classmethod
@@ -58,10 +60,13 @@ class DP(Strategy):
         return Batch(rows(tokens), rows(labels), tokens.numel())
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = self.model(batch.tokens, self.checkpointed, self.hooks)
+        stats = moe.RouterStats() if self.cfg.moe else None
+        hidden = self.model(batch.tokens, self.checkpointed, self.hooks, stats)
         logits = (hidden @ self.model.head().T).float()
         ce = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), reduction="sum")
         local = ce / batch.n_tokens
+        if stats is not None:
+            local = local + self.routing_done(stats)
         return local, self.total_loss(local)
 
     def parameters(self) -> list[torch.nn.Parameter]:

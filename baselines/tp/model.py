@@ -4,6 +4,13 @@ Wq/Wk/Wv/W1/W3 are column-parallel (rows split), Wo/W2 row-parallel (columns spl
 followed by an all-reduce of the [B, S, h] output; embedding and LM head are vocab-parallel
 (masked lookup + all-reduce; cross-entropy from all-reduced max, sum-exp and target logit).
 Activations are replicated on every rank of the group: that is what TSP is compared against.
+
+With experts (Megatron-Core's MoE with expert parallelism over the TP group, expert tensor
+parallelism 1, sequence parallelism off, its all-gather token dispatcher): rank r owns E/T whole
+experts; the tokens are already on every rank, so each rank routes all of them (the router
+whole), applies its own experts to those routed there and the partial outputs are summed by the
+layer's all-reduce, as a row-parallel output's. Each rank's router gradient covers its experts'
+tokens only and is summed after backward.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import torch
 
 from baselines.tp.costs import TPCosts
 from baselines.tp.decode import TPDecoder
+from tspbench.core import moe
 from tspbench.core.attention import attention
 from tspbench.core.collectives import copy_to, reduce_from
 from tspbench.core.config import ModelConfig
@@ -31,11 +39,13 @@ class TP(Strategy):
     costs = TPCosts()
     decoder = TPDecoder
     stages = True
+    experts = True
 
     @classmethod
     def validate(cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, **_) -> None:
         super().validate(cfg, layout, seq_len, batch)
-        for field in ("heads", "kv_heads", "ffn", "vocab"):
+        mlp = ("ffn",) if not cfg.moe else ("experts", "shared_ffn")  # E/T experts each
+        for field in ("heads", "kv_heads", *mlp, "vocab"):
             cls.require_divisible(f"model.{field}", getattr(cfg, field), layout.degree, "T")
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, **kw) -> None:
@@ -50,7 +60,9 @@ class TP(Strategy):
             enter=lambda t: copy_to(t, self.comm),
             exit=lambda t: reduce_from(t, self.comm),
             attn=attention,
+            moe=self.moe_block,
         )
+        self.router_stats: moe.RouterStats | None = None  # a step's routing (experts only)
 
     def shard_batch(self, tokens: torch.Tensor, labels: torch.Tensor) -> Batch:
         return Batch(
@@ -76,15 +88,41 @@ class TP(Strategy):
             )
         return x
 
+    def moe_block(self, m: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The mixture of experts on the replicated tokens: every rank routes them all, applies
+        its E/T experts (and its slice of a shared expert) to those routed there; the
+        all-reduce sums the partial outputs (backward: the inputs' gradients summed on entry)."""
+        cfg, T, r = self.cfg, self.comm.size, self.comm.rank
+        m = copy_to(m, self.comm)
+        m2 = m.reshape(-1, m.shape[-1])
+        probs, weights, idx = moe.route(m2, p["router"], cfg.top_k, cfg.norm_topk)
+        if self.router_stats is not None:
+            self.router_stats.add(probs, idx)
+        y = moe.routed_experts(m2, weights, idx, p, first=r * cfg.experts // T)
+        if "sgate" in p:  # its column- and row-parallel slices: a partial output, as the MLP's
+            sh = moe.expert_ffn(m2, p["sw1"], p["sw3"], p["sw2"])
+            y = y + torch.sigmoid(m2 @ p["sgate"].T) * sh
+        return reduce_from(y, self.comm).view(m.shape)
+
     def head_loss(self, x: torch.Tensor, labels: torch.Tensor, n_tokens: int) -> torch.Tensor:
         h = rms_norm(x, self.params["norm"], self.cfg.norm_eps)
         head = self.params[head_name(self.cfg)]
         return cross_entropy_sum(h, head, labels, self.comm) / n_tokens
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        self.router_stats = moe.RouterStats() if self.cfg.moe else None
         x = self.run_layers(self.embed(batch.tokens))
         local = self.head_loss(x, batch.labels, batch.n_tokens)
-        return local, self.reported_loss(local)
+        reported = local
+        if self.router_stats is not None:  # every rank routed every token: its counts are the
+            # group's; each backpropagates 1/T of the load-balancing loss, whose gradients the
+            # router's all-reduce and the inputs' (on entry) sum back to one
+            aux = self.routing_done(self.router_stats, token_axes=())
+            reported, local = local + aux, local + aux / self.comm.size
+            if self.comm.rank and self.routed is not None:  # the record's tokens per
+                self.routed.zero_()  # expert: one rank's count of them
+        self.router_stats = None
+        return local, self.reported_loss(reported)
 
     def reported_loss(self, local: torch.Tensor) -> torch.Tensor:
         return self.total_loss(local, token_axes=())  # every rank holds the whole loss

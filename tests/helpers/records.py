@@ -114,12 +114,13 @@ def header_keys(mode: str, pipelined: bool = False) -> list[str]:
     return [*inputs, *all_options(), *rk.SETUP]
 
 
-def written_keys(mode: str, pipelined: bool = False) -> list[str]:
+def written_keys(mode: str, pipelined: bool = False, experts: bool = False) -> list[str]:
     """The keys of an ok record of ``mode``, in the order ``tspbench run`` writes them."""
     from tspbench.runtime import record_keys as rk
     from tspbench.runtime.spec import DECODE_MODES
 
     summary = rk.DECODE_SUMMARY if mode in DECODE_MODES else rk.RUN_SUMMARY
+    summary = (*summary, *rk.MOE_SUMMARY) if experts else summary
     summary = (*summary, *rk.PIPELINE_SUMMARY) if pipelined else summary
     after = [*rk.PLACEMENT, *rk.PROVENANCE, "status", *summary, *rk.CLOSING]
     return [*header_keys(mode, pipelined), *after]

@@ -9,6 +9,7 @@ import json
 import torch
 import torch.distributed as dist
 
+from tspbench.core.config import get_config
 from tspbench.pipeline import rank_probe as rp
 from tspbench.runtime.registry import strategies
 
@@ -39,9 +40,12 @@ def test_every_strategy_is_probed_at_d8_and_the_reference_skipped():
 def test_each_choice_of_a_strategy_is_probed_as_its_own_cell():
     """A sweep may run any value of a strategy's choice options (TSP's MLP schedule, SP's K/V
     exchange): each is a cell of its own, named by its label, one option at a time."""
+    dense, experts = get_config("tiny"), get_config("tiny", experts=4, top_k=2)
     for name, impl in strategies().items():
         choices = sum(len(o.choices) - 1 for o in impl.options if o.choices)
-        assert len(rp.variants(impl)) == 1 + choices, name
+        only = sum(len(o.choices) - 1 for o in impl.options if o.choices and o.experts_only)
+        assert len(rp.variants(impl, experts)) == 1 + choices, name
+        assert len(rp.variants(impl, dense)) == 1 + choices - only, name  # (none for dense)
     names = [n for n, spec, _ in rp.probe_specs(torch.device("cpu"), 8, CELL, ["sp"]) if spec]
     assert names == [f"rank probe sp{v} D=8 (tiny, 1 layer, S=128, fp32)"
                      for v in ("", " (a2a)", " (ring)", " (a2a+p2p)")]  # fmt: skip

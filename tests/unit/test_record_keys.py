@@ -19,7 +19,7 @@ SCHEMA = schema("record.schema.json")
 def every_key() -> set[str]:
     """Every key some record carries: the lists, and the strategies' options."""
     groups = (rk.INPUTS, all_options(), rk.SETUP, rk.PLACEMENT, rk.PROVENANCE, rk.OUTCOME)
-    summaries = (*rk.RUN_SUMMARY, *rk.DECODE_SUMMARY, *rk.PIPELINE_SUMMARY)
+    summaries = (*rk.RUN_SUMMARY, *rk.DECODE_SUMMARY, *rk.PIPELINE_SUMMARY, *rk.MOE_SUMMARY)
     return {*(k for g in groups for k in g), *summaries, *rk.CLOSING}
 
 

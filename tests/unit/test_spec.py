@@ -67,9 +67,11 @@ def test_options_belong_to_their_strategy():
     keeps every strategy's option keys, an unused one at its default, as before."""
     tp, tsp = (argv_spec(["--strategy", s, "--seq-len", "64"]) for s in ("tp", "tsp"))
     assert dict(tp.options) == {} and list(tsp.options) == [
-        "overlap", "kv_bucket", "mlp_schedule", "kv_backward", "kv_exchange"]  # fmt: skip
+        "overlap", "kv_bucket", "mlp_schedule", "kv_backward", "kv_exchange",
+        "moe_schedule"]  # fmt: skip
     keys = list(tp.header("local", 1))
     want = ["recompute", "overlap", "kv_bucket", "mlp_schedule", "kv_backward", "kv_exchange"]
+    want += ["moe_schedule"]
     want += ["cp_comm", "cp_a2a", "pp_keep_gathered"]
     want += ["sequence_parallel"]  # (tp_torch's)
     assert keys[keys.index("recompute") :][: len(want) + 1] == [*want, "model_config"]

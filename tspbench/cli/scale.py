@@ -10,13 +10,15 @@ from pathlib import Path
 from typing import Any
 
 from tspbench.cli.args import add_run_args, gib, out_dir, out_file, progress
-from tspbench.core.config import ConfigError
+from tspbench.core.config import ConfigError, require_dense
 from tspbench.core.dtypes import DTYPES
 from tspbench.runtime.spec import RunSpec
 
 
 def _spec(args: argparse.Namespace) -> RunSpec:
-    return RunSpec.from_args(args).replace(quiet=True)
+    spec = RunSpec.from_args(args).replace(quiet=True)
+    require_dense(spec.cfg, f"tspbench {args.cmd}")
+    return spec
 
 
 def _emit(args: argparse.Namespace, obj: dict[str, Any], text: str) -> None:

@@ -10,6 +10,7 @@ all-gather / reduce-scatter (D-1)/D of the full tensor, all-reduce 2(D-1)/D, bro
 from __future__ import annotations
 
 import functools
+import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -380,6 +381,28 @@ class Comm:
             return self._ret(None, lambda: zeros, async_op)
         out = torch.empty_like(tc)
         return self._issue(compat.all_to_all_flat, (out, tc), lambda: out, async_op, flat=True)
+
+    def all_to_all_v(self, t: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        """Rows ``send[j]`` of ``t`` (in order) go to group-rank j and ``recv[j]`` rows come from
+        it, in group-rank order (expert-parallel dispatch and combine: uneven, the counts
+        exchanged first), waited for. Counted as the bytes this rank sends to the others (its
+        own rows stay), the even :meth:`all_to_all`'s rule for uneven blocks."""
+        tc = t.contiguous()
+        out = tc.new_empty((sum(recv), *tc.shape[1:]))
+        if self.size == 1:
+            return tc
+        if self.trace is not None:
+            self.trace.append((self.axis, "all_to_all_v", tuple(tc.shape), tc.dtype,
+                               {"send": send, "recv": recv}))  # fmt: skip
+            self.counter_device = tc.device
+        if self.skip:
+            return out.zero_()
+        row = math.prod(tc.shape[1:]) * tc.element_size()  # (a rank may send no rows)
+        self.counter.add(self.axis, "all_to_all", (sum(send) - send[self.rank]) * row)
+        op = functools.partial(
+            compat.all_to_all_flat, output_split_sizes=recv, input_split_sizes=send
+        )
+        return self._issue(op, (out, tc), lambda: out, False)
 
     def ring_exchange(self, send: torch.Tensor, recv: torch.Tensor, async_op: bool = False):
         """Send ``send`` to the next rank and receive the previous rank's into ``recv``."""

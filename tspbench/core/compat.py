@@ -51,7 +51,10 @@ def reduce_scatter_flat(out: torch.Tensor, t: torch.Tensor, group=None, async_op
     return fn(out, t, group=group, async_op=async_op)
 
 
-def all_to_all_flat(out: torch.Tensor, t: torch.Tensor, group=None, async_op: bool = False):
-    """Block j of ``size`` equal blocks of the 1-D ``t`` to group-rank j; block j of ``out``
-    from group-rank j (``all_to_all_single``: the same name from torch 2.11 to 2.13)."""
-    return dist.all_to_all_single(out, t, group=group, async_op=async_op)
+def all_to_all_flat(
+    out: torch.Tensor, t: torch.Tensor, group=None, async_op: bool = False, **splits
+):
+    """Block j of ``size`` equal blocks of ``t`` to group-rank j; block j of ``out`` from
+    group-rank j (``splits``: ``output_split_sizes`` and ``input_split_sizes``, rows of dim 0,
+    for uneven blocks; ``all_to_all_single``: the same name from torch 2.11 to 2.13)."""
+    return dist.all_to_all_single(out, t, group=group, async_op=async_op, **splits)

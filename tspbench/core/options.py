@@ -38,11 +38,19 @@ class Option:
     # the planner and the projected report use its default only (:func:`only_where_used`)
     pipelines_only: bool = False  # it matters only in a pipeline stage (layout.pp > 1): set
     # elsewhere it is refused, the planner tries its default only and the shared tests skip it
+    experts_only: bool = False  # likewise, only for a model with experts (tspbench/core/moe.py)
 
-    def applies(self, pp: int) -> bool:
-        """Whether a value of it can change a run of ``pp`` pipeline stages (one of pipelines
-        only cannot without stages: the one place that rule lives)."""
-        return pp > 1 or not self.pipelines_only
+    def applies(self, pp: int, experts: bool = False) -> bool:
+        """Whether a value of it can change a run of ``pp`` pipeline stages of a model with or
+        without ``experts`` (one of pipelines only cannot without stages, one of experts only
+        not on a dense model: the one place those rules live)."""
+        return (pp > 1 or not self.pipelines_only) and (experts or not self.experts_only)
+
+    def why_not(self, pp: int, experts: bool) -> str:
+        """Why it cannot apply (``applies`` is False): the rule a set value breaks."""
+        if pp <= 1 and self.pipelines_only:
+            return f"only with pp > 1 (got pp={pp})"
+        return "only for a model with experts (model.experts > 0)"
 
     @property
     def flag(self) -> str:

@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import torch
 import torch.utils.checkpoint
 
-from tspbench.core import recompute, zigzag
+from tspbench.core import moe, recompute, zigzag
 from tspbench.core.comm import Comm
 from tspbench.core.config import ConfigError, ModelConfig
 from tspbench.core.costs import Costs, Spec
@@ -72,6 +72,8 @@ class Strategy(ABC):
     implements: ClassVar[str | None] = None
     # runs as a pipeline stage (builds only a Stage's parameters; embed/run_layers/head_loss)
     stages: ClassVar[bool] = False
+    # runs a model with experts (tspbench/core/moe.py): its layers' MoE block is its own
+    experts: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kw: Any) -> None:
         """Refuse a concrete strategy that lacks a part, at its definition (import) time: a
@@ -117,6 +119,7 @@ class Strategy(ABC):
         for name, value in Options(type(self).options, options, self.name).items():
             setattr(self, name, value)
         self._dp_sync: BucketedAllReduce | None = None
+        self.routed: torch.Tensor | None = None  # experts: the last step's rows per expert
 
     def checkpointed(self, fn, *args):
         """Run one transformer layer, under activation checkpointing when recompute is 'full'.
@@ -154,6 +157,13 @@ class Strategy(ABC):
                 "(docs/running.md lists those that do)"
             )
         check_stages(cfg, layout.pp)
+        if cfg.moe and not cls.experts:
+            raise ConfigError(
+                f"model.experts={cfg.experts}: strategy {cls.name} runs dense models only"
+                " (docs/models.md, 'Mixture of experts', lists those with experts)"
+            )
+        if cfg.moe and layout.pp > 1:
+            raise ConfigError(f"pp={layout.pp}: a model with experts runs in no pipeline yet")
 
     @staticmethod
     def require_divisible(what: str, value: int, by: int, by_name: str) -> None:
@@ -243,6 +253,25 @@ class Strategy(ABC):
                 self.mesh[axis].all_reduce_metric(total)
         return total
 
+    def routing_done(
+        self, stats: moe.RouterStats, token_axes: tuple[str, ...] = (Axis.MODEL,)
+    ) -> torch.Tensor | float:
+        """After a forward of a model with experts: keep the step's routed rows per expert
+        (``routed``, the record's tokens per expert; this rank's tokens, every layer) and
+        return this rank's share of the load-balancing loss times its coefficient (0 without
+        one): the top-k counts summed over the axes that split tokens and dp (one small
+        all-reduce each, counted: real traffic), its own tokens' router probabilities
+        (tspbench/core/moe.py). ``token_axes``: where this rank's tokens are its own."""
+        self.routed = moe.local_counts(stats).detach()
+        if not self.cfg.aux_loss:
+            return 0.0
+        counts = self.routed.clone()
+        for axis in (*token_axes, Axis.DP):
+            if axis in self.mesh.comms:
+                self.mesh[axis].all_reduce(counts)
+        rows = round(counts.sum().item()) // self.cfg.top_k  # every routed row, every layer
+        return self.cfg.aux_loss * moe.aux_loss_part(stats, counts, rows, self.cfg.experts)
+
     def reported_loss(self, local: torch.Tensor) -> torch.Tensor:
         """The global mean loss from this rank's ``local`` part (collective): summed over the
         model group's token split and the replicas (a strategy whose every rank holds the whole
@@ -310,6 +339,11 @@ class Strategy(ABC):
         """Raise ConfigError (field, value, rule) for a decode run it cannot do."""
         if cls.decoder is None:
             raise ConfigError(f"strategy={cls.name!r}: has no decode path")
+        if cfg.moe:
+            raise ConfigError(
+                f"model.experts={cfg.experts}: no strategy decodes a model with experts yet "
+                "(train and infer run it)"
+            )
         cls.decoder.validate(cls, cfg, layout, prompt_len, new_tokens, batch, **options)
 
     # -- self-description: what the harness asks instead of switching on strategy names -------

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from tspbench.core.config import ConfigError, get_config
+from tspbench.core.config import ConfigError, ModelConfig, get_config
 from tspbench.core.mesh import build_mesh
 from tspbench.core.optim import AdamW
 from tspbench.core.options import Value
@@ -177,7 +177,7 @@ def probe_specs(
                 (f"rank probe {name} D={degree}", None, f"{why}: D = {degree} makes no sense")
             )
         for lay in lays:
-            for options in variants(impl):
+            for options in variants(impl, cfg):
                 try:
                     spec = RunSpec(
                         strategy=name, cfg=cfg, layout=lay, seq_len=seq_len,
@@ -193,12 +193,17 @@ def probe_specs(
     return out
 
 
-def variants(impl: type[Strategy]) -> list[dict[str, Value]]:
+def variants(impl: type[Strategy], cfg: ModelConfig) -> list[dict[str, Value]]:
     """The strategy at its defaults, then at each other value of each of its choice options
-    (TSP's MLP schedule, SP's K/V exchange, ...), one at a time: a sweep may run any of them,
-    and each allocates and computes differently."""
+    that can change a run of ``cfg`` (TSP's MLP schedule, SP's K/V exchange, ...; TSP's expert
+    schedule with experts only), one at a time: a sweep may run any of them, and each
+    allocates and computes differently."""
     return [{}] + [
-        {o.name: v} for o in impl.options if o.choices for v in o.choices if v != o.default
+        {o.name: v}
+        for o in impl.options
+        if o.choices and o.applies(1, cfg.moe)
+        for v in o.choices
+        if v != o.default
     ]
 
 

@@ -82,7 +82,8 @@ def _field(rec: dict, path: str, key: str):
 # model fields that records written before them lack: their defaults are what those runs ran
 LATER_FIELDS = {
     "rope_scaling": "", "qk_norm": False, "qkv_bias": False, "tie_embeddings": False,
-    "head_dim": 0, "o_bias": False, "mlp_bias": False,
+    "head_dim": 0, "o_bias": False, "mlp_bias": False, "experts": 0, "top_k": 0,
+    "expert_ffn": 0, "norm_topk": True, "shared_ffn": 0, "aux_loss": 0.0,
 }  # fmt: skip
 
 

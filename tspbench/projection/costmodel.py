@@ -327,7 +327,7 @@ def _model_flops(c: RunSpec) -> int:
     """The whole model's FLOPs per rank of pipelined ``c`` (the same model group without
     stages, options of pipelines only at their defaults): cached, since every schedule and
     micro-batch count of one batch shares them."""
-    flat = tuple((o.name, c.options[o.name]) for o in c.impl.options if o.applies(1))
+    flat = tuple((o.name, c.options[o.name]) for o in c.impl.options if o.applies(1, c.cfg.moe))
     return _flat_flops(c.strategy, c.cfg, replace(c.layout, pp=1), c.seq_len, c.batch, c.mode,
                        c.dtype, c.recompute, flat)  # fmt: skip
 

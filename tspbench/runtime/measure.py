@@ -33,7 +33,7 @@ from tspbench.runtime.faults import inject, stretched
 from tspbench.runtime.flops import counter
 from tspbench.runtime.guard import process_age_s
 from tspbench.runtime.pipelined import Pipelined, bubble_closed_form
-from tspbench.runtime.record_keys import PIPELINE_SUMMARY, RUN_SUMMARY, ordered
+from tspbench.runtime.record_keys import MOE_SUMMARY, PIPELINE_SUMMARY, RUN_SUMMARY, ordered
 from tspbench.runtime.registry import get_strategy
 from tspbench.runtime.spec import RunSpec
 from tspbench.runtime.timing import slowest, timed
@@ -148,6 +148,9 @@ def measure_rank(spec: RunSpec, device: torch.device, beat=lambda: None) -> dict
         "optimizer_numel": opt.state_numel() if opt else 0,
         "startup_s": startup,
     }
+    routed = getattr(strat, "routed", None)  # experts: the probe step's rows per expert
+    if routed is not None:
+        out["routed"] = [int(n) for n in routed.tolist()]
     if not spec.quiet and rank0:
         print(f"[tspbench] probe steps: loss {out['loss']:.6f}", flush=True)
 
@@ -352,7 +355,20 @@ def summarize(spec: RunSpec, ranks: list[dict[str, Any]], device_peak_flops: flo
         / statistics.median(r["calib_gflops"] for r in ranks),
     }
     out = ordered(RUN_SUMMARY, values)
+    if spec.cfg.moe:
+        out.update(moe_summary(ranks))
     return out if spec.layout.pp == 1 else {**out, **pipeline_summary(spec, ranks)}
+
+
+def moe_summary(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """A run with experts: the probe step's top-k assignments per expert over the global batch
+    and every layer (each rank routes its own tokens), and the load imbalance, the busiest
+    expert's rows over the mean (1: balanced; dropless, so the busiest expert's work sets
+    the pace of an expert-parallel step)."""
+    per = [sum(col) for col in zip(*(r["routed"] for r in ranks))]
+    mean = sum(per) / len(per)
+    values = {"tokens_per_expert": per, "expert_load_imbalance": max(per) / mean if mean else 1.0}
+    return ordered(MOE_SUMMARY, values)
 
 
 def _summed(dicts: list[dict[str, float]]) -> dict[str, float]:

@@ -106,6 +106,10 @@ PIPELINE_SUMMARY = (  # after RUN_SUMMARY, in pipelined runs only (measure.pipel
     "pp_bubble_closed_form",
     "comm_bytes_pp_per_rank",
 )
+MOE_SUMMARY = (  # after them, in runs of a model with experts only (measure.moe_summary)
+    "tokens_per_expert",
+    "expert_load_imbalance",
+)
 DECODE_SUMMARY = (*MEMORY, *DECODE, *STEP)  # tspbench.runtime.decode.summarize_decode
 CLOSING = ("wall_s", "timestamp_utc")  # when rank 0 writes it
 

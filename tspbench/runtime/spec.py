@@ -91,10 +91,10 @@ class RunSpec:
         if lay.pp > 1 and self.mode not in ("train", "infer"):
             raise ConfigError(f"mode={self.mode!r} with pp={lay.pp}: pipelines here train or infer")
         for o in self.impl.options:
-            if not o.applies(lay.pp) and not self.stage_of:
+            if not o.applies(lay.pp, self.cfg.moe) and not self.stage_of:
                 if options[o.name] != o.default:
                     value = o.text(options[o.name])
-                    raise ConfigError(f"{o.name}={value}: only with pp > 1 (got pp=1)")
+                    raise ConfigError(f"{o.name}={value}: {o.why_not(lay.pp, self.cfg.moe)}")
         if self.decoding:
             if self.recompute != "none":
                 raise ConfigError(
@@ -193,7 +193,8 @@ class RunSpec:
             argv += ["--new-tokens", str(self.new_tokens)]
         argv += ["--dtype", self.dtype, "--recompute", self.recompute]
         for o in self.impl.options:  # each named (``project`` would pick the preset's), but
-            if not o.applies(lay.pp):  # those that do nothing without a pipeline
+            if not o.applies(lay.pp, self.cfg.moe):  # those that do nothing here (no stages,
+                # no experts)
                 continue
             argv += [o.flag, o.text(self.options[o.name])]
         argv += ["--seed", str(self.seed), "--warmup", str(self.warmup), "--steps", str(self.steps)]

@@ -101,7 +101,7 @@ def option_sets(
     axes = []
     for name in (k for k in searched() if k in offered):
         o = next(o for o in impl.options if o.name == name)
-        if not o.applies(pp):
+        if not o.applies(pp, req.cfg.moe):
             continue
         asked = req.options.get(name)
         values = [v for v in offered[name] if asked is None or v in asked]
