@@ -29,7 +29,7 @@ MODELS = {"mixtral": MIXTRAL, "qwen3": QWEN3, "qwen2": QWEN2}
 BF16 = {"mixtral-all": {**MIXTRAL, "top_k": 4}}
 
 
-def _takes(impl, layout, model: dict, opts: dict) -> bool:
+def _accepts(impl, layout, model: dict, opts: dict) -> bool:
     try:
         impl.validate(
             get_config("tiny", **model), layout, 32, impl.replica_batch(layout, 2), **opts
@@ -54,14 +54,28 @@ def _strategy_cases(name: str, impl) -> list[dict]:
 
     cases = []
     for lay in layouts:
-        cases += [case("", lay, m) for m in MODELS if _takes(impl, lay, MODELS[m], {})]
+        cases += [case("", lay, m) for m in MODELS if _accepts(impl, lay, MODELS[m], {})]
         for opts in expert_opts:
-            if lay.degree > 1 and _takes(impl, lay, MIXTRAL, opts):
+            if lay.degree > 1 and _accepts(impl, lay, MIXTRAL, opts):
                 cases.append(case("-" + "-".join(map(str, opts.values())), lay, "mixtral", **opts))
     top = layouts[-1]
     for opts in [{}, *expert_opts]:
         tag = "".join(f"-{v}" for v in opts.values())
         cases.append(case(f"-recompute{tag}", top, "qwen3", recompute="full", **opts))
+    # its dense option settings on the shared expert's model (the shared expert is a dense
+    # MLP of the strategy's), and each expert-only setting under each of its own mixes
+    for opts in impl.checked_options():
+        tag = "-" + "-".join(f"{k}={v}" for k, v in opts.items())
+        if _accepts(impl, top, QWEN2, opts):
+            cases.append(case(tag, top, "qwen2", **opts))
+        if len(opts) > 1:
+            for extra in (e for e in expert_opts if _accepts(impl, top, MIXTRAL, {**opts, **e})):
+                etag = "".join(f"-{v}" for v in extra.values())
+                cases.append(case(tag + etag, top, "mixtral", **opts, **extra))
+    # two replicas of a 2-rank group: the load-balancing loss's counts over both
+    two = next((lay for lay in layouts if lay.degree == 2), None)
+    if two is not None:
+        cases.append(case("-dp2", two, "qwen3", dp=2))
     # bf16 against the fp32 reference: a token whose top-k is a near tie (a random router's
     # are nearly uniform) would pick another expert in bf16, a discrete change no tolerance
     # covers; with k = E every token meets every expert, so the two differ by rounding only
@@ -93,7 +107,10 @@ def test_every_expert_strategy_and_setting_is_checked():
         if not impl.experts or impl.reference:
             continue
         mine = [c for c in CASES if c["strategy"] == name]
-        assert {c["D"] for c in mine} >= {lay.degree for lay in impl.checked_layouts()}
+        for lay in impl.checked_layouts():  # every family at every degree
+            assert {c["model"]["experts"] for c in mine if c["D"] == lay.degree} >= {
+                m["experts"] for m in MODELS.values()
+            }, (name, lay)
         for o in (o for o in impl.options if o.experts_only):
             assert {c.get(o.name, o.default) for c in mine} == set(o.values()), o.name
 
@@ -175,7 +192,7 @@ def test_the_schedules_move_what_they_say(cli_records):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--set", "num_local_experts=6"], None),  # (not a field: --set names ours)
+        (["--set", "num_local_experts=6", "--strategy", "tsp"], "unknown model field"),  # (ours)
         (["--set", "experts=6", "--strategy", "tsp", "--degree", "4"],
          "model.experts=6: must be divisible by D (degree)=4"),
         (["--set", "top_k=5", "--strategy", "tsp", "--degree", "2"],
@@ -192,7 +209,7 @@ def test_bad_input_with_experts_exits_2(mixtral, tmp_path, args, message):
                  "--nproc", "4", "--out", str(out))  # fmt: skip
     assert p.returncode == 2 and not out.exists()
     line = p.stderr.strip().splitlines()[-1]
-    assert message is None or message in line, line
+    assert message in line, line
 
 
 def test_an_expert_option_on_a_dense_model_exits_2(tmp_path):

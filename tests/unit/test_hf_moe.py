@@ -116,6 +116,7 @@ def test_qwen_top_k_weights_without_renormalisation():
 def test_every_token_reaches_its_k_experts():
     """Dropless: the MoE output is exactly the sum over each token's k experts, each computed
     alone, whatever the load (a router favouring one expert included)."""
+    torch.manual_seed(0)
     cfg = _cfg("mixtral", experts=4, top_k=3)
     model = ReferenceModel(cfg, dtype=torch.float64)
     p = {k: model.p(f"layers.0.{k}") for k in moe.moe_params(cfg)}
@@ -219,7 +220,10 @@ def test_moe_overrides_bad_input(items, message):
 
 def test_an_expert_no_token_reaches_gets_a_zero_gradient():
     """A rank's experts that no token reached get a zero gradient, not none (TP's rank of one
-    expert, say): AdamW would move one and not the other, and the strategies would part."""
+    expert, say: the shared routed-experts loop it calls): AdamW would move one and not the
+    other, and the strategies would part. (TSP's own schedules run every expert block on
+    every rank whatever its rows: tests/integration/test_moe.py.)"""
+    torch.manual_seed(0)
     cfg = _cfg("mixtral", experts=4, top_k=1)
     model = ReferenceModel(cfg, dtype=torch.float64)
     m = torch.randn(6, cfg.hidden, dtype=torch.float64)
@@ -230,3 +234,23 @@ def test_an_expert_no_token_reaches_gets_a_zero_gradient():
     own = {k: model.p(f"layers.0.{k}")[3:].detach().clone().requires_grad_() for k in moe.EXPERTS}
     moe.routed_experts(m, weights, idx, own, first=3).sum().backward()
     assert all(own[k].grad is not None and torch.all(own[k].grad == 0) for k in own)
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (_file("mixtral", num_experts_per_tok=7), "between 1 and num_local_experts=6"),
+        (_file("mixtral", output_router_logits="yes"), "output_router_logits='yes': must be"),
+    ],
+)
+def test_moe_config_json_names_the_familys_keys(data, message):
+    with pytest.raises(ConfigError) as e:
+        hf_config(data)
+    assert message in str(e.value)
+
+
+def test_moe_fields_are_numbers_and_belong_to_experts():
+    with pytest.raises(ConfigError, match="aux_loss=True: must be a number"):
+        ModelConfig(experts=4, top_k=2, aux_loss=True)
+    with pytest.raises(ConfigError, match="norm_topk=False: only with experts"):
+        ModelConfig(norm_topk=False)

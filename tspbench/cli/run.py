@@ -12,6 +12,7 @@ from tspbench.cli.args import (
     int_in,
     launch_argv,
 )
+from tspbench.core.config import require_dense
 from tspbench.runtime.record import check_out
 from tspbench.runtime.spec import RunSpec
 
@@ -53,9 +54,27 @@ def _host_peak(device: str, spec: RunSpec) -> float:
 
     if device != "cpu" and torch.cuda.is_available():
         return 0.0
+    if spec.cfg.moe:
+        return _experts_bound(spec)
     from tspbench.projection.plan import peak_of
 
     return peak_of(spec)
+
+
+def _experts_bound(spec: RunSpec) -> float:
+    """A rank's peak bytes bounded from above for a model with experts, which the closed forms
+    do not cover yet: every parameter with its gradient and AdamW's two moments (fp32), and
+    every layer's activations over a replica's tokens as a plain layer whose MLP is the k
+    routed experts and the shared one wide, kept for backward, and the fp32 logits twice."""
+    cfg, tokens = spec.cfg, spec.batch * spec.seq_len
+    width = (
+        8 * cfg.hidden
+        + 2 * cfg.q_dim
+        + 2 * cfg.kv_dim
+        + 3 * (cfg.top_k * cfg.moe_ffn + cfg.shared_ffn)
+    )
+    act = 4 * tokens * (cfg.layers * width + 2 * cfg.vocab)
+    return 16.0 * cfg.n_params() + act
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -90,6 +109,8 @@ def cmd_overlap(args: argparse.Namespace) -> int:
     from tspbench.runtime.comm_hiding import check_hides
 
     spec = _checked(args)
+    require_dense(spec.cfg, "tspbench overlap")  # (its compute-only step skips the exchanges
+    # that size the experts' work; its closed-form schedule has none)
     check_hides(spec)
     if args.launch == "local":
         from tspbench.runtime.local import run_local

@@ -132,6 +132,8 @@ class ModelConfig:
             integral = f not in FLOATS
             if integral and (not isinstance(v, int) or isinstance(v, bool)):
                 raise ConfigError(f"model.{f}={v!r}: must be an integer")
+            if isinstance(v, bool):
+                raise ConfigError(f"model.{f}={v!r}: must be a number")
             if not isinstance(v, int | float) or not math.isfinite(v) or not lo <= v <= hi:
                 raise ConfigError(f"model.{f}={v!r}: must be between {_num(lo)} and {_num(hi)}")
         if self.head_dim == 0 and self.hidden % self.heads:
@@ -166,6 +168,10 @@ class ModelConfig:
                     raise ConfigError(
                         f"model.{f}={getattr(self, f)!r}: only with experts (model.experts=0)"
                     )
+            if self.norm_topk is not True:  # (its default: the field means nothing here)
+                raise ConfigError(
+                    f"model.norm_topk={self.norm_topk!r}: only with experts (model.experts=0)"
+                )
             return
         if not 1 <= self.top_k <= self.experts:
             raise ConfigError(
@@ -354,7 +360,7 @@ def hf_config(data: object, where: str = "config.json") -> tuple[ModelConfig, li
     if not isinstance(tie, bool):
         raise _hf_refuse(data, where, "tie_word_embeddings", "must be true or false")
     values["tie_embeddings"] = tie
-    return _hf_model(values, where), _hf_notes(data)
+    return _hf_model(values, where, family), _hf_notes(data)
 
 
 def _hf_notes(data: dict) -> list[str]:
@@ -492,7 +498,10 @@ def _hf_experts(data: dict, where: str, family: str) -> dict[str, int | float | 
         raise _hf_refuse(data, where, "decoder_sparse_step", "every layer here is MoE (1)")
     if data.get("mlp_only_layers"):
         raise _hf_refuse(data, where, "mlp_only_layers", "every layer here is MoE (none dense)")
-    if data.get("output_router_logits") is True:
+    on = data.get("output_router_logits", False)
+    if not isinstance(on, bool):
+        raise _hf_refuse(data, where, "output_router_logits", "must be true or false")
+    if on:
         out["aux_loss"] = _hf_value(data, where, "aux_loss", "router_aux_loss_coef", 0.001)
     return out
 
@@ -559,15 +568,18 @@ def _hf_head_dim(data: dict, where: str, values: dict[str, int | float | str | b
     values["head_dim"] = 0 if hidden % heads == 0 and d == hidden // heads else d
 
 
-def _hf_model(values: dict[str, int | float | str | bool], where: str) -> ModelConfig:
+def _hf_model(
+    values: dict[str, int | float | str | bool], where: str, family: str = ""
+) -> ModelConfig:
     """The :class:`ModelConfig` of the values read; a rule across fields is said with the
-    file's keys."""
+    file's keys (``family``'s: Mixtral counts its experts in ``num_local_experts``)."""
     try:
         return ModelConfig(name="custom", **cast(ModelOverrides, values))  # int where integral
     except ConfigError as e:  # a rule across fields: say it with the file's keys
         msg = str(e)
         keys = [(f, k) for f, (k, _) in HF_FIELDS.items()] + [("head_dim", "head_dim")]
-        keys += [("top_k", "num_experts_per_tok"), ("experts", "num_experts")]
+        experts = "num_local_experts" if family == "mixtral" else "num_experts"
+        keys += [("top_k", "num_experts_per_tok"), ("experts", experts)]
         for field, key in keys:
             msg = msg.replace(f"model.{field}", key)
         raise ConfigError(f"{where}: {msg}") from None

@@ -63,7 +63,7 @@ class RouterStats:
         if recompute.active():
             return
         E = probs.shape[-1]
-        self.counts.append(torch.bincount(idx.flatten(), minlength=E).to(probs.dtype))
+        self.counts.append(torch.bincount(idx.flatten(), minlength=E))  # int64: exact
         self.probs.append(probs.sum(0))
         self.rows += probs.shape[0]
 
@@ -135,13 +135,14 @@ def moe_mlp(
 
 
 def aux_loss_part(
-    stats: RouterStats, counts: torch.Tensor, rows: int, experts: int
+    stats: RouterStats, counts: torch.Tensor, rows: int | torch.Tensor, experts: int
 ) -> torch.Tensor:
     """This rank's share of the load-balancing loss: E / N^2 * sum_e n_e * P_e(local), with
     ``counts`` (n_e) and ``rows`` (N) over every rank's tokens: the shares sum to HF's loss and
     to its gradient."""
     local = torch.stack(stats.probs).sum(0)
-    return experts / rows**2 * (counts.to(local.dtype) * local).sum()
+    n = rows.to(local.dtype) if isinstance(rows, torch.Tensor) else rows  # (the loss's dtype)
+    return (counts.to(local.dtype) * local).sum() * experts / n**2
 
 
 def local_counts(stats: RouterStats) -> torch.Tensor:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
-from tspbench.core.config import ConfigError, ModelConfig, read_csv_input
+from tspbench.core.config import ConfigError, ModelConfig, read_csv_input, require_dense
 from tspbench.projection.costmodel import case_of_row, project
 from tspbench.runtime.registry import strategies
 from tspbench.runtime.spec import RunSpec
@@ -100,9 +100,11 @@ def _model(rec: dict, path: str) -> ModelConfig:
             f"projected (got {got})"
         )
     try:
-        return ModelConfig(**mc)
+        cfg = ModelConfig(**mc)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"record {path!r}: model_config: {e}") from None
+    require_dense(cfg, f"tspbench project-check (record {path!r})")
+    return cfg
 
 
 def _row(c: RunSpec, label: str, times: list[float], preset: dict) -> dict:

@@ -128,6 +128,7 @@ def measure_rank(spec: RunSpec, device: torch.device, beat=lambda: None) -> dict
     beat()
     startup = process_age_s()  # joined, built and sharded: the first step starts now
     count = [0]
+    routed: list[list[int]] = []
 
     def step() -> tuple[torch.Tensor, torch.Tensor | None]:
         inject(dist.get_rank(), count[0], spec.seq_len, spec.strategy, strat.parameters())
@@ -135,6 +136,8 @@ def measure_rank(spec: RunSpec, device: torch.device, beat=lambda: None) -> dict
         beat()
         with stretched(dist.get_rank(), spec.seq_len, spec.strategy):
             loss, gnorm = one_step(strat, batch, opt)
+        if count[0] == 1 and getattr(strat, "routed", None) is not None:  # experts: the
+            routed.append([int(n) for n in strat.routed.tolist()])  # first step's, as the loss
         beat()
         return loss, gnorm
 
@@ -148,9 +151,8 @@ def measure_rank(spec: RunSpec, device: torch.device, beat=lambda: None) -> dict
         "optimizer_numel": opt.state_numel() if opt else 0,
         "startup_s": startup,
     }
-    routed = getattr(strat, "routed", None)  # experts: the probe step's rows per expert
-    if routed is not None:
-        out["routed"] = [int(n) for n in routed.tolist()]
+    if routed:  # experts: the first step's rows per expert
+        out["routed"] = routed[0]
     if not spec.quiet and rank0:
         print(f"[tspbench] probe steps: loss {out['loss']:.6f}", flush=True)
 
@@ -361,7 +363,7 @@ def summarize(spec: RunSpec, ranks: list[dict[str, Any]], device_peak_flops: flo
 
 
 def moe_summary(ranks: list[dict[str, Any]]) -> dict[str, Any]:
-    """A run with experts: the probe step's top-k assignments per expert over the global batch
+    """A run with experts: the first step's top-k assignments per expert over the global batch
     and every layer (each rank routes its own tokens), and the load imbalance, the busiest
     expert's rows over the mean (1: balanced; dropless, so the busiest expert's work sets
     the pace of an expert-parallel step)."""
