@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from tsp_impl.mlp import ring, slice_bwd, slice_grad
 from tsp_impl.overlap import OneInFlight, owner_shards
 from tspbench.core.comm import Comm, Pending
+from tspbench.core.moe import expert_ffn
 
 SCHEDULES = ("all_to_all", "ring", "broadcast")
 
@@ -74,18 +75,19 @@ def all_to_all_experts(
     D, per = comm.size, experts // comm.size
     flat = idx.flatten()  # (token, slot) pairs, token-major
     order = torch.argsort(flat, stable=True)  # by expert, hence by owner
-    counts = torch.bincount(flat, minlength=experts)
-    mine = comm.all_to_all(counts.view(D, per))  # [D, per]: rows for my experts, from each rank
-    send, recv = counts.view(D, per).sum(1).tolist(), mine.sum(1).tolist()
+    counts = torch.bincount(flat, minlength=experts).view(D, per)
+    mine = comm.all_to_all(counts)  # [D, per]: rows for my experts, from each rank
+    sent, got = torch.stack([counts, mine]).tolist()  # the split sizes: one host sync
+    send, recv = [sum(r) for r in sent], [sum(r) for r in got]
     rows = AllToAllV.apply(m[order // idx.shape[1]], send, recv, comm)
     # the received rows: rank 0's block (by expert), then rank 1's, ...; each expert's together
     local = torch.repeat_interleave(torch.arange(per, device=m.device).repeat(D), mine.flatten())
     by_expert = torch.argsort(local, stable=True)
-    sizes = torch.bincount(local, minlength=per).tolist()
+    sizes = [sum(r[j] for r in got) for j in range(per)]
     outs = []
     for j, x in enumerate(rows[by_expert].split(sizes)):
         w = expert(w_own, j, fe)
-        outs.append((F.silu(x @ w[:fe].T) * (x @ w[fe : 2 * fe].T)) @ w[2 * fe :])
+        outs.append(expert_ffn(x, w[:fe], w[fe : 2 * fe], w[2 * fe :].T))
     y = torch.empty_like(rows).index_copy(0, by_expert, torch.cat(outs))
     back = AllToAllV.apply(y, recv, send, comm)  # in the dispatched order
     scaled = back * weights.flatten()[order, None]

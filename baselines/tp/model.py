@@ -100,8 +100,7 @@ class TP(Strategy):
             self.router_stats.add(probs, idx)
         y = moe.routed_experts(m2, weights, idx, p, first=r * cfg.experts // T)
         if "sgate" in p:  # its column- and row-parallel slices: a partial output, as the MLP's
-            sh = moe.expert_ffn(m2, p["sw1"], p["sw3"], p["sw2"])
-            y = y + torch.sigmoid(m2 @ p["sgate"].T) * sh
+            y = y + moe.shared_expert(m2, p)
         return reduce_from(y, self.comm).view(m.shape)
 
     def head_loss(self, x: torch.Tensor, labels: torch.Tensor, n_tokens: int) -> torch.Tensor:

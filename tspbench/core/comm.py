@@ -388,9 +388,9 @@ class Comm:
         exchanged first), waited for. Counted as the bytes this rank sends to the others (its
         own rows stay), the even :meth:`all_to_all`'s rule for uneven blocks."""
         tc = t.contiguous()
-        out = tc.new_empty((sum(recv), *tc.shape[1:]))
         if self.size == 1:
             return tc
+        out = tc.new_empty((sum(recv), *tc.shape[1:]))
         if self.trace is not None:
             self.trace.append((self.axis, "all_to_all_v", tuple(tc.shape), tc.dtype,
                                {"send": send, "recv": recv}))  # fmt: skip

@@ -50,12 +50,11 @@ def moe_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 @dataclass
 class RouterStats:
     """What the load-balancing loss needs of the layers run so far on this rank's tokens:
-    top-k assignments per expert (no gradient), router probabilities summed per expert (with
-    it), and the rows routed."""
+    top-k assignments per expert (no gradient) and router probabilities summed per expert
+    (with it)."""
 
     counts: list[torch.Tensor] = field(default_factory=list)
     probs: list[torch.Tensor] = field(default_factory=list)
-    rows: int = 0
 
     def add(self, probs: torch.Tensor, idx: torch.Tensor) -> None:
         """Count one layer's routing (not again while backward recomputes the layer: the
@@ -65,7 +64,6 @@ class RouterStats:
         E = probs.shape[-1]
         self.counts.append(torch.bincount(idx.flatten(), minlength=E))  # int64: exact
         self.probs.append(probs.sum(0))
-        self.rows += probs.shape[0]
 
 
 def route(
@@ -134,15 +132,13 @@ def moe_mlp(
     return out.view(shape)
 
 
-def aux_loss_part(
-    stats: RouterStats, counts: torch.Tensor, rows: int | torch.Tensor, experts: int
-) -> torch.Tensor:
+def aux_loss_part(stats: RouterStats, counts: torch.Tensor, top_k: int) -> torch.Tensor:
     """This rank's share of the load-balancing loss: E / N^2 * sum_e n_e * P_e(local), with
-    ``counts`` (n_e) and ``rows`` (N) over every rank's tokens: the shares sum to HF's loss and
-    to its gradient."""
+    ``counts`` (n_e) over every rank's tokens and layers, and N = sum_e n_e / k the rows they
+    routed (a tensor: no host sync): the shares sum to HF's loss and to its gradient."""
     local = torch.stack(stats.probs).sum(0)
-    n = rows.to(local.dtype) if isinstance(rows, torch.Tensor) else rows  # (the loss's dtype)
-    return (counts.to(local.dtype) * local).sum() * experts / n**2
+    rows = counts.sum().to(local.dtype) / top_k
+    return (counts.to(local.dtype) * local).sum() * counts.numel() / rows**2
 
 
 def local_counts(stats: RouterStats) -> torch.Tensor:

@@ -197,5 +197,5 @@ class ReferenceModel(torch.nn.Module):
         ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
         if stats is None:
             return ce, hidden
-        aux = moe.aux_loss_part(stats, moe.local_counts(stats), stats.rows, self.cfg.experts)
+        aux = moe.aux_loss_part(stats, moe.local_counts(stats), self.cfg.top_k)
         return ce + self.cfg.aux_loss * aux, hidden

@@ -269,9 +269,7 @@ class Strategy(ABC):
         for axis in (*token_axes, Axis.DP):
             if axis in self.mesh.comms:
                 self.mesh[axis].all_reduce(counts)
-        rows = counts.sum().double() / self.cfg.top_k  # every routed row, every layer (no
-        # host sync: a tensor)
-        return self.cfg.aux_loss * moe.aux_loss_part(stats, counts, rows, self.cfg.experts)
+        return self.cfg.aux_loss * moe.aux_loss_part(stats, counts, self.cfg.top_k)
 
     def reported_loss(self, local: torch.Tensor) -> torch.Tensor:
         """The global mean loss from this rank's ``local`` part (collective): summed over the
