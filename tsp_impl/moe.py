@@ -10,7 +10,8 @@ tokens and the experts together, each equal to the reference forward and backwar
   the per-expert counts are exchanged, then each token row goes to its experts' owner (dispatch,
   one uneven all-to-all), the owner applies its experts, and the rows come back (combine); only
   activations move, k t h per rank and direction, and backward moves them again in reverse.
-  Autograd runs through the two exchanges (:class:`AllToAllV`).
+  Autograd runs through the two exchanges (tspbench/core/expert_parallel.py, shared with
+  FSDP+CP's experts).
 - ``ring`` / ``broadcast`` (weights move, TSP's own way): each owner's packed experts travel to
   every rank as the dense MLP's slices do (tsp_impl/mlp.py: a ring of neighbours, or broadcast
   from the owner), and each rank applies them to its own tokens routed there; backward moves
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 from tsp_impl.mlp import ring, slice_bwd, slice_grad
 from tsp_impl.overlap import OneInFlight, owner_shards
 from tspbench.core.comm import Comm, Pending
+from tspbench.core.expert_parallel import dispatch_combine
 from tspbench.core.moe import expert_ffn
 
 SCHEDULES = ("all_to_all", "ring", "broadcast")
@@ -47,51 +49,18 @@ def routed_to(idx: torch.Tensor, e: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # -- expert parallel: tokens move ------------------------------------------------------------------
-class AllToAllV(torch.autograd.Function):
-    """Rows to their ranks (``send[j]`` to rank j, ``recv[j]`` back from it); backward sends
-    the rows' gradients the reverse way."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], comm: Comm):
-        ctx.send, ctx.recv, ctx.comm = send, recv, comm
-        return comm.all_to_all_v(x, send, recv)
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        return ctx.comm.all_to_all_v(dy, ctx.recv, ctx.send), None, None, None
-
-
 def all_to_all_experts(
-    m: torch.Tensor,
-    weights: torch.Tensor,
-    idx: torch.Tensor,
-    w_own: torch.Tensor,
-    comm: Comm,
-    experts: int,
-    fe: int,
-) -> torch.Tensor:
-    """sum over each local token's k experts of weight x expert(token), the rows dispatched to
-    the experts' owners and combined back (plain autograd through :class:`AllToAllV`)."""
-    D, per = comm.size, experts // comm.size
-    flat = idx.flatten()  # (token, slot) pairs, token-major
-    order = torch.argsort(flat, stable=True)  # by expert, hence by owner
-    counts = torch.bincount(flat, minlength=experts).view(D, per)
-    mine = comm.all_to_all(counts)  # [D, per]: rows for my experts, from each rank
-    sent, got = torch.stack([counts, mine]).tolist()  # the split sizes: one host sync
-    send, recv = [sum(r) for r in sent], [sum(r) for r in got]
-    rows = AllToAllV.apply(m[order // idx.shape[1]], send, recv, comm)
-    # the received rows: rank 0's block (by expert), then rank 1's, ...; each expert's together
-    local = torch.repeat_interleave(torch.arange(per, device=m.device).repeat(D), mine.flatten())
-    by_expert = torch.argsort(local, stable=True)
-    sizes = [sum(r[j] for r in got) for j in range(per)]
-    outs = []
-    for j, x in enumerate(rows[by_expert].split(sizes)):
+    m: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w_own: torch.Tensor, comm: Comm,
+    experts: int, fe: int,
+) -> torch.Tensor:  # fmt: skip
+    """The routed experts' sum with the rows dispatched to the packed experts' owners and
+    combined back (tspbench/core/expert_parallel.py)."""
+
+    def apply(j: int, x: torch.Tensor) -> torch.Tensor:
         w = expert(w_own, j, fe)
-        outs.append(expert_ffn(x, w[:fe], w[fe : 2 * fe], w[2 * fe :].T))
-    y = torch.empty_like(rows).index_copy(0, by_expert, torch.cat(outs))
-    back = AllToAllV.apply(y, recv, send, comm)  # in the dispatched order
-    scaled = back * weights.flatten()[order, None]
-    return torch.zeros_like(m).index_add(0, order // idx.shape[1], scaled)
+        return expert_ffn(x, w[:fe], w[fe : 2 * fe], w[2 * fe :].T)
+
+    return dispatch_combine(m, weights, idx, comm, experts, apply)
 
 
 # -- weights move ----------------------------------------------------------------------------------

@@ -18,6 +18,16 @@ next one is issued (one in flight), the last in ``finish_grads``, which assigns 
 With ``overlap`` off every collective is waited for at once. The K/V all-gathers are blocking
 either way (docs/method.md section 8: what Megatron's all-gather context parallelism does too).
 
+With experts, as torchtitan composes FSDP with context and expert parallelism (its
+``parallelize.py``: EP borrows the FSDP and CP degrees, here all D): rank p owns experts
+p E/D .. (p+1) E/D - 1 whole, outside the layer's unit (torchtitan shards them again over the
+FSDP ranks outside EP, here none: ``fully_shard`` over one rank gathers nothing); the router
+and a shared expert stay in the unit, gathered as the attention's weights. Each rank routes
+its own tokens (its zigzag chunks) and meets the experts by the all-to-all dispatcher
+(tspbench/core/expert_parallel.py, as TSP's ``all_to_all`` schedule), so only activations move
+for the experts; an expert's gradient is complete after the combine's backward (every rank's
+rows reached it), so it is neither reduced nor scattered over the group.
+
 Written plainly rather than with FSDP2's ``fully_shard`` so that its traffic goes through the
 same counted collectives as every other strategy (FSDP2's collectives bypass them) and the
 gradient reduction is an explicit sum.
@@ -35,7 +45,7 @@ import torch.nn.functional as F
 from torch.autograd.graph import saved_tensors_hooks
 
 from baselines.fsdp_cp.costs import FSDPCPCosts
-from tspbench.core import zigzag
+from tspbench.core import moe, zigzag
 from tspbench.core.comm import Pending
 from tspbench.core.config import ModelConfig
 from tspbench.core.context_parallel import (
@@ -43,12 +53,14 @@ from tspbench.core.context_parallel import (
     cp_tables,
     exchange_groups,
 )
+from tspbench.core.expert_parallel import dispatch_combine
+from tspbench.core.init import chunk_slice
 from tspbench.core.layers import rms_norm, transformer_layer
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.optim import grad_sq_sum
 from tspbench.core.options import CP_A2A, CP_COMM, OVERLAP, Option, Value
 from tspbench.core.reference import param_shapes, unit_names
-from tspbench.core.strategy import Batch, tensor_of
+from tspbench.core.strategy import Batch, Layout, tensor_of
 
 PP_KEEP_GATHERED = Option(
     "pp_keep_gathered", True,
@@ -121,6 +133,15 @@ class FSDPCP(SequenceSharded):
     costs = FSDPCPCosts()
     decoder = None  # no decode path (docs/decode.md)
     stages = True
+    experts = True
+
+    @classmethod
+    def validate(
+        cls, cfg: ModelConfig, layout: Layout, seq_len: int, batch: int, **options: Value
+    ) -> None:
+        super().validate(cfg, layout, seq_len, batch, **options)
+        if cfg.moe:  # E/D experts each
+            cls.require_divisible("model.experts", cfg.experts, layout.degree, "D (degree)")
 
     @classmethod
     def checked_options(cls) -> list[dict[str, Value]]:
@@ -135,8 +156,16 @@ class FSDPCP(SequenceSharded):
         self.units = []
         for names in unit_names(cfg):
             if self.stage.holds(names[0]):  # (a pipeline stage: its units; each on one stage)
+                names = [n for n in names if n.rsplit(".", 1)[-1] not in moe.EXPERTS]
                 shard = self.to_param(self.shard(names))
                 self.units.append(Unit(names, [shapes[n] for n in names], shard))
+        # with experts: this rank's E/D of each layer's stacks, whole, outside the units
+        mine = chunk_slice(cfg.experts, self.comm.size, self.comm.rank) if cfg.moe else None
+        self.experts_here = [
+            {k: self.to_param(self.init_block(f"layers.{i}.{k}", mine)) for k in moe.EXPERTS}
+            for i in (self.stage.layers if cfg.moe else ())
+        ]
+        self.router_stats: moe.RouterStats | None = None  # a step's routing (experts only)
         # the unit of this stage's first layer: after the embedding's on the first stage
         self.first_layer_unit = int(self.stage.first)
         self.regathered: dict[int, torch.Tensor] = {}
@@ -275,17 +304,39 @@ class FSDPCP(SequenceSharded):
     def run_layers(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         S = x.shape[1] * self.comm.size
+        moe_hook = {"moe": self.moe_block} if cfg.moe else {}
         cos, sin, hooks = cp_tables(
-            self, S, self.comm, cfg, x, self.cp_comm, self.overlap, self.cp_groups
+            self, S, self.comm, cfg, x, self.cp_comm, self.overlap, self.cp_groups, **moe_hook
         )
-        for unit in range(self.first_layer_unit, self.first_layer_unit + len(self.stage.layers)):
+        for j in range(len(self.stage.layers)):
+            own = self.experts_here[j] if cfg.moe else {}
             x = self.checkpointed(
                 self.run_unit,
-                unit,
-                lambda w, x: transformer_layer(x, w, cfg.norm_eps, cfg.d_head, cos, sin, hooks),
+                self.first_layer_unit + j,
+                lambda w, x, own=own: transformer_layer(
+                    x, {**w, **own}, cfg.norm_eps, cfg.d_head, cos, sin, hooks
+                ),
                 x,
             )
         return x
+
+    def moe_block(self, m: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The mixture of experts on this rank's normed tokens: routed here (the gathered
+        router), met by this group's experts through the all-to-all dispatcher; a shared expert
+        from the gathered unit."""
+        cfg, shape = self.cfg, m.shape
+        m2 = m.reshape(-1, shape[-1])
+        probs, weights, idx = moe.route(m2, p["router"], cfg.top_k, cfg.norm_topk)
+        if self.router_stats is not None:
+            self.router_stats.add(probs, idx)
+
+        def apply(j: int, x: torch.Tensor) -> torch.Tensor:
+            return moe.expert_ffn(x, p["ew1"][j], p["ew3"][j], p["ew2"][j])
+
+        y = dispatch_combine(m2, weights, idx, self.comm, cfg.experts, apply)
+        if "sgate" in p:
+            y = y + moe.shared_expert(m2, p)
+        return y.view(shape)
 
     @property
     def head_unit(self) -> int:
@@ -307,9 +358,12 @@ class FSDPCP(SequenceSharded):
         return self.run_unit(self.head_unit, head, x) / n_tokens
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        self.router_stats = moe.RouterStats() if self.cfg.moe else None
         x = self._body(batch)
+        aux = 0.0 if self.router_stats is None else self.routing_done(self.router_stats)
+        self.router_stats = None
         if not self.cfg.tie_embeddings:
-            local = self.head_loss(x, batch.labels, batch.n_tokens)
+            local = self.head_loss(x, batch.labels, batch.n_tokens) + aux
             return local, self.total_loss(local)
         # tied: the norm's unit, then the embedding's gathered again as the head; the head's
         # gradient waits for the lookup's, and the sum is reduce-scattered once (GatherUnit)
@@ -319,11 +373,11 @@ class FSDPCP(SequenceSharded):
             total = self.run_unit(0, lambda w, x: self._ce(x, w["embed"], batch.labels), x)
         finally:
             self.reusing = False
-        local = total / batch.n_tokens
+        local = total / batch.n_tokens + aux
         return local, self.total_loss(local)
 
     def parameters(self) -> list[torch.nn.Parameter]:
-        return [u.shard for u in self.units]
+        return [u.shard for u in self.units] + [p for e in self.experts_here for p in e.values()]
 
     def grad_sq_norm(self) -> torch.Tensor:
         return self.comm.all_reduce_metric(grad_sq_sum(self.parameters()))
@@ -342,4 +396,7 @@ class FSDPCP(SequenceSharded):
             t = tensor_of(u.shard, grads)
             flat = self.comm.all_gather(t, dim=0)
             out.update({n: v for n, v in zip(u.names, u.views(flat).values())})
+        for i, own in zip(self.stage.layers, self.experts_here):
+            for k, p in own.items():
+                out[f"layers.{i}.{k}"] = self.comm.all_gather(tensor_of(p, grads), dim=0)
         return out

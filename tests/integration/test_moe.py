@@ -138,6 +138,7 @@ CLI_RUNS = {  # name: (arguments, ranks)
     "tsp-broadcast": (["--strategy", "tsp", "--degree", "2", "--moe-schedule", "broadcast"], 2),
     "tsp-D4": (["--strategy", "tsp", "--degree", "4"], 4),
     "tp": (["--strategy", "tp", "--degree", "2"], 2),
+    "fsdp_cp": (["--strategy", "fsdp_cp", "--degree", "2"], 2),
 }
 
 
@@ -187,6 +188,15 @@ def test_the_schedules_move_what_they_say(cli_records):
     assert ring.get("all_to_all", 0) == bcast.get("all_to_all", 0) == 0
     assert ring["send_recv"] > a2a.get("send_recv", 0)
     assert bcast["reduce"] > a2a.get("reduce", 0)
+
+
+def test_fsdp_cp_dispatches_the_rows_tsp_does(cli_records):
+    """FSDP+CP's experts and TSP's all_to_all schedule split the tokens (zigzag) and the
+    experts alike over the same ranks: their dispatch and combine move the same rows, to the
+    byte; FSDP+CP's weights move besides (its unit gathers, reduce-scatters)."""
+    tsp, fsdp = (cli_records[n]["comm_bytes"] for n in ("tsp", "fsdp_cp"))
+    assert fsdp["all_to_all"] == tsp["all_to_all"]
+    assert fsdp["all_gather"] > tsp["all_gather"] and fsdp["reduce_scatter"] > 0
 
 
 @pytest.mark.parametrize(
