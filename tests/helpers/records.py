@@ -51,7 +51,16 @@ def fake_record(cell, launcher: str = "slurm", hardware: dict | None = None) -> 
         "git_commit": "0123abc",
         "timestamp_utc": "2026-01-01T00:00:00+00:00",
         **(decode_fields(spec, k) if spec.decoding else {}),
+        **(expert_fields(spec) if spec.cfg.moe else {}),
     }
+
+
+def expert_fields(spec) -> dict:
+    """A run with experts' two fields: every routed row counted, the first expert busiest."""
+    E, rows = spec.cfg.experts, spec.seq_len * spec.batch * spec.layout.dp * spec.cfg.top_k
+    per = [rows * spec.cfg.layers // E] * E
+    per[0], per[-1] = per[0] + E, per[-1] - E
+    return {"tokens_per_expert": per, "expert_load_imbalance": per[0] / (sum(per) / E)}
 
 
 def parts(peak: int, D: int) -> dict[str, int]:

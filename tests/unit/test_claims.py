@@ -260,3 +260,51 @@ def test_the_pipeline_row_is_judged_by_equality_and_by_fitting(tmp_path, loss, f
     pd.read_csv(src.measured).query("cell.str.endswith('flat')").to_csv(src.measured, index=False)
     (row,) = pipeline_rows({**c, "subject": "tsp"}, get_config("7b"), src)
     assert row.verdict == ("projected: holds" if fits else "partly")
+
+
+def _experts_summary(tmp_path, loss_tp: float, tsp_peak: int) -> Sources:
+    """A measured summary with a moe cell set at one length: TSP's two schedules, TP and
+    FSDP+CP (peaks 3 and 4 MiB), and a dense cell the row must not read."""
+    base = {"sweep": "moe", "status": "ok", "degree": 4, "seq_len": 512, "mode": "train",
+            "batch": 1, "gpus": 4, "experts": 8, "grad_norm": 2.0, "loss": 5.0}  # fmt: skip
+
+    def run(cell: str, strategy: str, label: str, peak: int, **kw) -> dict:
+        return base | {"cell": cell, "strategy": strategy, "label": label,
+                       "peak_mem_bytes": peak, **kw}  # fmt: skip
+
+    rows = [
+        run("tsp", "tsp", "tsp", 5 * 2**20),
+        run("tsp-ring", "tsp", "tsp (ring experts)", tsp_peak),
+        run("tp", "tp", "tp", 3 * 2**20, loss=loss_tp),
+        run("fsdp", "fsdp_cp", "fsdp_cp", 4 * 2**20),
+        run("dense", "tsp", "tsp", 1, sweep="seq", experts=0, loss=9.0),
+    ]
+    pd.DataFrame(rows).to_csv(tmp_path / "summary.csv", index=False)
+    return Sources(REFS.projected, tmp_path / "summary.csv", tmp_path)
+
+
+@pytest.mark.parametrize(
+    "loss_tp, tsp_peak, verdict, shown",
+    [
+        (5.0, 2**20, "partly", "tsp (ring experts) 1.00 MiB/rank / TP 0.33, / FSDP+CP 0.25"),
+        (5.0 * (1 + 1e-3), 2**20, "differs", "4 runs NOT equal"),
+        (5.0, 7 * 2**20, "differs", "tsp 5.00 MiB/rank / TP 1.67, / FSDP+CP 1.25"),
+    ],
+)  # fmt: skip
+def test_the_experts_row_is_judged_by_equality_and_by_memory(
+    tmp_path, loss_tp, tsp_peak, verdict, shown
+):
+    """Equal runs and a TSP schedule leaner than TP + EP and FSDP+CP + EP: partly (no
+    projection yet); a loss off by 1e-3, or TSP's leanest heavier than a rival: differs; the
+    dense cell of another sweep is not read; no cell with experts: not checkable."""
+    from tspbench.pipeline.moe_claims import experts_rows
+
+    spec = yaml.safe_load(CLAIMS.read_text())
+    c = next(c for c in spec["claims"] if c["kind"] == "experts")
+    src = _experts_summary(tmp_path, loss_tp, tsp_peak)
+    (row,) = experts_rows({**c, "subject": "tsp"}, get_config("tiny"), src)
+    assert row.verdict == verdict and shown in row.ours, row.ours
+    assert "4 cells with experts" in row.ours and "not projected" in row.ours
+    pd.read_csv(src.measured).query("experts == 0").to_csv(src.measured, index=False)
+    (row,) = experts_rows({**c, "subject": "tsp"}, get_config("tiny"), src)
+    assert row.verdict == "not checkable here"

@@ -70,6 +70,9 @@ def expected_tables(cell, sweep: str) -> list[tuple[str, str]]:
         tag = f"S{s.seq_len}_D{s.layout.degree}"
         stages = str(s.layout.pp)
         return [(f"pipeline_memory_{tag}", stages), (f"pipeline_throughput_{tag}", stages)]
+    if sweep == "moe":
+        tag = f"E{s.cfg.experts}_D{s.layout.degree}"
+        return [(f"moe_{k}_{tag}", str(s.seq_len)) for k in ("memory", "throughput", "comm")]
     raise AssertionError(f"no table known for sweep {sweep}")
 
 
@@ -166,16 +169,16 @@ def test_inference_cells_have_memory_and_throughput_tables(paper):
 
 def test_default_micro_batch_sweep_has_three_columns_and_about_the_same_cells(default_cpu):
     """The default sweep's micro-batch tables have at least three micro-batches; the sweep
-    stays about as long as before (65 cells, about 6 min on 2 cores, and 12 decode cells; 12 of
+    stays about as long as before (75 cells, about 7 min on 2 cores, and 12 decode cells; 12 of
     them SP's and FSDP+CP's ring, a2a and a2a+p2p exchanges, 2 TSP's K/V ring, 2 PyTorch's
-    FSDP2, 4 its DTensor TP, 4 the pipeline sweep's): the B = 1 cells are the seq sweep's, run
-    once."""
+    FSDP2, 4 its DTensor TP, 4 the pipeline sweep's, 10 the experts' at two lengths, each
+    about 6 s): the B = 1 cells are the seq sweep's, run once."""
     from tspbench.pipeline.tables import specs
 
     batch = next(s for s in DEFAULT["sweeps"] if s["name"] == "batch")
     assert len(batch["batches"]) >= 3
     cells, df = default_cpu
-    assert len([c for c in cells if not c.spec.decoding]) <= 65
+    assert len([c for c in cells if not c.spec.decoding]) <= 75
     assert len([c for c in cells if c.spec.decoding]) <= 12  # ~1.5 min on 2 cores
     tables = {name: t for name, _, t in specs(df)}
     for name in ("batch_memory", "batch_throughput"):

@@ -62,6 +62,7 @@ SCALARS = [
     "mfu",
     "loss",
     "grad_norm",
+    "expert_load_imbalance",  # a model with experts: the busiest expert's rows over the mean
     "calib_gflops",
     "tokens_per_s_per_gflops",
     "startup_s",
@@ -133,6 +134,7 @@ def row(cell: Cell, path: Path) -> dict:
         "gpus": cell.gpus,
         **{k: v for k, v in spec.header("", cell.gpus).items() if k in CELL_KEYS},
         "label": spec.label,
+        "experts": spec.cfg.experts,  # 0: dense
     }
     if not path.exists() and not path.is_symlink():
         return {**base, "status": "missing", "error_message": f"no record at {path}"}
@@ -140,6 +142,8 @@ def row(cell: Cell, path: Path) -> dict:
     if rec is None:
         return {**base, "status": "corrupt", "error_message": why}
     out = {**base, **{k: rec.get(k) for k in (*SCALARS, *DECODE) if k in rec}}
+    if rec.get("tokens_per_expert") is not None:
+        out["tokens_per_expert"] = json.dumps(rec["tokens_per_expert"], separators=(",", ":"))
     if rec.get("generated_tokens") is not None:
         out["generated_tokens"] = json.dumps(rec["generated_tokens"], separators=(",", ":"))
     for kind in KINDS:
@@ -170,9 +174,12 @@ ROLE_AXES = (("degree", "degree"), ("gpus", "scaling"), ("batch", "batch"), ("se
 
 
 def role(rows: pd.DataFrame) -> str:
-    """A sweep's role from its training and forward rows: ``pipeline`` where some cell has
-    stages (the claims table reads it; no figure draws it), else ``degree``, ``scaling``,
-    ``batch`` or ``seq`` (decode cells have tables of their own)."""
+    """A sweep's role from its training and forward rows: ``moe`` where its model has experts
+    (a table and a claims row of its own; the dense figures never mix it in), ``pipeline`` where
+    some cell has stages (the claims table reads it; no figure draws it), else ``degree``,
+    ``scaling``, ``batch`` or ``seq`` (decode cells have tables of their own)."""
+    if "experts" in rows and (rows["experts"].fillna(0) > 0).any():
+        return "moe"
     if "pp" in rows and (rows["pp"].fillna(1) > 1).any():
         return "pipeline"
     for axis, name in ROLE_AXES:

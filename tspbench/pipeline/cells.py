@@ -14,14 +14,20 @@ import os
 import shlex
 from dataclasses import dataclass, replace
 
-from tspbench.core.config import ConfigError, get_config
+from tspbench.core.config import ConfigError, ModelConfig, get_config
 from tspbench.core.configfile import check_schema, non_finite, read_yaml
 from tspbench.core.options import Options
 from tspbench.core.strategy import Layout
 from tspbench.pipeline.resources import slurm_resources
 from tspbench.runtime.local import max_local_ranks
 from tspbench.runtime.registry import all_options, get_strategy, names, strategies, takers
-from tspbench.runtime.spec import DECODE_MODES, DEFAULT_NEW_TOKENS, RunSpec, parse_size
+from tspbench.runtime.spec import (
+    DECODE_MODES,
+    DEFAULT_NEW_TOKENS,
+    RunSpec,
+    experts_tag,
+    parse_size,
+)
 
 __all__ = [
     "Cell",
@@ -216,14 +222,16 @@ def _check_size(config: dict, what: str) -> None:
 
 
 def _filtered(
-    sweep: dict, strategy: str, lay: Layout, gpus: int, combo: dict, why: str, run: dict
-) -> dict:
+    sweep: dict, strategy: str, lay: Layout, gpus: int, combo: dict, why: str, run: dict,
+    cfg: ModelConfig,
+) -> dict:  # fmt: skip
     """A combination that cannot run, with its reason (``combo``: seq_len, batch, mode and, for
     a decode mode, new_tokens; ``run``: the cell's settings, its strategy's options among
     them)."""
     S, B, mode = combo["seq_len"], combo["batch"], combo["mode"]
     impl = get_strategy(strategy)
-    tag = impl.tag(lay) + Options(impl.options, run["options"], strategy).suffix("tag")
+    tag = impl.tag(lay) + experts_tag(cfg)
+    tag += Options(impl.options, run["options"], strategy).suffix("tag")
     if lay.pp > 1:  # (RunSpec's tag of a pipelined cell)
         tag += f"-pp{lay.pp}-{run['pp_schedule']}-m{run['microbatches'] or lay.pp}"
     n = f".N{combo['new_tokens']}" if combo.get("new_tokens") else ""
@@ -251,13 +259,20 @@ def sweep_cells(config: dict, what: str = "config") -> tuple[list[Cell], list[di
     """
     check_schema(config, "config.schema.yaml", what, strategies=names())
     _check_size(config, what)
-    cfg = get_config(config["model"], **config.get("model_overrides", {}))
+    overrides = config.get("model_overrides", {})
+    base = get_config(config["model"], **overrides)
     common = _common(config, what)
     cells: dict[str, Cell] = {}
     filtered: list[dict] = []
     for i, sweep in enumerate(config["sweeps"]):
         check_sweep(i, sweep)
         _check_local(i, sweep, config["launcher"])
+        cfg = base
+        if "model_overrides" in sweep:  # this sweep's model: the config's with its own fields
+            try:
+                cfg = get_config(config["model"], **{**overrides, **sweep["model_overrides"]})
+            except ConfigError as e:
+                raise ConfigError(f"{what}: sweeps[{i}].model_overrides: {e}") from None
         options = sweep.get("options", {})
         grid = itertools.product(
             sweep["strategies"], sweep["gpus"], sweep["seq_lens"], sweep["batches"], sweep["modes"]
@@ -284,7 +299,7 @@ def sweep_cells(config: dict, what: str = "config") -> tuple[list[Cell], list[di
                     spec = RunSpec(strategy=strategy, cfg=cfg, layout=lay, **combo, **run)
                 except ConfigError as e:
                     why = str(e)
-                    filtered.append(_filtered(sweep, strategy, lay, gpus, combo, why, run))
+                    filtered.append(_filtered(sweep, strategy, lay, gpus, combo, why, run, cfg))
                     continue
                 known = cells.get(spec.id)
                 if known is None:

@@ -25,6 +25,7 @@ from tspbench.pipeline import claim_checks as checks
 from tspbench.pipeline import claim_projected as projected
 from tspbench.pipeline.claim_checks import Row, Sources
 from tspbench.pipeline.decode_claims import kv_cache_rows, longest_context_rows
+from tspbench.pipeline.moe_claims import experts_rows
 from tspbench.runtime.registry import names
 
 __all__ = ["CHECKS", "CLAIMS", "SCHEMA", "Sources", "claims_table", "write_claims"]
@@ -43,6 +44,7 @@ CHECKS = {
     "kv_cache": kv_cache_rows,
     "longest_context": longest_context_rows,
     "pipeline": projected.pipeline_rows,
+    "experts": experts_rows,
 }
 
 

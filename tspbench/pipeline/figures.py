@@ -218,6 +218,18 @@ def plots(df: pd.DataFrame) -> list[Plot]:
                 spread=spread,
             ),  # fmt: skip
         ]
+    moe = df[(df["role"] == "moe") & (df["mode"] == "train")].drop_duplicates("cell")
+    if "experts" not in moe:  # a summary from before experts
+        moe = moe.assign(experts=0)
+    for (E, D), part in moe.groupby(["experts", "degree"]):
+        title = f"vs sequence length ({E} experts, D = {D}, training)"
+        sweeps = "+".join(sorted(set(part["sweep"])))
+        out += [
+            Plot(f"moe_memory_E{E}_D{D}", sweeps, part, "seq_len", "peak", "sequence length",
+                 mem, f"Peak memory {title}"),
+            Plot(f"moe_comm_E{E}_D{D}", sweeps, part, "seq_len", "kb", "sequence length",
+                 f"kB sent per {one} per step", f"Bytes sent {title}"),
+        ]  # fmt: skip
     deg = df[df["role"] == "degree"]
     for S, part in deg.groupby("seq_len"):
         out.append(

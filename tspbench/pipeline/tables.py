@@ -244,8 +244,40 @@ def specs(df: pd.DataFrame) -> list[tuple[str, str, pd.DataFrame]]:
                 pivot(part, "label", "degree", "peak", "{:.2f}"),
             )
         )
-    out += implementation_specs(df[df["mode"] == "train"], unit)
+    out += moe_specs(df, unit)
+    out += implementation_specs(df[(df["mode"] == "train") & (df["role"] != "moe")], unit)
     return out + decode_specs(df, one, unit, scale)  # decode, generate (decode_tables)
+
+
+def moe_specs(df: pd.DataFrame, unit: str) -> list[tuple[str, str, pd.DataFrame]]:
+    """The sweeps of a model with experts (role ``moe``): each strategy and expert schedule vs
+    sequence length, per number of experts and D: peak memory per rank, training throughput,
+    and bytes sent per rank and step (the experts' all-to-all, or their weights, among them)."""
+    out: list[tuple[str, str, pd.DataFrame]] = []
+    if "experts" not in df:  # a summary from before experts
+        return out
+    rows = df[(df["role"] == "moe") & (df["mode"] == "train")].drop_duplicates("cell")
+    for (E, D), g in rows.groupby(["experts", "degree"]):
+        what = f"a model with {E} experts, D = {D}, training step"
+        out += [
+            (
+                f"moe_memory_E{E}_D{D}",
+                f"Peak memory per rank ({unit}) vs sequence length, {what}",
+                pivot(g, "label", "seq_len", "peak", "{:.2f}"),
+            ),
+            (
+                f"moe_throughput_E{E}_D{D}",
+                f"Training throughput (tokens/s) vs sequence length, {what}",
+                pivot(g, "label", "seq_len", "tokens_per_s", "{:.0f}"),
+            ),
+            (
+                f"moe_comm_E{E}_D{D}",
+                f"Bytes sent per rank and step (kB) vs sequence length, {what}: the all-to-all "
+                "moves token rows, the ring and broadcast schedules expert weights",
+                pivot(g, "label", "seq_len", "kbytes", "{:.0f}"),
+            ),
+        ]
+    return out
 
 
 def implementation_specs(df: pd.DataFrame, unit: str) -> list[tuple[str, str, pd.DataFrame]]:

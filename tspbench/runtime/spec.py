@@ -53,6 +53,12 @@ RECORD_SCHEMA_VERSION = 1
 MEASURE_FIELDS = ("seed", "warmup", "steps", "max_memory", "quiet")  # only a measured run's
 
 
+def experts_tag(cfg: ModelConfig) -> str:
+    """``-e8k2`` for a model with 8 experts, 2 per token (its cells beside a dense model's
+    keep ids of their own), else nothing."""
+    return f"-e{cfg.experts}k{cfg.top_k}" if cfg.moe else ""
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunSpec:
     """Everything that defines one run: validated on construction, before any process starts."""
@@ -224,7 +230,12 @@ class RunSpec:
     def tag(self) -> str:
         """The strategy and its factorisation as cell ids spell it, and a schedule other than
         the default: ``tsp-mlp-broadcast``, ``tsp-kvsave``."""
-        return self.impl.tag(self.layout) + self._options.suffix("tag") + self._pipeline_tag
+        return (
+            self.impl.tag(self.layout)
+            + experts_tag(self.cfg)
+            + self._options.suffix("tag")
+            + self._pipeline_tag
+        )
 
     @property
     def _pipeline_tag(self) -> str:
