@@ -67,10 +67,13 @@ def schedule(c: Spec, loss: bool = True) -> Schedule:
     hide behind the blocks but the last dK/dV hop of each bucket."""
     cfg, B, S, e, D = c.cfg, c.batch, c.seq_len, c.e, c.degree
     h, kv, V, L = cfg.hidden, cfg.kv_dim, cfg.vocab, cfg.layers
-    wa, wm, wv = attn_shard_numel(cfg, D) * e, mlp_slice_numel(cfg, D) * e, V // D * h * e
+    wa, wv = attn_shard_numel(cfg, D) * e, V // D * h * e
     kv_full = 2 * B * S * kv // D * e  # one head group's K and V over the whole sequence
     ev, M = Schedule(), Axis.MODEL
-    ring, ov = c.options["mlp_schedule"] == "ring", c.options["overlap"]
+    ov = c.options["overlap"]
+    costs.routing_counts(c, ev, M, D)  # with experts, the loss's counts; all_to_all's rows
+    if cfg.moe and c.options.get("moe_schedule", "all_to_all") == "all_to_all":
+        costs.dispatch_combine(c, ev, M, D)
     kv_ring = kv_exchange_ring(c)
     # the ring's hops: per head group, each bucket's local K/V pair [2, B, b, S/D, d]
     buckets = bucket_count(kv // cfg.d_head // D, int(c.options["kv_bucket"]))
@@ -85,10 +88,7 @@ def schedule(c: Spec, loss: bool = True) -> Schedule:
     def layer_fwd(phase: str) -> None:
         ev.add(phase, M, "broadcast", D, wa, D, overlapped=ov, exposed=1)
         kv_fwd(phase)
-        if ring:
-            ev.add(phase, M, "send_recv", D, wm, D - 1, overlapped=ov)
-        else:
-            ev.add(phase, M, "broadcast", D, wm, D, overlapped=ov, exposed=1)
+        mlp_events(c, ev, phase)
 
     ev.add("forward", M, "broadcast", D, wv, D, overlapped=ov, exposed=1)  # embedding shards
     for _ in range(L):
@@ -111,16 +111,39 @@ def schedule(c: Spec, loss: bool = True) -> Schedule:
                     ev.add("backward", M, "all_gather", D, kv_full, D)
                 ev.add("backward", M, "reduce_scatter", D, kv_full, D)
             ev.add("backward", M, "reduce", D, wa, D, overlapped=True, exposed=1)
-            if ring:  # D-1 slice hops, D accumulator hops
-                ev.add("backward", M, "send_recv", D, wm, 2 * D - 1, overlapped=ov, exposed=1)
-            else:
-                ev.add("backward", M, "broadcast", D, wm, D, overlapped=ov, exposed=1)
-                ev.add("backward", M, "reduce", D, wm, D, overlapped=ov, exposed=1)
+            mlp_events(c, ev, "backward", gradients=True)
         # embedding grad, owner by owner
         ev.add("backward", M, "reduce", D, wv, D, overlapped=True, exposed=1)
-        n = costs.replicated_numel(cfg) * e  # norms, bo, b2, in finish_grads
+        n = costs.replicated_numel(cfg) * e  # norms, bo, b2, routers, in finish_grads
         ev.add("backward", M, "all_reduce", D, n, per_step=True)
     return ev
+
+
+def mlp_events(c: Spec, ev: Schedule, phase: str, gradients: bool = False) -> None:
+    """One layer's MLP weights on the move (``gradients``: with their gradients going home):
+    its slices round the ring or broadcast (``mlp_schedule``); with experts, the experts' blocks
+    by ``moe_schedule`` ring or broadcast (all_to_all moves rows instead: dispatch_combine) and a
+    shared expert's slices as the MLP's. The ring: D-1 slice hops forward; backward the slices'
+    D-1 hops and D accumulator hops. Broadcast: D forward; backward D, and D reduces."""
+    cfg, D, e, ov, M = c.cfg, c.degree, c.e, c.options["overlap"], Axis.MODEL
+    ring = c.options["mlp_schedule"] == "ring"
+    moving: list[tuple[int, bool]] = []  # (bytes of one rank's block, round the ring)
+    if not cfg.moe:
+        moving.append((mlp_slice_numel(cfg, D) * e, ring))
+    else:
+        schedule = c.options.get("moe_schedule", "all_to_all")
+        if schedule != "all_to_all":
+            moving.append((costs.expert_numel(cfg) // D * e, schedule == "ring"))
+        if cfg.shared_ffn:
+            moving.append((3 * cfg.shared_ffn // D * cfg.hidden * e, ring))
+    for w, by_ring in moving:
+        if by_ring:
+            hops, shown = (2 * D - 1, 1) if gradients else (D - 1, 0)
+            ev.add(phase, M, "send_recv", D, w, hops, overlapped=ov, exposed=shown)
+        else:
+            ev.add(phase, M, "broadcast", D, w, D, overlapped=ov, exposed=1)
+            if gradients:
+                ev.add(phase, M, "reduce", D, w, D, overlapped=ov, exposed=1)
 
 
 def kv_exchange_ring(c: Spec) -> bool:

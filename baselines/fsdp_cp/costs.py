@@ -19,11 +19,13 @@ class FSDPCPCosts(costs.Costs):
         """Elements of the all-gather units: the embedding; one layer; final norm + LM head (tied:
         the norm alone, the head being the embedding's unit)."""
         V, h = cfg.vocab, cfg.hidden
-        return V * h, costs.layer_numel(cfg), h + (0 if cfg.tie_embeddings else V * h)
+        layer = costs.layer_numel(cfg) - costs.expert_numel(cfg)  # experts outside the units
+        return V * h, layer, h + (0 if cfg.tie_embeddings else V * h)
 
     def param_numel(self, cfg: ModelConfig, layout: Layout) -> int:
+        """The units' padded shards, and this rank's E/D experts of every layer."""
         u0, ul, un = (-(-u // layout.degree) for u in self.unit_numels(cfg))  # padded shards
-        return u0 + cfg.layers * ul + un
+        return u0 + cfg.layers * (ul + costs.expert_numel(cfg) // layout.degree) + un
 
     @staticmethod
     def kept(spec: costs.Spec) -> bool:
@@ -54,6 +56,9 @@ class FSDPCPCosts(costs.Costs):
         ran; every reduce-scatter but the last drains while the next unit's backward runs."""
         D, L, ov = spec.degree, spec.cfg.layers, spec.options["overlap"]
         ev = costs.context_parallel(spec, Axis.MODEL, D)
+        if spec.cfg.moe:  # its experts by expert parallelism over the same ranks
+            costs.routing_counts(spec, ev, Axis.MODEL, D)
+            costs.dispatch_combine(spec, ev, Axis.MODEL, D)
         u0, ul, un = self.unit_bytes(spec)
         if self.kept(spec):
             return self._kept_schedule(spec, ev)

@@ -199,6 +199,77 @@ def test_fsdp_cp_dispatches_the_rows_tsp_does(cli_records):
     assert fsdp["all_gather"] > tsp["all_gather"] and fsdp["reduce_scatter"] > 0
 
 
+# -- the closed forms: bytes and parameters per rank equal the counters ------------------------
+EVEN = {  # k = E: every token meets every expert, so the rows that leave a rank are exact
+    "mixtral": {"experts": 4, "top_k": 4, "aux_loss": 0.01},
+    "qwen2": {**QWEN2, "top_k": 4},
+    "qwen3": {**QWEN3, "experts": 4, "top_k": 4},
+}
+CLOSED_FORM_RUNS = [  # (strategy, model, D, recompute, options)
+    ("tsp", "mixtral", 2, "full", {}),
+    ("tsp", "qwen2", 4, "none", {"moe_schedule": "ring"}),
+    ("tsp", "qwen3", 2, "none", {"moe_schedule": "broadcast"}),
+    ("tp", "qwen2", 4, "full", {}),
+    ("fsdp_cp", "qwen3", 4, "none", {"cp_comm": "ring"}),
+    ("fsdp_cp", "qwen2", 2, "full", {}),
+]
+
+
+def _spec(strategy: str, model: dict, D: int, rc: str, opts: dict):
+    from tspbench.runtime.spec import RunSpec
+
+    cfg = get_config("tiny", **model)
+    return RunSpec.make(strategy, cfg, degree=D, seq_len=32, batch=4, recompute=rc, **opts)
+
+
+@pytest.fixture(scope="module")
+def even_records(tmp_path_factory) -> list[tuple[tuple, dict]]:
+    d, out = tmp_path_factory.mktemp("even"), []
+    for i, (strategy, model, D, rc, opts) in enumerate(CLOSED_FORM_RUNS):
+        sets = [a for k, v in EVEN[model].items() for a in ("--set", f"{k}={v}")]
+        flags = [a for k, v in opts.items() for a in (f"--{k.replace('_', '-')}", str(v))]
+        rec = d / f"{i}.json"
+        p = tspbench("run", "--model", "tiny", *sets, *BASE, "--strategy", strategy,
+                     "--degree", str(D), "--recompute", rc, *flags, "--launch", "local",
+                     "--nproc", str(D), "--out", str(rec))  # fmt: skip
+        assert p.returncode == 0, p.stderr[-3000:]
+        out.append(((strategy, EVEN[model], D, rc, opts), json.loads(rec.read_text())))
+    return out
+
+
+def test_closed_forms_equal_the_counters_with_experts(even_records):
+    """Each strategy with experts, each expert schedule, the shared expert, recomputation: the
+    analytic bytes per collective kind and the parameters per rank are the counted ones, to the
+    byte (k = E: the all-to-all's rows are the even routing the closed form assumes)."""
+    from tspbench.projection import analytic
+
+    for (strategy, model, D, rc, opts), rec in even_records:
+        spec = _spec(strategy, model, D, rc, opts)
+        want = {k: v for k, v in analytic.comm_by_kind(spec).items() if v}
+        assert {k: v for k, v in rec["comm_bytes"].items() if v} == want, (strategy, opts)
+        assert rec["param_numel_per_rank"] == [analytic.param_numel(spec)] * D
+
+
+def test_closed_forms_price_uneven_routing_but_the_all_to_all(cli_records):
+    """With k < E the routing decides how many rows leave a rank: every other kind is still
+    exact, and the all-to-all is the even routing's within the measured imbalance."""
+    from tspbench.projection import analytic
+
+    for name in ("tsp", "tsp-ring", "tsp-broadcast", "tp", "fsdp_cp"):
+        args, D = CLI_RUNS[name]
+        rec = cli_records[name]
+        opts = {"moe_schedule": args[-1]} if "--moe-schedule" in args else {}
+        model = {"experts": 4, "top_k": 2, "aux_loss": 0.02, "kv_heads": 4, "ffn": 96}
+        want = analytic.comm_by_kind(_spec(rec["strategy"], model, D, "none", opts))
+        got = rec["comm_bytes"]
+        for kind in set(got) | set(want):
+            if kind != "all_to_all":
+                assert got.get(kind, 0) == want.get(kind, 0), (name, kind)
+        if want.get("all_to_all"):
+            ratio = got["all_to_all"] / want["all_to_all"]
+            assert 1 / rec["expert_load_imbalance"] < ratio < rec["expert_load_imbalance"], name
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -27,6 +27,7 @@ from tspbench.core.exchange import inner_size
 from tspbench.core.layout import Layout
 
 FP32 = 4
+INT64 = 8  # counts (the experts' rows per expert)
 
 
 class Event(tuple):
@@ -135,7 +136,7 @@ def output_bias_numel(cfg: ModelConfig) -> int:
 
 def layer_numel(cfg: ModelConfig) -> int:
     """Elements of one transformer layer: two norms (four with QK norms), Wq/Wo, Wk/Wv,
-    W1/W3/W2 (and the biases)."""
+    W1/W3/W2 (and the biases); with experts the MoE MLP's (:func:`moe_mlp_numel`) instead."""
     h, q, kv, f = cfg.hidden, cfg.q_dim, cfg.kv_dim, cfg.ffn
     biases = q + 2 * kv if cfg.qkv_bias else 0  # Qwen2's, split with their weights
     biases += 2 * f if cfg.mlp_bias else 0  # b1, b3: split with W1's and W3's rows
@@ -143,17 +144,58 @@ def layer_numel(cfg: ModelConfig) -> int:
         2 * h
         + 2 * h * q
         + 2 * h * kv
-        + 3 * h * f
+        + (3 * h * f if not cfg.moe else moe_mlp_numel(cfg))
         + qk_norm_numel(cfg)
         + biases
         + (output_bias_numel(cfg))
     )
 
 
+# -- a mixture of experts ----------------------------------------------------------------------
+def expert_numel(cfg: ModelConfig) -> int:
+    """Elements of one layer's routed experts: E x [W1_e; W3_e; W2_e] (0 without experts)."""
+    return cfg.experts * 3 * cfg.moe_ffn * cfg.hidden
+
+
+def gate_numel(cfg: ModelConfig) -> int:
+    """Elements of one layer's router [E, h] and a shared expert's gate [1, h]: replicated by
+    every strategy with experts (0 without)."""
+    return (cfg.experts + bool(cfg.shared_ffn)) * cfg.hidden if cfg.moe else 0
+
+
+def moe_mlp_numel(cfg: ModelConfig) -> int:
+    """Elements of one layer's MoE MLP: router, experts, a shared expert and its gate."""
+    return gate_numel(cfg) + expert_numel(cfg) + 3 * cfg.shared_ffn * cfg.hidden
+
+
+def dispatch_combine(c: Spec, ev: Schedule, axis: str, size: int) -> None:
+    """Expert parallelism's exchanges over ``size`` ranks (tspbench/core/expert_parallel.py),
+    every layer: the per-expert counts (one even all-to-all of E int64), then each local
+    token's k rows to their experts' owners and back; backward the rows' gradients both ways
+    (a recomputed layer exchanges again). The rows that leave a rank depend on the routing:
+    under even routing (each expert as busy as the others; exact with k = E) (size-1)/size of
+    them, the counter's share of a full all-to-all's bytes."""
+    cfg, L = c.cfg, c.cfg.layers
+    rows = c.tokens * cfg.top_k * cfg.hidden * c.e
+    for phase in phases(c):
+        n = L if phase == "forward" or c.rc else 0
+        ev.add(phase, axis, "all_to_all", size, cfg.experts * INT64, n)
+        ev.add(phase, axis, "all_to_all", size, rows, 2 * n)
+        if phase == "backward":
+            ev.add(phase, axis, "all_to_all", size, rows, 2 * L)
+
+
+def routing_counts(c: Spec, ev: Schedule, axis: str, size: int) -> None:
+    """The load-balancing loss's per-expert counts summed over the ranks that hold different
+    tokens (``Strategy.routing_done``), once per forward; nothing without the loss."""
+    if c.cfg.moe and c.cfg.aux_loss:
+        ev.add("forward", axis, "all_reduce", size, c.cfg.experts * INT64)
+
+
 def replicated_numel(cfg: ModelConfig) -> int:
     """Elements never split: the RMSNorm weights (two per layer, their QK norms, and the final
-    one) and the output biases."""
-    per_layer = qk_norm_numel(cfg) + output_bias_numel(cfg)
+    one), the output biases, and with experts the routers and shared gates."""
+    per_layer = qk_norm_numel(cfg) + output_bias_numel(cfg) + gate_numel(cfg)
     return (2 * cfg.layers + 1) * cfg.hidden + cfg.layers * per_layer
 
 
@@ -302,8 +344,9 @@ def megatron(
         ev.add("backward", axis, "all_reduce", T, act)  # copy_to before the LM head
         # QK norms: each rank's gradient sums over its heads only (Megatron-Core all-reduces
         # them over TP as well)
-        if c.cfg.qk_norm:
-            n = c.cfg.layers * qk_norm_numel(c.cfg) * c.e
+        # with experts the routers and shared gates too (each rank's covers its experts)
+        n = c.cfg.layers * (qk_norm_numel(c.cfg) + gate_numel(c.cfg)) * c.e
+        if n:
             ev.add("backward", axis, "all_reduce", T, n, per_step=True)
     return ev
 

@@ -135,6 +135,7 @@ def row(cell: Cell, path: Path) -> dict:
         **{k: v for k, v in spec.header("", cell.gpus).items() if k in CELL_KEYS},
         "label": spec.label,
         "experts": spec.cfg.experts,  # 0: dense
+        **({"top_k": spec.cfg.top_k, "expert_ffn": spec.cfg.moe_ffn} if spec.cfg.moe else {}),
     }
     if not path.exists() and not path.is_symlink():
         return {**base, "status": "missing", "error_message": f"no record at {path}"}

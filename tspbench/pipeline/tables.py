@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import html
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
-from tspbench.core.config import ConfigError, get_config
+from tspbench.core.config import ConfigError, ModelConfig, get_config
 from tspbench.pipeline.aggregate import per_sweep
 from tspbench.pipeline.decode_tables import decode_specs
 
@@ -92,6 +93,33 @@ def forward(df: pd.DataFrame) -> pd.DataFrame:
     return part.drop_duplicates("cell") if "cell" in part else part
 
 
+def table_model(r: pd.Series) -> ModelConfig | None:
+    """The model of a summary row (its preset with the widths the row names; with experts,
+    theirs), or None where the row cannot say."""
+    try:
+        base = get_config(str(r["model"]))
+        hidden = int(r["hidden"])
+        if "heads" in r and pd.notna(r["heads"]):  # the table names the heads and Q's width
+            heads, q = int(r["heads"]), int(r["q_dim"])
+        else:  # an older table: heads as the preset's, scaled with h
+            heads, q = base.heads * hidden // base.hidden, hidden
+        d = q // heads
+        experts: dict[str, Any] = {}
+        if pd.notna(r.get("experts")) and int(r["experts"]) > 0:
+            experts = {k: int(r[k]) for k in ("experts", "top_k", "expert_ffn")}
+        return get_config(
+            str(r["model"]),
+            hidden=hidden,
+            heads=heads,
+            kv_heads=int(r["kv_dim"]) // d,
+            ffn=int(r["ffn"]),
+            head_dim=0 if q == hidden else d,
+            **experts,
+        )
+    except (ConfigError, ValueError, TypeError, ZeroDivisionError, KeyError):
+        return None
+
+
 def crossovers(df: pd.DataFrame, mode: str) -> str:
     """The analytic B x S above which TSP moves fewer bytes per rank than TP, for the table's
     model and D (forward pass; per training step with and without recomputation, where the
@@ -102,24 +130,8 @@ def crossovers(df: pd.DataFrame, mode: str) -> str:
     ok = df[df["status"] == "ok"] if "status" in df.columns else df
     if not need <= set(ok.columns) or ok.empty:
         return ""
-    r = ok.iloc[0]
-    try:
-        base = get_config(str(r["model"]))
-        hidden = int(r["hidden"])
-        if "heads" in r and pd.notna(r["heads"]):  # the table names the heads and Q's width
-            heads, q = int(r["heads"]), int(r["q_dim"])
-        else:  # an older table: heads as the preset's, scaled with h
-            heads, q = base.heads * hidden // base.hidden, hidden
-        d = q // heads
-        cfg = get_config(
-            str(r["model"]),
-            hidden=hidden,
-            heads=heads,
-            kv_heads=int(r["kv_dim"]) // d,
-            ffn=int(r["ffn"]),
-            head_dim=0 if q == hidden else d,
-        )
-    except (ConfigError, ValueError, TypeError, ZeroDivisionError):
+    cfg = table_model(ok.iloc[0])
+    if cfg is None:
         return ""
     D = int(ok["degree"].max())
     if D < 2:
@@ -273,11 +285,29 @@ def moe_specs(df: pd.DataFrame, unit: str) -> list[tuple[str, str, pd.DataFrame]
             (
                 f"moe_comm_E{E}_D{D}",
                 f"Bytes sent per rank and step (kB) vs sequence length, {what}: the all-to-all "
-                "moves token rows, the ring and broadcast schedules expert weights",
+                "moves token rows, the ring and broadcast schedules expert weights"
+                + expert_crossovers(g, int(D)),
                 pivot(g, "label", "seq_len", "kbytes", "{:.0f}"),
             ),
         ]
     return out
+
+
+def expert_crossovers(g: pd.DataFrame, D: int) -> str:
+    """The analytic B x S above which TSP's ring of experts moves fewer bytes per rank than its
+    all-to-all of token rows (even routing), per training step and forward pass: a caption's
+    tail, empty if the rows cannot say."""
+    from tspbench.projection.analytic import expert_crossover
+
+    ok = g[g["status"] == "ok"] if "status" in g else g
+    cfg = table_model(ok.iloc[0]) if len(ok) and "top_k" in ok else None
+    if cfg is None or not cfg.moe or D < 2:
+        return ""
+    train, fwd = (expert_crossover(cfg, m, "none", D) for m in ("train", "infer"))
+    return (
+        f"; the experts' ring moves fewer bytes than the all-to-all when B x S > {train:,.0f} "
+        f"per training step, {fwd:,.0f} per forward pass (analytic, even routing)"
+    )
 
 
 def implementation_specs(df: pd.DataFrame, unit: str) -> list[tuple[str, str, pd.DataFrame]]:

@@ -62,19 +62,37 @@ def crossover(
 ) -> float:
     """B x S above which strategy ``one`` moves fewer bytes per rank than ``other`` at degree D
     and bf16 (both linear in S at B = 1; infinity: never)."""
+    return _crossover(cfg, (one, {}), (other, {}), mode, recompute, degree)
 
-    def total(s: str, S: int) -> float:
+
+def expert_crossover(cfg: ModelConfig, mode: str, recompute: str, degree: int) -> float:
+    """B x S above which TSP's experts moving round the ring (``moe_schedule=ring``) move fewer
+    bytes per rank than its all-to-all of token rows (expert parallelism) at degree D and bf16:
+    per layer and pass the rows' 2 k t h against the experts' 3 h f_e E, (D-1)/D of each,
+    under even routing (infinity: never)."""
+    return _crossover(
+        cfg, ("tsp", {"moe_schedule": "ring"}), ("tsp", {"moe_schedule": "all_to_all"}),
+        mode, recompute, degree,
+    )  # fmt: skip
+
+
+def _crossover(
+    cfg: ModelConfig, one: tuple[str, dict], other: tuple[str, dict], mode: str, recompute: str,
+    degree: int,
+) -> float:  # fmt: skip
+    def total(s: tuple[str, dict], S: int) -> float:
         spec = RunSpec.make(
-            s, cfg, degree=degree, seq_len=S, mode=mode, dtype="bf16", recompute=recompute
-        )
+            s[0], cfg, degree=degree, seq_len=S, mode=mode, dtype="bf16", recompute=recompute,
+            **s[1],
+        )  # fmt: skip
         return sum(comm_bytes(spec).values())
 
     a, b = 16 * degree, 4096 * degree
-    slope = {s: (total(s, b) - total(s, a)) / (b - a) for s in (one, other)}
-    base = {s: total(s, a) - slope[s] * a for s in (one, other)}
-    if slope[other] <= slope[one]:
+    slope = {k: (total(s, b) - total(s, a)) / (b - a) for k, s in (("one", one), ("other", other))}
+    base = {k: total(s, a) - slope[k] * a for k, s in (("one", one), ("other", other))}
+    if slope["other"] <= slope["one"]:
         return float("inf")
-    return (base[one] - base[other]) / (slope[other] - slope[one])
+    return (base["one"] - base["other"]) / (slope["other"] - slope["one"])
 
 
 def comm_by_kind(c: RunSpec) -> dict[str, float]:
