@@ -15,8 +15,10 @@ class DPCosts(costs.Costs):
         return 1  # whole weights on every rank
 
     def schedule(self, spec: costs.Spec) -> costs.Schedule:
-        """One all-reduce of every gradient after backward."""
+        """One all-reduce of every gradient after backward (with experts and their loss, the
+        counts' all-reduce each forward)."""
         ev, n = costs.Schedule(), self.param_numel(spec.cfg, spec.layout)
+        costs.routing_counts(spec, ev, Axis.MODEL, spec.degree)
         costs.grads_all_reduce(ev, spec, Axis.MODEL, spec.degree, n)
         return ev
 

@@ -205,49 +205,51 @@ EVEN = {  # k = E: every token meets every expert, so the rows that leave a rank
     "qwen2": {**QWEN2, "top_k": 4},
     "qwen3": {**QWEN3, "experts": 4, "top_k": 4},
 }
-CLOSED_FORM_RUNS = [  # (strategy, model, D, recompute, options)
-    ("tsp", "mixtral", 2, "full", {}),
-    ("tsp", "qwen2", 4, "none", {"moe_schedule": "ring"}),
-    ("tsp", "qwen3", 2, "none", {"moe_schedule": "broadcast"}),
-    ("tp", "qwen2", 4, "full", {}),
-    ("fsdp_cp", "qwen3", 4, "none", {"cp_comm": "ring"}),
-    ("fsdp_cp", "qwen2", 2, "full", {}),
+CLOSED_FORM_RUNS = [  # (strategy, model, D, replicas, recompute, options)
+    ("tsp", "mixtral", 2, 1, "full", {}),
+    ("tsp", "qwen2", 4, 1, "none", {"moe_schedule": "ring"}),
+    ("tsp", "qwen3", 2, 2, "none", {"moe_schedule": "broadcast"}),
+    ("tp", "qwen2", 4, 1, "full", {}),
+    ("tp", "mixtral", 2, 2, "none", {}),
+    ("fsdp_cp", "qwen3", 4, 1, "none", {"cp_comm": "ring"}),
+    ("fsdp_cp", "qwen2", 2, 1, "full", {}),
+    ("dp", "mixtral", 2, 1, "none", {}),
 ]
 
 
-def _spec(strategy: str, model: dict, D: int, rc: str, opts: dict):
+def _spec(strategy: str, model: dict, D: int, rc: str, opts: dict, dp: int = 1):
     from tspbench.runtime.spec import RunSpec
 
     cfg = get_config("tiny", **model)
-    return RunSpec.make(strategy, cfg, degree=D, seq_len=32, batch=4, recompute=rc, **opts)
+    B = 4 // dp if strategy != "dp" else 4
+    return RunSpec.make(strategy, cfg, degree=D, dp=dp, seq_len=32, batch=B, recompute=rc, **opts)
 
 
 @pytest.fixture(scope="module")
 def even_records(tmp_path_factory) -> list[tuple[tuple, dict]]:
     d, out = tmp_path_factory.mktemp("even"), []
-    for i, (strategy, model, D, rc, opts) in enumerate(CLOSED_FORM_RUNS):
-        sets = [a for k, v in EVEN[model].items() for a in ("--set", f"{k}={v}")]
-        flags = [a for k, v in opts.items() for a in (f"--{k.replace('_', '-')}", str(v))]
+    for i, (strategy, model, D, dp, rc, opts) in enumerate(CLOSED_FORM_RUNS):
+        spec = _spec(strategy, EVEN[model], D, rc, opts, dp)
         rec = d / f"{i}.json"
-        p = tspbench("run", "--model", "tiny", *sets, *BASE, "--strategy", strategy,
-                     "--degree", str(D), "--recompute", rc, *flags, "--launch", "local",
-                     "--nproc", str(D), "--out", str(rec))  # fmt: skip
+        p = tspbench("run", *spec.to_argv(), "--launch", "local", "--nproc", str(D * dp),
+                     "--out", str(rec))  # fmt: skip
         assert p.returncode == 0, p.stderr[-3000:]
-        out.append(((strategy, EVEN[model], D, rc, opts), json.loads(rec.read_text())))
+        out.append((spec, json.loads(rec.read_text())))
     return out
 
 
 def test_closed_forms_equal_the_counters_with_experts(even_records):
-    """Each strategy with experts, each expert schedule, the shared expert, recomputation: the
-    analytic bytes per collective kind and the parameters per rank are the counted ones, to the
-    byte (k = E: the all-to-all's rows are the even routing the closed form assumes)."""
+    """Each strategy with experts, each expert schedule, the shared expert, recomputation, two
+    replicas (the loss's counts over both): the analytic bytes per collective kind and the
+    parameters per rank are the counted ones, to the byte (k = E: the all-to-all's rows are
+    the even routing the closed form assumes)."""
     from tspbench.projection import analytic
 
-    for (strategy, model, D, rc, opts), rec in even_records:
-        spec = _spec(strategy, model, D, rc, opts)
+    for spec, rec in even_records:
         want = {k: v for k, v in analytic.comm_by_kind(spec).items() if v}
-        assert {k: v for k, v in rec["comm_bytes"].items() if v} == want, (strategy, opts)
-        assert rec["param_numel_per_rank"] == [analytic.param_numel(spec)] * D
+        assert {k: v for k, v in rec["comm_bytes"].items() if v} == want, spec.id
+        world = spec.layout.world_size
+        assert rec["param_numel_per_rank"] == [analytic.param_numel(spec)] * world, spec.id
 
 
 def test_closed_forms_price_uneven_routing_but_the_all_to_all(cli_records):

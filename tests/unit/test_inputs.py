@@ -106,6 +106,19 @@ BAD_CONFIGS = [
         "sweeps[0].pp_schedule, microbatches: only with sweeps[0].pp > 1",
     ),  # fmt: skip
     ("pp-schedule", config_with({"pp": 2, "pp_schedule": "zbv"}), "sweeps.0.pp_schedule: 'zbv'"),
+    # a sweep's own model: the model's rules, and never one id for two models
+    (
+        "sweep-top-k",
+        config_with({"model_overrides": {"experts": 8, "top_k": 9}}),
+        "sweeps[0].model_overrides: model.top_k=9: must be between 1 and model.experts=8",
+    ),  # fmt: skip
+    ("sweep-float", config_with({"model_overrides": {"experts": 8.0}}), "experts: 8.0 is not"),
+    (
+        "sweep-collides",  # sweep 0's S = 512 cells (on 3 layers) are sweep 5's (on 2)
+        config_with({"model_overrides": {"layers": 3}}),
+        "sweeps[5] ('seq'): cell fsdp_cp.D4.g4.S512.B1.train has another model than sweep "
+        "'seq''s cell of that id",
+    ),  # fmt: skip
     (
         "too-many",
         config_with(

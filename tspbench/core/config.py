@@ -590,8 +590,9 @@ def require_dense(cfg: ModelConfig, what: str) -> None:
     closed forms would price a dense MLP that the model does not have."""
     if cfg.moe:
         raise ConfigError(
-            f"model.experts={cfg.experts}: {what} covers dense models only so far (the closed "
-            "forms, estimator and cost model have no experts); tspbench run measures this one"
+            f"model.experts={cfg.experts}: {what} covers dense models only so far (the memory "
+            "closed forms, estimator and cost model have no experts); tspbench run measures "
+            "this one"
         )
 
 

@@ -158,8 +158,8 @@ def expert_numel(cfg: ModelConfig) -> int:
 
 
 def gate_numel(cfg: ModelConfig) -> int:
-    """Elements of one layer's router [E, h] and a shared expert's gate [1, h]: replicated by
-    every strategy with experts (0 without)."""
+    """Elements of one layer's router [E, h] and a shared expert's gate [1, h]: whole on every
+    rank of TSP and TP (FSDP+CP shards them in its layer's unit); 0 without experts."""
     return (cfg.experts + bool(cfg.shared_ffn)) * cfg.hidden if cfg.moe else 0
 
 
@@ -186,8 +186,9 @@ def dispatch_combine(c: Spec, ev: Schedule, axis: str, size: int) -> None:
 
 
 def routing_counts(c: Spec, ev: Schedule, axis: str, size: int) -> None:
-    """The load-balancing loss's per-expert counts summed over the ranks that hold different
-    tokens (``Strategy.routing_done``), once per forward; nothing without the loss."""
+    """The load-balancing loss's per-expert counts summed over ``axis``, whose ranks hold
+    different tokens (``Strategy.routing_done``: the model group's where it splits them, the
+    replicas'), once per forward; nothing without experts or the loss."""
     if c.cfg.moe and c.cfg.aux_loss:
         ev.add("forward", axis, "all_reduce", size, c.cfg.experts * INT64)
 

@@ -302,6 +302,12 @@ def sweep_cells(config: dict, what: str = "config") -> tuple[list[Cell], list[di
                     filtered.append(_filtered(sweep, strategy, lay, gpus, combo, why, run, cfg))
                     continue
                 known = cells.get(spec.id)
+                if known is not None and known.spec.cfg != spec.cfg:  # one id, two models
+                    raise ConfigError(
+                        f"{what}: sweeps[{i}] ({sweep['name']!r}): cell {spec.id} has another "
+                        f"model than sweep {known.sweeps[0]!r}'s cell of that id (a sweep's "
+                        "model_overrides): give the other model a config of its own"
+                    )
                 if known is None:
                     cells[spec.id] = Cell(spec, (sweep["name"],))
                 elif sweep["name"] not in known.sweeps:  # one run, counted in both sweeps

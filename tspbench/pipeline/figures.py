@@ -227,6 +227,8 @@ def plots(df: pd.DataFrame) -> list[Plot]:
         out += [
             Plot(f"moe_memory_E{E}_D{D}", sweeps, part, "seq_len", "peak", "sequence length",
                  mem, f"Peak memory {title}"),
+            Plot(f"moe_throughput_E{E}_D{D}", sweeps, part, "seq_len", "tokens_per_s",
+                 "sequence length", "tokens/s", f"Throughput {title}", spread=spread),
             Plot(f"moe_comm_E{E}_D{D}", sweeps, part, "seq_len", "kb", "sequence length",
                  f"kB sent per {one} per step", f"Bytes sent {title}"),
         ]  # fmt: skip

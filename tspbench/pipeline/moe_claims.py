@@ -3,8 +3,9 @@
 ``moe``: the default sweep's ``moe`` cell set) by equality (every strategy's loss and gradient
 norm on the same cell; the tests check every gradient against the reference) and by the peak
 memory per rank of the subject's leanest expert schedule against each strategy that runs the
-experts by expert parallelism (TP + EP, FSDP+CP + EP). Not projected: the closed forms, the
-estimator and the cost model have no experts yet (issue 33), and the row says so.
+experts by expert parallelism (TP + EP, FSDP+CP + EP). Not projected: the closed forms price
+the experts' bytes and parameters but not yet their memory, and the estimator and the cost
+model have no experts (issue 33); the row says so.
 """
 
 from __future__ import annotations
@@ -72,8 +73,8 @@ def experts_rows(c: dict, cfg: ModelConfig, src: Sources) -> list[Row]:
     else:
         ours = (
             f"measured (CPU, {len(d)} cells with experts; peak per rank of {subject}'s leanest "
-            "expert schedule / each rival's): " + "; ".join(shown) + "; not projected (the "
-            "projection has no experts yet)"
+            "expert schedule / each rival's): " + "; ".join(shown) + "; not projected (no "
+            "memory closed form, estimator or cost model for experts yet)"
         )
         judged = "differs" if not equal else "partly" if leaner else "differs"
     return [

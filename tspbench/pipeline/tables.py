@@ -303,10 +303,12 @@ def expert_crossovers(g: pd.DataFrame, D: int) -> str:
     cfg = table_model(ok.iloc[0]) if len(ok) and "top_k" in ok else None
     if cfg is None or not cfg.moe or D < 2:
         return ""
-    train, fwd = (expert_crossover(cfg, m, "none", D) for m in ("train", "infer"))
+    rc = str(ok["recompute"].iloc[0]) if "recompute" in ok else "none"
+    train, fwd = (expert_crossover(cfg, m, r, D) for m, r in (("train", rc), ("infer", "none")))
     return (
         f"; the experts' ring moves fewer bytes than the all-to-all when B x S > {train:,.0f} "
-        f"per training step, {fwd:,.0f} per forward pass (analytic, even routing)"
+        f"per training step (recompute {rc}), {fwd:,.0f} per forward pass (analytic, even "
+        "routing)"
     )
 
 

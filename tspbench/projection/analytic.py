@@ -24,7 +24,7 @@ from typing import TypedDict
 
 from tspbench.core.comm import KINDS, bus_bytes
 from tspbench.core.config import ModelConfig
-from tspbench.core.costs import Event, Schedule
+from tspbench.core.costs import Event, Schedule, routing_counts
 from tspbench.core.mesh import Axis
 from tspbench.runtime.spec import RunSpec
 
@@ -42,6 +42,8 @@ def schedule(c: RunSpec) -> list[Event]:
     """Every collective one rank issues in a step, with its phase, mesh axis and group size:
     the strategy's model group's, then the gradient all-reduce over data-parallel replicas."""
     ev = Schedule(c.impl.costs.schedule(c))
+    if c.dp > 1:  # the load-balancing loss's counts over the replicas too (routing_done)
+        routing_counts(c, ev, Axis.DP, c.dp)
     if c.train and c.dp > 1:
         # DDP-style buckets, each issued while the backward goes on (tspbench/core/grad_sync.py)
         ev.add(Axis.DP, Axis.DP, "all_reduce", c.dp, param_numel(c) * c.e, overlapped=True)
