@@ -240,9 +240,10 @@ def even_records(tmp_path_factory) -> list[tuple[tuple, dict]]:
 
 def test_closed_forms_equal_the_counters_with_experts(even_records):
     """Each strategy with experts, each expert schedule, the shared expert, recomputation, two
-    replicas (the loss's counts over both): the analytic bytes per collective kind and the
-    parameters per rank are the counted ones, to the byte (k = E: the all-to-all's rows are
-    the even routing the closed form assumes)."""
+    replicas (the loss's counts over both): the analytic bytes per collective kind, the
+    parameters per rank and the FLOPs (the model's, and those executed: a recomputed MoE block
+    runs every GEMM again) are the counted ones, exactly (k = E: the rows each rank's experts
+    get are the even routing the closed forms assume)."""
     from tspbench.projection import analytic
 
     for spec, rec in even_records:
@@ -250,6 +251,8 @@ def test_closed_forms_equal_the_counters_with_experts(even_records):
         assert {k: v for k, v in rec["comm_bytes"].items() if v} == want, spec.id
         world = spec.layout.world_size
         assert rec["param_numel_per_rank"] == [analytic.param_numel(spec)] * world, spec.id
+        assert rec["flops_per_step"] == world * analytic.flops(spec), spec.id  # every rank's
+        assert rec["flops_executed_per_step"] == world * analytic.flops(spec, model=False)
 
 
 def test_closed_forms_price_uneven_routing_but_the_all_to_all(cli_records):

@@ -121,6 +121,16 @@ def attention_pairs(c: RunSpec) -> int:
     return 2 * P * s * s + s
 
 
+def expert_mlp_per_token(cfg: ModelConfig, T: int) -> int:
+    """Multiply-adds of one MoE layer's MLP per token on a rank whose GEMM weights are split T
+    ways: the router [E, h] (whole), k experts' W1, W3, W2 (the rows they get 1/T of the
+    tokens' under even routing, as TP's experts are split over its group; exact with k = E),
+    and a shared expert's three and its gate."""
+    h = cfg.hidden
+    shared = 3 * h * cfg.shared_ffn // T + h if cfg.shared_ffn else 0
+    return h * cfg.experts + 3 * cfg.top_k * cfg.moe_ffn * h // T + shared
+
+
 def flop_parts(c: RunSpec, model: bool = False, loss: bool = True) -> dict[str, int]:
     """FLOPs one rank executes per step, GEMMs and attention apart, as the FLOP counter counts
     them (:mod:`tspbench.runtime.flops`); ``model``: without what is recomputed (MFU's count);
@@ -131,7 +141,10 @@ def flop_parts(c: RunSpec, model: bool = False, loss: bool = True) -> dict[str, 
     t = c.tokens
     T = impl.costs.tensor_degree(c.layout)  # weight split of the GEMMs on a rank
     seqs = B // impl.replica_batch(c.layout)  # sequences of the micro-batch on this rank
-    gemm = 2 * t * (2 * h * cfg.q_dim + 2 * h * kv + 3 * h * f) // T  # one layer, forward
+    if not cfg.moe:  # one layer, forward
+        gemm = 2 * t * (2 * h * cfg.q_dim + 2 * h * kv + 3 * h * f) // T
+    else:
+        gemm = 2 * t * (2 * h * cfg.q_dim + 2 * h * kv) // T + 2 * t * expert_mlp_per_token(cfg, T)
     attn = 4 * seqs * (cfg.heads // T) * d * attention_pairs(c)  # one layer, forward
     head = 2 * t * h * V // T if loss else 2 * c.batch * h * V // impl.costs.weight_split(c.layout)
     if not c.train:
@@ -142,8 +155,10 @@ def flop_parts(c: RunSpec, model: bool = False, loss: bool = True) -> dict[str, 
     a = L * (attn + 5 * attn // 2)
     if c.rc and not model:  # autograd's recompute stops after the last op that saves a tensor:
         # custom layers that save at their very end recompute everything; a plain autograd
-        # layer skips its final W2 GEMM (recompute_skips_w2)
-        g += L * (gemm - (2 * t * f * h // T if impl.costs.recompute_skips_w2 else 0))
+        # layer skips its final W2 GEMM (recompute_skips_w2); a MoE block ends in the
+        # weighted sum of its experts' outputs: its recompute runs every GEMM
+        skips = impl.costs.recompute_skips_w2 and not cfg.moe
+        g += L * (gemm - (2 * t * f * h // T if skips else 0))
         a += L * attn
     return {"gemm": g, "attention": a}
 
