@@ -60,7 +60,7 @@ def test_a_summary_writes_its_list_exactly_in_its_order():
 
 def test_the_aggregate_reads_record_keys():
     assert set(aggregate.MATCH_KEYS) <= set(rk.INPUTS)  # compared with the cell's own header
-    assert sorted({*aggregate.SCALARS, *aggregate.DECODE} - every_key()) == []
+    assert sorted({*aggregate.SCALARS, *aggregate.EXPERTS, *aggregate.DECODE} - every_key()) == []
 
 
 def test_the_schema_takes_every_attention_kernel_and_the_gpu_records():

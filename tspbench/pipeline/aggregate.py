@@ -62,7 +62,6 @@ SCALARS = [
     "mfu",
     "loss",
     "grad_norm",
-    "expert_load_imbalance",  # a model with experts: the busiest expert's rows over the mean
     "calib_gflops",
     "tokens_per_s_per_gflops",
     "startup_s",
@@ -74,6 +73,7 @@ SCALARS = [
     "git_commit",
     "timestamp_utc",
 ]
+EXPERTS = ["expert_load_imbalance"]  # a model with experts: the busiest expert's rows / mean
 DECODE = [  # decode, generate (docs/decode.md); the record's schema says what each one is
     "new_tokens",
     "prefill_time_s",
@@ -142,7 +142,7 @@ def row(cell: Cell, path: Path) -> dict:
     rec, why = read_record(cell, path)
     if rec is None:
         return {**base, "status": "corrupt", "error_message": why}
-    out = {**base, **{k: rec.get(k) for k in (*SCALARS, *DECODE) if k in rec}}
+    out = {**base, **{k: rec.get(k) for k in (*SCALARS, *EXPERTS, *DECODE) if k in rec}}
     if rec.get("tokens_per_expert") is not None:
         out["tokens_per_expert"] = json.dumps(rec["tokens_per_expert"], separators=(",", ":"))
     if rec.get("generated_tokens") is not None:
