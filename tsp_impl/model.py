@@ -284,9 +284,7 @@ class TSP(Strategy):
         dense MLP slice on TSP's MLP schedule, scaled by its gate."""
         cfg, shape = self.cfg, m.shape
         m2 = m.reshape(-1, shape[-1])
-        probs, weights, idx = moe.route(m2, lp["router"], cfg.top_k, cfg.norm_topk)
-        if self.router_stats is not None:
-            self.router_stats.add(probs, idx)
+        _, weights, idx = moe.route(m2, lp["router"], cfg.top_k, cfg.norm_topk, self.router_stats)
         y = tsp_experts(
             m2, weights, idx, lp["mlp"], self.comm, self.overlap, self.moe_schedule,
             cfg.experts, cfg.moe_ffn,

@@ -326,9 +326,7 @@ class FSDPCP(SequenceSharded):
         from the gathered unit."""
         cfg, shape = self.cfg, m.shape
         m2 = m.reshape(-1, shape[-1])
-        probs, weights, idx = moe.route(m2, p["router"], cfg.top_k, cfg.norm_topk)
-        if self.router_stats is not None:
-            self.router_stats.add(probs, idx)
+        _, weights, idx = moe.route(m2, p["router"], cfg.top_k, cfg.norm_topk, self.router_stats)
 
         def apply(j: int, x: torch.Tensor) -> torch.Tensor:
             return moe.expert_ffn(x, p["ew1"][j], p["ew3"][j], p["ew2"][j])

@@ -95,9 +95,7 @@ class TP(Strategy):
         cfg, T, r = self.cfg, self.comm.size, self.comm.rank
         m = copy_to(m, self.comm)
         m2 = m.reshape(-1, m.shape[-1])
-        probs, weights, idx = moe.route(m2, p["router"], cfg.top_k, cfg.norm_topk)
-        if self.router_stats is not None:
-            self.router_stats.add(probs, idx)
+        _, weights, idx = moe.route(m2, p["router"], cfg.top_k, cfg.norm_topk, self.router_stats)
         y = moe.routed_experts(m2, weights, idx, p, first=r * cfg.experts // T)
         if "sgate" in p:  # its column- and row-parallel slices: a partial output, as the MLP's
             y = y + moe.shared_expert(m2, p)

@@ -67,16 +67,22 @@ class RouterStats:
 
 
 def route(
-    m: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk: bool
+    m: torch.Tensor,
+    router: torch.Tensor,
+    top_k: int,
+    norm_topk: bool,
+    stats: RouterStats | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(probs [T, E] fp32 (fp64 for fp64), weights [T, k] in m's dtype, experts [T, k]) of the
     tokens m [T, h]: softmax over the router's logits, the k largest, renormalised where the
-    family does."""
+    family does; counted in ``stats`` (the load-balancing loss's) where given."""
     acc = torch.float64 if m.dtype == torch.float64 else torch.float32
     probs = F.softmax((m @ router.T).to(acc), dim=-1)
     weights, idx = torch.topk(probs, top_k, dim=-1)
     if norm_topk:
         weights = weights / weights.sum(-1, keepdim=True)
+    if stats is not None:
+        stats.add(probs, idx)
     return probs, weights.to(m.dtype), idx
 
 
@@ -123,9 +129,7 @@ def moe_mlp(
     ``stats`` collects what the load-balancing loss needs."""
     shape = m.shape
     m = m.reshape(-1, shape[-1])
-    probs, weights, idx = route(m, p["router"], top_k, norm_topk)
-    if stats is not None:
-        stats.add(probs, idx)
+    _, weights, idx = route(m, p["router"], top_k, norm_topk, stats)
     out = routed_experts(m, weights, idx, p)
     if "sgate" in p:
         out = out + shared_expert(m, p)
