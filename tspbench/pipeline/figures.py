@@ -43,6 +43,7 @@ from tspbench.pipeline.tables import (  # noqa: E402
     hardware,
     label_order,
     mem_unit,
+    moe_rows,
     pipelines,
 )
 from tspbench.runtime.measure import PARTS, part_column  # noqa: E402
@@ -218,10 +219,7 @@ def plots(df: pd.DataFrame) -> list[Plot]:
                 spread=spread,
             ),  # fmt: skip
         ]
-    moe = df[(df["role"] == "moe") & (df["mode"] == "train")].drop_duplicates("cell")
-    if "experts" not in moe:  # a summary from before experts
-        moe = moe.assign(experts=0)
-    for (E, D), part in moe.groupby(["experts", "degree"]):
+    for (E, D), part in moe_rows(df).groupby(["experts", "degree"]):
         title = f"vs sequence length ({E} experts, D = {D}, training)"
         sweeps = "+".join(sorted(set(part["sweep"])))
         out += [

@@ -152,6 +152,13 @@ def crossovers(df: pd.DataFrame, mode: str) -> str:
     )
 
 
+def moe_rows(df: pd.DataFrame) -> pd.DataFrame:
+    """The training rows of the sweeps of a model with experts (role ``moe``), one per cell
+    (none in a summary from before experts)."""
+    rows = df[(df["role"] == "moe") & (df["mode"] == "train")].drop_duplicates("cell")
+    return rows if "experts" in rows else rows.iloc[:0].assign(experts=0)
+
+
 def pipelines(df: pd.DataFrame) -> pd.DataFrame:
     """The training rows of the sweeps with pipeline stages (role ``pipeline``), with their
     ``stages`` (1: none)."""
@@ -266,10 +273,7 @@ def moe_specs(df: pd.DataFrame, unit: str) -> list[tuple[str, str, pd.DataFrame]
     sequence length, per number of experts and D: peak memory per rank, training throughput,
     and bytes sent per rank and step (the experts' all-to-all, or their weights, among them)."""
     out: list[tuple[str, str, pd.DataFrame]] = []
-    if "experts" not in df:  # a summary from before experts
-        return out
-    rows = df[(df["role"] == "moe") & (df["mode"] == "train")].drop_duplicates("cell")
-    for (E, D), g in rows.groupby(["experts", "degree"]):
+    for (E, D), g in moe_rows(df).groupby(["experts", "degree"]):
         what = f"a model with {E} experts, D = {D}, training step"
         out += [
             (
