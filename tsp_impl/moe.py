@@ -32,7 +32,7 @@ from tsp_impl.mlp import ring, slice_bwd, slice_grad
 from tsp_impl.overlap import OneInFlight, owner_shards
 from tspbench.core.comm import Comm, Pending
 from tspbench.core.expert_parallel import dispatch_combine
-from tspbench.core.moe import expert_ffn
+from tspbench.core.moe import expert_ffn, rows_of
 
 SCHEDULES = ("all_to_all", "ring", "broadcast")
 
@@ -40,12 +40,6 @@ SCHEDULES = ("all_to_all", "ring", "broadcast")
 def expert(w: torch.Tensor, j: int, fe: int) -> torch.Tensor:
     """Block j [3 f_e, h] of a packed set of experts."""
     return w[j * 3 * fe : (j + 1) * 3 * fe]
-
-
-def routed_to(idx: torch.Tensor, e: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens, slots) of the local tokens routed to expert ``e``."""
-    tok, slot = torch.where(idx == e)
-    return tok, slot
 
 
 # -- expert parallel: tokens move ------------------------------------------------------------------
@@ -84,7 +78,7 @@ def moving_forward(
     for t, w in _shards(schedule, w_own, comm, overlap):
         first = _owner(schedule, t, comm) * per
         for j in range(per):
-            tok, slot = routed_to(idx, first + j)
+            tok, slot = rows_of(idx, first + j, experts)
             we = expert(w, j, fe)
             h13 = m[tok] @ we[: 2 * fe].T
             out = (F.silu(h13[:, :fe]) * h13[:, fe:]) @ we[2 * fe :]
@@ -97,12 +91,12 @@ def moving_forward(
 def _expert_grads(
     dm: torch.Tensor, dweights: torch.Tensor, acc: torch.Tensor, dy: torch.Tensor,
     m: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
-    saved: list[torch.Tensor], first: int, per: int, fe: int, base: int,
+    saved: list[torch.Tensor], first: int, per: int, experts: int, fe: int, base: int,
 ) -> None:  # fmt: skip
     """Add one held block's part to dm and dweights and write its experts' packed gradient
     from this rank's tokens into ``acc``; ``base``: the block's first entry in ``saved``."""
     for j in range(per):
-        tok, slot = routed_to(idx, first + j)
+        tok, slot = rows_of(idx, first + j, experts)
         h13, out = saved[base + 2 * j], saved[base + 2 * j + 1]
         dy_e = dy[tok]
         dweights[tok, slot] = (dy_e * out).sum(-1)
@@ -122,15 +116,22 @@ def ring_backward(
     per = experts // comm.size
     dm, dweights = torch.zeros_like(m), torch.zeros_like(weights)
     arriving: Pending | None = None
+    sent: list[torch.Tensor] = []  # the accumulator in flight: live until its exchange is
+    # done, on every backend (gloo's and NCCL's works hold it; the fake group's does not)
     for t, w in ring(w_own, comm, overlap):
         acc = torch.empty_like(w_own)
         first = _owner("ring", t, comm) * per
-        _expert_grads(dm, dweights, acc, dy, m, weights, idx, w, saved, first, per, fe, 2 * per * t)
+        _expert_grads(
+            dm, dweights, acc, dy, m, weights, idx, w, saved, first, per, experts, fe, 2 * per * t
+        )
         if arriving is not None:
-            acc += arriving.wait()
+            acc += arriving.wait()  # (the exchange that sent `sent` is done too)
         arriving = comm.ring_exchange(acc, torch.empty_like(acc), async_op=True)
+        sent[:] = [acc]
+        del acc
         if not overlap:
             arriving = Pending.ready(arriving.wait())
+            sent.clear()
     assert arriving is not None  # (D >= 1 steps)
     return dm, dweights, arriving.wait()
 
@@ -148,8 +149,9 @@ def broadcast_backward(
     for s, w in owner_shards(w_own, comm, overlap):
         acc = torch.empty_like(w_own)
         _expert_grads(
-            dm, dweights, acc, dy, m, weights, idx, w, saved, s * per, per, fe, 2 * per * s
-        )
+            dm, dweights, acc, dy, m, weights, idx, w, saved, s * per, per, experts, fe,
+            2 * per * s,
+        )  # fmt: skip
         reduces.reduce(acc, dst=s)
         if s == comm.rank:
             own = acc

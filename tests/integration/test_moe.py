@@ -255,6 +255,23 @@ def test_closed_forms_equal_the_counters_with_experts(even_records):
         assert rec["flops_executed_per_step"] == world * analytic.flops(spec, model=False)
 
 
+def test_the_estimate_routes_evenly_and_equals_the_measured_peaks(even_records):
+    """The fake-tensor estimator (no data to route by: tspbench/core/moe.py's even routing)
+    gives each rank of the first replica the peaks that rank measured, to the byte, first
+    step and steady state, where routing is even (k = E); its bytes equal the counters'."""
+    from tspbench.projection.estimate import estimate_rank
+
+    for spec, rec in even_records:
+        for r in range(spec.layout.degree):
+            f = estimate_rank(spec, r, "cpu_flash")
+            got = (f["peak_first_bytes"], f["peak_bytes"])
+            want = (rec["peak_mem_bytes_first_step_per_rank"][r], rec["peak_mem_bytes_per_rank"][r])
+            assert got == want, (spec.id, r)
+            assert {k: v for k, v in f["comm_by_kind"].items() if v} == {
+                k: v for k, v in rec["comm_bytes"].items() if v
+            }, spec.id
+
+
 def test_closed_forms_price_uneven_routing_but_the_all_to_all(cli_records):
     """With k < E the routing decides how many rows leave a rank: every other kind is still
     exact, and the all-to-all is the even routing's within the measured imbalance."""

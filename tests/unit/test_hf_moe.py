@@ -254,3 +254,23 @@ def test_moe_fields_are_numbers_and_belong_to_experts():
         ModelConfig(experts=4, top_k=2, aux_loss=True)
     with pytest.raises(ConfigError, match="norm_topk=False: only with experts"):
         ModelConfig(norm_topk=False)
+
+
+@pytest.mark.parametrize("t, k, E", [(12, 2, 6), (7, 3, 4), (5, 4, 4)])
+def test_balanced_routing_spreads_the_slots_evenly_and_finds_them_as_where_does(t, k, E):
+    """Even routing (the estimator's): each token's k experts distinct, every expert t k / E
+    rows within one, the counts and each expert's (token, slot) rows those that ``torch.where``
+    finds in its routing, the weights the router's probabilities of the chosen experts."""
+    m, router = torch.randn(t, 8), torch.randn(E, 8)
+    with moe.balanced():
+        probs, weights, idx = moe.route(m, router, k, norm_topk=False)
+        counts = moe.expert_counts(idx, E)
+        rows = [moe.rows_of(idx, e, E) for e in range(E)]
+    assert not moe.is_balanced()
+    assert all(len(set(r)) == k for r in idx.tolist())
+    assert counts.tolist() == torch.bincount(idx.flatten(), minlength=E).tolist()
+    assert counts.tolist() == moe.even_counts(t, k, E) and max(counts) - min(counts) <= 1
+    for e, (tok, slot) in enumerate(rows):
+        want = torch.where(idx == e)
+        assert torch.equal(tok, want[0]) and torch.equal(slot, want[1])
+    assert torch.equal(weights, probs.gather(-1, idx))

@@ -15,9 +15,12 @@ from tspbench.core.dtypes import DTYPES
 from tspbench.runtime.spec import RunSpec
 
 
-def _spec(args: argparse.Namespace) -> RunSpec:
+def _spec(args: argparse.Namespace, experts: bool = False) -> RunSpec:
+    """The run's spec; a model with experts only where the command prices them
+    (``experts``: the estimate, which routes evenly)."""
     spec = RunSpec.from_args(args).replace(quiet=True)
-    require_dense(spec.cfg, f"tspbench {args.cmd}")
+    if not experts:
+        require_dense(spec.cfg, f"tspbench {args.cmd}")
     return spec
 
 
@@ -52,7 +55,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from tspbench.projection.costmodel import load_preset, usable_memory
     from tspbench.projection.report import estimate_report
 
-    spec = _spec(args)
+    spec = _spec(args, experts=True)
     ranks = _ranks(args.ranks, spec.layout.degree)
     preset = load_preset(args.hardware)  # before the estimate: a bad name costs nothing
     if args.device_memory is not None:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from tspbench.core.comm import Comm
+from tspbench.core.moe import even_counts, expert_counts, is_balanced
 
 
 class AllToAllV(torch.autograd.Function):
@@ -48,13 +49,20 @@ def dispatch_combine(
     D, per = comm.size, experts // comm.size
     flat = idx.flatten()  # (token, slot) pairs, token-major
     order = torch.argsort(flat, stable=True)  # by expert, hence by owner
-    counts = torch.bincount(flat, minlength=experts).view(D, per)
+    counts = expert_counts(idx, experts).view(D, per)
     mine = comm.all_to_all(counts)  # [D, per]: rows for my experts, from each rank
-    sent, got = torch.stack([counts, mine]).tolist()  # the split sizes: one host sync
+    if is_balanced():  # every rank of the group routes as many tokens alike: known here
+        t, k = idx.shape
+        even = even_counts(t, k, experts)
+        sent = [even[r * per : (r + 1) * per] for r in range(D)]
+        got = [even[comm.rank * per : (comm.rank + 1) * per]] * D
+    else:
+        sent, got = torch.stack([counts, mine]).tolist()  # the split sizes: one host sync
     send, recv = [sum(r) for r in sent], [sum(r) for r in got]
     rows = AllToAllV.apply(m[order // idx.shape[1]], send, recv, comm)
     # the received rows: rank 0's block (by expert), then rank 1's, ...; each expert's together
-    local = torch.repeat_interleave(torch.arange(per, device=m.device).repeat(D), mine.flatten())
+    local = torch.arange(per, device=m.device).repeat(D)
+    local = torch.repeat_interleave(local, mine.flatten(), output_size=sum(recv))
     by_expert = torch.argsort(local, stable=True)
     sizes = [sum(r[j] for r in got) for j in range(per)]
     outs = [apply(j, x) for j, x in enumerate(rows[by_expert].split(sizes))]

@@ -12,10 +12,17 @@ the top-k assignments to expert e and P_e the summed router probabilities, N the
 all layers. Only P carries a gradient, so a rank holding some tokens contributes
 E / N^2 * sum_e n_e * P_e(local) with the global counts: the contributions sum to the loss and
 its gradient, whatever the rank's share of the tokens (:func:`aux_loss_part`).
+
+Under :func:`balanced`, routing ignores the scores: token i of a rank takes experts
+(i k + j) mod E, j < k, so every expert gets t k / E rows of t tokens (within one), known
+without looking at the data. The fake-tensor estimator routes so (fake tensors have no
+data to route by), and so do the projections: even routing is their stated assumption.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -47,6 +54,54 @@ def moe_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+_even = [False]
+
+
+@contextmanager
+def balanced() -> Iterator[None]:
+    """Route evenly, by position, in place of the router's top-k (module docstring)."""
+    before, _even[0] = _even[0], True
+    try:
+        yield
+    finally:
+        _even[0] = before
+
+
+def is_balanced() -> bool:
+    """Whether :func:`balanced` routing is on."""
+    return _even[0]
+
+
+def even_counts(tokens: int, top_k: int, experts: int) -> list[int]:
+    """Rows per expert of ``tokens`` tokens under :func:`balanced` routing: slot positions
+    p = i k + j go to expert p mod E."""
+    n = tokens * top_k
+    return [len(range(e, n, experts)) for e in range(experts)]
+
+
+def expert_counts(idx: torch.Tensor, experts: int) -> torch.Tensor:
+    """Top-k assignments per expert of the routed slots ``idx`` [t, k] (int64: exact); under
+    :func:`balanced` routing from the shape alone."""
+    if _even[0]:
+        t, k = idx.shape
+        return torch.tensor(even_counts(t, k, experts), device=idx.device)
+    return torch.bincount(idx.flatten(), minlength=experts)
+
+
+def rows_of(idx: torch.Tensor, e: int, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, slots) routed to expert ``e`` of ``experts`` by ``idx`` [t, k]; under
+    :func:`balanced` routing from the shape alone (slot positions e, e + E, ...)."""
+    if not _even[0]:
+        tok, slot = torch.where(idx == e)
+        return tok, slot
+    t, k = idx.shape
+    n = len(range(e, t * k, experts))
+    rows = torch.empty(2, n, dtype=torch.int64, device=idx.device)  # one storage, as where's
+    torch.arange(e, t * k, experts, out=rows[1])  # slot positions p
+    torch.div(rows[1], k, rounding_mode="floor", out=rows[0])  # tokens p // k
+    return rows[0], rows[1].remainder_(k)  # slots p mod k
+
+
 @dataclass
 class RouterStats:
     """What the load-balancing loss needs of the layers run so far on this rank's tokens:
@@ -61,8 +116,7 @@ class RouterStats:
         forward's sums carry the gradient)."""
         if recompute.active():
             return
-        E = probs.shape[-1]
-        self.counts.append(torch.bincount(idx.flatten(), minlength=E))  # int64: exact
+        self.counts.append(expert_counts(idx, probs.shape[-1]))
         self.probs.append(probs.sum(0))
 
 
@@ -78,7 +132,12 @@ def route(
     family does; counted in ``stats`` (the load-balancing loss's) where given."""
     acc = torch.float64 if m.dtype == torch.float64 else torch.float32
     probs = F.softmax((m @ router.T).to(acc), dim=-1)
-    weights, idx = torch.topk(probs, top_k, dim=-1)
+    if _even[0]:
+        E = probs.shape[-1]
+        idx = (torch.arange(m.shape[0] * top_k, device=m.device) % E).view(-1, top_k)
+        weights = probs.gather(-1, idx)
+    else:
+        weights, idx = torch.topk(probs, top_k, dim=-1)
     if norm_topk:
         weights = weights / weights.sum(-1, keepdim=True)
     if stats is not None:
@@ -105,9 +164,9 @@ def routed_experts(
     reference; an expert-parallel rank's own); tokens routed elsewhere get zeros. An expert no
     token reached still runs (on no rows): its gradient is zeros, not missing, on every rank
     and in every strategy alike (AdamW moves a weight with a zero gradient, not one without)."""
-    out = torch.zeros_like(m)
+    out, E = torch.zeros_like(m), p["router"].shape[0]
     for j in range(p["ew1"].shape[0]):
-        tok, slot = torch.where(idx == first + j)
+        tok, slot = rows_of(idx, first + j, E)
         y = expert_ffn(m[tok], p["ew1"][j], p["ew3"][j], p["ew2"][j])
         out = out.index_add(0, tok, y * weights[tok, slot, None])
     return out

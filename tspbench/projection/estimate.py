@@ -33,7 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tspbench.core import attention
+from tspbench.core import attention, moe
 from tspbench.core.comm import emulating
 from tspbench.core.memory import MemoryTracker
 from tspbench.core.mesh import Axis, build_mesh
@@ -79,7 +79,7 @@ def fake_rank(
     try:
         mesh = build_mesh(get_strategy(spec.strategy).mesh_dims(spec.layout))
         backend = backend or ("gloo" if kernel == "cpu_flash" else "nccl")
-        with FakeTensorMode(), attention.forced(kernel), emulating(backend):
+        with FakeTensorMode(), attention.forced(kernel), emulating(backend), moe.balanced():
             yield mesh, build_strategy(spec, mesh, torch.device("cpu"))
     finally:
         dist.destroy_process_group()
