@@ -156,11 +156,50 @@ def saved_per_layer(c: Spec) -> int:
     (one tensor), A and the lse (and with ``kv_backward = save`` its gathered K/V over the
     sequence); per MLP slice [h1 h3] (one tensor)."""
     cfg, e, t = c.cfg, c.e, c.tokens
-    q, kv, f = cfg.q_dim, cfg.kv_dim, cfg.ffn
+    q, kv = cfg.q_dim, cfg.kv_dim
     kept = c.degree * _units(c)[1] if c.options["kv_backward"] == "save" else 0
-    return (
-        costs.norms_saved(c) + (2 * t * q + 2 * t * kv + 2 * t * f) * e + 4 * t * cfg.heads + kept
-    )
+    attn = costs.norms_saved(c) + (2 * t * q + 2 * t * kv) * e + 4 * t * cfg.heads + kept
+    return attn + (moe_saved(c) if cfg.moe else 2 * t * cfg.ffn * e)
+
+
+def _how(c: Spec) -> str:
+    """How the tokens meet the experts (tspbench/core/costs.py ``routed_saved``)."""
+    return "dispatch" if c.options["moe_schedule"] == "all_to_all" else "moving"
+
+
+def _block(c: Spec) -> int:
+    """Bytes of one rank's packed experts [E/D x 3 f_e, h]."""
+    cfg = c.cfg
+    return cfg.experts // c.degree * 3 * cfg.moe_ffn * cfg.hidden * c.e
+
+
+def _mlp_saved(c: Spec) -> int:
+    """What the MLP keeps for backward, freed before the attention's backward runs."""
+    return moe_saved(c) if c.cfg.moe else 2 * c.tokens * c.cfg.ffn * c.e
+
+
+def moe_t(c: Spec) -> int:
+    """A MoE MLP's backward crest beyond dX and dY (tspbench/core/costs.py ``moe_backward_t``):
+    moving experts hold blocks as the dense MLP's slices (:func:`mlp_t`): the ring, the block
+    in use and the one arriving and three gradient accumulators (one written, one sent, one
+    arriving; each step writes a new one), min(D + 2, 5); the broadcast, min(D, 4) and the
+    gradient being written; a shared expert's slices are the dense MLP's."""
+    D = c.degree
+    blocks = 0
+    if _how(c) == "moving" and D > 1:
+        ring_ = c.options["moe_schedule"] == "ring"
+        blocks = (min(D + 2, 5) if ring_ else min(D, 4) + 1) * _block(c)
+    routed = costs.moe_backward_t(c, 1, _how(c), blocks)
+    return max(routed, mlp_t(c, costs.dense_shared(c.cfg))) if c.cfg.shared_ffn else routed
+
+
+def moe_saved(c: Spec) -> int:
+    """A MoE MLP's: the router's, the routed experts' over the t k rows of this rank's tokens
+    (all_to_all: as the dispatcher keeps them; ring, broadcast: [h1 h3] and the output of
+    each), and a shared expert's as a dense MLP's slices."""
+    cfg, t = c.cfg, c.tokens
+    routed = costs.routed_saved(c, t * cfg.top_k, _how(c))
+    return costs.route_saved(c) + routed + costs.shared_saved(c, 1, 2 * t * cfg.shared_ffn * c.e)
 
 
 def saved_loss(c: Spec) -> int:
@@ -206,6 +245,16 @@ def inference_working_set(c: Spec) -> tuple[int, int]:
     attn = (2 + many) * act + t * (cfg.q_dim + 2 * kv) // D * e + exchange
     attn += many * 2 * wa
     mlp = 4 * act + 3 * tf + many * 2 * sl
+    if cfg.moe:  # the experts' crest: moving, another rank's block in use and the next in
+        # flight (D > 2; the own block is a parameter); a shared expert runs as the dense
+        # MLP's slices beside the routed output
+        moving = c.options["moe_schedule"] != "all_to_all"
+        mlp = 3 * act + costs.moe_working_set(c, 1, _how(c), shared=False)
+        mlp += moving * min(D - 1, 2) * _block(c)
+        if cfg.shared_ffn:
+            sf = t * cfg.shared_ffn // D * e
+            shared = mlp_slice_numel(costs.dense_shared(cfg), D) * e
+            mlp = max(mlp, 5 * act + 3 * sf + many * 2 * shared)
     embed = 3 * act + many * 2 * vl * h * e
     loss = 2 * act + logits + t * vl * e + 2 * vl * h * e
     return max(attn, mlp, embed) + plan_tables(c), loss + plan_tables(c)
@@ -230,16 +279,16 @@ def backward_transients(c: Spec) -> tuple[int, int, int]:
     loss_t = 2 * logits + t * vl * e + act + 2 * vl * h * e
     if kv_exchange_ring(c):
         # the MLP's norm (its input and output, freed with the MLP's saved tensors) is gone too
-        attn_t = ring_backward_crest(c) + t * cfg.q_dim // D * e - 2 * t * cfg.ffn * e - 2 * act
+        attn_t = ring_backward_crest(c) + t * cfg.q_dim // D * e - _mlp_saved(c) - 2 * act
     else:
         kv = 2 * kv_unit if D == 1 else 3 * kv_unit + kv_unit // (2 * D)
         kv -= (
             kv_unit if c.options["kv_backward"] == "save" else 0
         )  # kept among the saved, not gathered again
-        attn_t = kv + t * cfg.q_dim // D * e - 2 * t * cfg.ffn * e
+        attn_t = kv + t * cfg.q_dim // D * e - _mlp_saved(c)
     if cfg.qk_norm:  # the group's [Q K V] normed again from the saved projection (attention.py)
         attn_t += t * (cfg.q_dim + 2 * cfg.kv_dim) // D * e
-    layer_t = 2 * act + max(attn_t, mlp_t(c))
+    layer_t = 2 * act + max(attn_t, moe_t(c) if cfg.moe else mlp_t(c))
     return loss_t + tables, layer_t + tables, 2 * vl * h * e + act + tables
 
 
@@ -274,7 +323,7 @@ def ring_backward_crest(c: Spec) -> int:
     return kvp * (1 + int(c.degree > 2)) + 2 * kvp * FP32 // c.e + o * FP32 // c.e + block
 
 
-def mlp_t(c: Spec) -> int:
+def mlp_t(c: Spec, mlp: ModelConfig | None = None) -> int:
     """The MLP backward's crest beyond dX and dY: [t, f/D] buffers and slice-sized ones (a
     weight slice or a packed slice gradient, 3 f h e / D), on rank 0.
 
@@ -286,7 +335,7 @@ def mlp_t(c: Spec) -> int:
     previous gradient still reducing and the owner's own kept until the end: min(D, 4) slices,
     and one more, the gradient being written. At D = 1 only that gradient.
     """
-    cfg, e, t, D = c.cfg, c.e, c.tokens, c.degree
+    cfg, e, t, D = mlp or c.cfg, c.e, c.tokens, c.degree
     fl = cfg.ffn // D
     tf, sl = t * fl * e, mlp_slice_numel(cfg, D) * e
     if D == 1:
@@ -329,3 +378,6 @@ class TSPCosts(costs.Costs):
 
     def metric_reductions(self, layout: Layout, train: bool) -> tuple[int, int]:
         return layout.degree, layout.degree if train else 1  # tokens and weights split D ways
+
+    def experts_meet(self, spec: Spec) -> str:
+        return _how(spec)

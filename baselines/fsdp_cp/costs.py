@@ -43,6 +43,9 @@ class FSDPCPCosts(costs.Costs):
         whole = numel * spec.degree * spec.e
         return whole if spec.degree > 1 else 0, whole if spec.train else 0
 
+    def experts_meet(self, spec: costs.Spec) -> str:
+        return "dispatch"  # the all-to-all dispatcher (tspbench/core/expert_parallel.py)
+
     def unit_bytes(self, spec: costs.Spec) -> tuple[int, int, int]:
         """Bytes of the gathered (padded) units: the embedding; one layer; final norm + head."""
         D, e = spec.degree, spec.e

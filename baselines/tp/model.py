@@ -96,7 +96,7 @@ class TP(Strategy):
         m = copy_to(m, self.comm)
         m2 = m.reshape(-1, m.shape[-1])
         _, weights, idx = moe.route(m2, p["router"], cfg.top_k, cfg.norm_topk, self.router_stats)
-        y = moe.routed_experts(m2, weights, idx, p, first=r * cfg.experts // T)
+        y = moe.routed_experts(m2, weights, idx, p, r * cfg.experts // T, cfg.experts)
         if "sgate" in p:  # its column- and row-parallel slices: a partial output, as the MLP's
             y = y + moe.shared_expert(m2, p)
         return reduce_from(y, self.comm).view(m.shape)

@@ -18,6 +18,7 @@ context-parallel degree.
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any, Protocol
@@ -371,8 +372,118 @@ def final_norm_saved(c: Spec) -> int:
     return t * h * c.e + 4 * t + t * h * c.e
 
 
-def saved_per_layer(c: Spec, T: int) -> int:
-    """Bytes one plain layer keeps for backward (no recomputation), from what each op saves."""
+def route_saved(c: Spec) -> int:
+    """Bytes a router keeps for backward per token (tspbench/core/moe.py): its fp32
+    probabilities [t, E] (softmax's output), the chosen experts [t, k] (int64) and, where the
+    family renormalises, the fp32 top-k weights and their sum."""
+    cfg, t = c.cfg, c.tokens
+    k = cfg.top_k
+    return FP32 * t * cfg.experts + INT64 * t * k + (FP32 * t * (k + 1) if cfg.norm_topk else 0)
+
+
+def routed_saved(c: Spec, rows: int, how: str) -> int:
+    """Bytes the routed experts keep for backward over their ``rows`` (token, slot) rows on
+    this rank under even routing, by how tokens meet experts (``how``):
+    - ``local``: plain autograd on this rank's tokens (core/moe.py ``routed_experts``): per row
+      its token and slot (int64), its input, the SwiGLU's four [f_e] tensors, the expert's
+      output, the weighted output and its weight;
+    - ``dispatch``: the all-to-all dispatcher (core/expert_parallel.py): per row four int64
+      orders (dispatch, token, by expert, the received rows'), the rows sent, received and
+      by expert, the four [f_e] tensors, the combined output and its weight;
+    - ``moving``: TSP's experts brought to the tokens (tsp_impl/moe.py ``MovingExperts``):
+      per row [h1 h3] and the unweighted output, and the tokens' [t, k] weights.
+    (Per-layer saved bytes equal the fake-tensor estimate's to the byte.)"""
+    cfg, e = c.cfg, c.e
+    h, fe = cfg.hidden, cfg.moe_ffn
+    if how == "moving":
+        return rows * (2 * fe + h) * e + c.tokens * cfg.top_k * e
+    if how == "local":
+        return rows * (2 * INT64 + (3 * h + 4 * fe + 1) * e)
+    return rows * (4 * INT64 + (4 * h + 4 * fe + 1) * e)
+
+
+def shared_saved(c: Spec, T: int, dense_mlp: int) -> int:
+    """Bytes a shared expert keeps for backward (Qwen2-MoE's; 0 without): its MLP's saved
+    tensors (``dense_mlp``, the strategy's own for a [t, f_s/T] MLP), its output and the
+    sigmoid of its gate, which scales it."""
+    if not c.cfg.shared_ffn:
+        return 0
+    return dense_mlp + c.tokens * (c.cfg.hidden + 1) * c.e
+
+
+def moe_saved(c: Spec, T: int, how: str) -> int:
+    """Bytes a plain MoE MLP (its experts split T ways with their rows, as TP's; ``how``:
+    :func:`routed_saved`'s) keeps for backward: the router's, the routed experts' over the
+    t k / T rows even routing gives this rank, a shared expert's."""
+    t, e = c.tokens, c.e
+    shared = shared_saved(c, T, 4 * t * (c.cfg.shared_ffn // T) * e)
+    return route_saved(c) + routed_saved(c, t * c.cfg.top_k // T, how) + shared
+
+
+def expert_rows(c: Spec, T: int, how: str) -> tuple[int, int]:
+    """(rows this rank's experts compute, rows one expert computes at a time) under even
+    routing: t k / T rows over E / T experts (``local``: each rank's share of the tokens' or,
+    TP, of every token's), t k over E / D experts (``dispatch``: every rank's rows for them),
+    t k over E one expert at a time (``moving``: the experts come to the tokens)."""
+    cfg, t = c.cfg, c.tokens
+    rows = t * cfg.top_k // (T if how == "local" else 1)
+    held = {"local": cfg.experts // T, "dispatch": cfg.experts // c.degree}.get(how, cfg.experts)
+    return rows, rows // max(held, 1)
+
+
+def moe_working_set(c: Spec, T: int, how: str, shared: bool = True) -> int:
+    """A forward-only MoE MLP's crest beyond the layer's input, the residual sum and its normed
+    copy: the router's logits and fp32 probabilities, and one expert's SwiGLU on its rows (three
+    [f_e] tensors, four where [h1 h3] is one GEMM's output: moving experts) beside the output
+    being summed and the expert's input rows (``local``, ``moving``), or beside the received
+    rows and their copy by expert (``dispatch``: the output comes back after every expert
+    ran); a shared expert's gate beside the routed output instead where larger (``shared``
+    off: the caller prices it)."""
+    cfg, e, t = c.cfg, c.e, c.tokens
+    h, fe = cfg.hidden, cfg.moe_ffn
+    rows, n = expert_rows(c, T, how)
+    act = t * h * e
+    router = t * cfg.experts * (e + FP32)
+    routed = (
+        router
+        + {
+            "local": max(act + n * (h + 3 * fe) * e, 2 * act + n * (2 * h + 1) * e),
+            "dispatch": max(3 * rows * h * e + 3 * n * fe * e, 5 * rows * h * e + 2 * act),
+            "moving": act + n * (h + 4 * fe) * e,
+        }[how]
+    )
+    if cfg.shared_ffn and shared:
+        routed = max(routed, act + 3 * t * (cfg.shared_ffn // T) * e)
+    return routed
+
+
+def dense_shared(cfg: ModelConfig) -> ModelConfig:
+    """``cfg`` with its shared expert as the dense MLP: a strategy that runs the shared expert
+    as its MLP prices it by its dense closed forms."""
+    return dataclasses.replace(
+        cfg, ffn=cfg.shared_ffn, experts=0, top_k=0, expert_ffn=0, shared_ffn=0, aux_loss=0.0,
+        norm_topk=True,
+    )  # fmt: skip
+
+
+def moe_backward_t(c: Spec, T: int, how: str, blocks: int = 0) -> int:
+    """A MoE MLP's backward crest beyond its saved tensors and the layer's residual gradient:
+    the gradient of the normed input being summed, and one expert's (its output's gradient and
+    two of its SwiGLU's [f_e] gradients); dispatched rows: two more of the rows' gradients
+    (combined, by expert); experts brought to the tokens: the weights' gradient and ``blocks``
+    bytes of packed experts and their gradients in flight."""
+    cfg, e, t = c.cfg, c.e, c.tokens
+    h, fe = cfg.hidden, cfg.moe_ffn
+    rows, n = expert_rows(c, T, how)
+    # (moving experts: TSP's SiLU backward by hand, five [f_e] buffers, as its MLP slices')
+    one = n * ((2 * h + 5 * fe) if how == "moving" else (h + 2 * fe)) * e
+    extra = {"dispatch": 2 * rows * h * e, "moving": t * cfg.top_k * e + blocks}.get(how, 0)
+    return t * h * e + one + extra
+
+
+def saved_per_layer(c: Spec, T: int, experts: str = "local") -> int:
+    """Bytes one plain layer keeps for backward (no recomputation), from what each op saves;
+    a MoE MLP's by how its tokens meet the experts (``experts``: :func:`routed_saved`)."""
     cfg, e, t, B, S = c.cfg, c.e, c.tokens, c.batch, c.seq_len
     nh, kvl, fl, _ = local_dims(cfg, T)
     # the gathered K/V, or local K/V (Ulysses: every token of H/D heads, as many bytes; ring:
@@ -386,7 +497,8 @@ def saved_per_layer(c: Spec, T: int) -> int:
     attn = (2 + o_copy) * t * nh * cfg.d_head * e + 4 * t * nh + kv
     if cfg.qk_norm:  # each QK norm keeps its input (the projection) and its fp32 1/rms
         attn += t * (nh * cfg.d_head + kvl) * e + 4 * t * (nh + kvl // cfg.d_head)
-    return norms_saved(c) + attn + 4 * t * fl * e  # MLP: h1, silu(h1), h3, their product
+    mlp = moe_saved(c, T, experts) if cfg.moe else 4 * t * fl * e  # h1, silu(h1), h3, product
+    return norms_saved(c) + attn + mlp
 
 
 def saved_loss(c: Spec, T: int, vocab_parallel: bool) -> int:
@@ -397,7 +509,9 @@ def saved_loss(c: Spec, T: int, vocab_parallel: bool) -> int:
     return final_norm_saved(c) + 4 * t * vl  # log-softmax output
 
 
-def inference_working_set(c: Spec, T: int, vocab_parallel: bool) -> tuple[int, int]:
+def inference_working_set(
+    c: Spec, T: int, vocab_parallel: bool, experts: str = "local"
+) -> tuple[int, int]:
     """(layer, loss) working sets of a forward-only step. A plain layer's attention and MLP are
     functions of their own (:func:`tspbench.core.layers.transformer_layer`), so the attention's
     locals (normed input, Q, K/V, its output) die before the MLP runs: the layer crests at the
@@ -409,7 +523,7 @@ def inference_working_set(c: Spec, T: int, vocab_parallel: bool) -> tuple[int, i
     nh, kvl, fl, vl = local_dims(cfg, T)
     o = t * nh * cfg.d_head * e  # one attention output (or Q)
     act, kvu, logits = t * cfg.hidden * e, kv_unit(c, kvl), 4 * t * vl
-    mlp = 3 * act + 3 * t * fl * e
+    mlp = 3 * act + (moe_working_set(c, T, experts) if cfg.moe else 3 * t * fl * e)
     loss = act + (3 if vocab_parallel else 2) * logits
     if ring(c):  # the locals are this rank's tokens'; at the crest of a ring step: its K/V
         # stacked and two chunks (in use, in flight), the fp32 output sum, a block's output
@@ -440,7 +554,7 @@ def inference_working_set(c: Spec, T: int, vocab_parallel: bool) -> tuple[int, i
     return layer, loss
 
 
-def backward_transients(c: Spec, T: int) -> tuple[int, int]:
+def backward_transients(c: Spec, T: int, experts: str = "local") -> tuple[int, int]:
     """Transients of a plain model's backward beyond every saved tensor: at the loss, three
     [t, V/T] fp32 logit copies, one of them saved (so two here); at a layer, the larger of its
     MLP's gate backward (the residual's gradient and three [t, f/T] gradients, less
@@ -452,14 +566,15 @@ def backward_transients(c: Spec, T: int) -> tuple[int, int]:
     e, t = c.e, c.tokens
     nh, kvl, fl, vl = local_dims(c.cfg, T)
     act, kvu, logits = t * c.cfg.hidden * e, kv_unit(c, kvl), 4 * t * vl
-    layer_t = act + 2 * t * fl * e
+    layer_t = act + (moe_backward_t(c, T, experts) if c.cfg.moe else 2 * t * fl * e)
+    mlp_saved = moe_saved(c, T, experts) if c.cfg.moe else 4 * t * fl * e
     if ring(c) or hierarchical(c):
         # the ring's backward (a2a+p2p: over the re-sharded heads, as many bytes): the
         # output's gradient and its copy, the fp32 dQ and dK/dV sums (one in flight), two
         # K/V chunks (in use, in flight: a2a+p2p's ring of two groups has none in flight at
         # its last block) and a block's gradients
         kvp, o, o32 = 2 * t * kvl * e, t * nh * c.cfg.d_head * e, 4 * t * nh * c.cfg.d_head
-        freed = 4 * t * fl * e + 2 * act
+        freed = mlp_saved + 2 * act
         chunks = 3 if ring(c) else 2 + (c.cp // cp_inner(c, T) > 2)
         layer_t = max(layer_t, act + 3 * o + o32 + 2 * kvp * FP32 // e + chunks * kvp - freed)
     elif c.cp > 1 and ulysses(c):
@@ -468,7 +583,7 @@ def backward_transients(c: Spec, T: int) -> tuple[int, int]:
         # crests), which do not grow with K/V there and see no MLP tensor freed yet
         layer_t = max(layer_t, act + 4 * t * nh * c.cfg.d_head * e)
     elif c.cp > 1:
-        freed = 4 * t * fl * e + 2 * act
+        freed = mlp_saved + 2 * act
         layer_t = max(layer_t, act + 2 * t * nh * c.cfg.d_head * e + 7 * kvu // 2 - freed)
     return 2 * logits, layer_t
 
@@ -484,7 +599,8 @@ def gathered_unit_working_set(
     cfg, e = c.cfg, c.e
     layer, loss = base
     _, ul, un = units
-    layer += layer_numel(cfg) * e + (max(ul, un) if prefetch else 0)
+    # (a layer's routed experts are outside its unit: FSDP+CP's expert parallelism)
+    layer += (layer_numel(cfg) - expert_numel(cfg)) * e + (max(ul, un) if prefetch else 0)
     return layer, loss + (cfg.vocab * cfg.hidden + cfg.hidden) * e
 
 
@@ -545,7 +661,7 @@ class Costs(ABC):
 
     def saved_per_layer(self, spec: Spec) -> int:
         """Bytes one layer keeps for backward (no recomputation)."""
-        return saved_per_layer(spec, self.tensor_degree(spec.layout))
+        return saved_per_layer(spec, self.tensor_degree(spec.layout), self.experts_meet(spec))
 
     def saved_loss(self, spec: Spec) -> int:
         """Bytes the final norm and the loss keep for backward."""
@@ -554,12 +670,18 @@ class Costs(ABC):
     def inference_working_set(self, spec: Spec) -> tuple[int, int]:
         """Transient bytes of a forward-only step: (in a layer, in the loss)."""
         T = self.tensor_degree(spec.layout)
-        return inference_working_set(spec, T, self.vocab_parallel_loss)
+        return inference_working_set(spec, T, self.vocab_parallel_loss, self.experts_meet(spec))
 
     def backward_transients(self, spec: Spec) -> tuple[int, int, int]:
         """Transient bytes at the loss's backward, a layer's backward and the end of backward."""
         staging = self.grad_staging_copies * self.param_numel(spec.cfg, spec.layout) * spec.e
-        return (*backward_transients(spec, self.tensor_degree(spec.layout)), staging)
+        T = self.tensor_degree(spec.layout)
+        return (*backward_transients(spec, T, self.experts_meet(spec)), staging)
+
+    def experts_meet(self, spec: Spec) -> str:
+        """How a model's tokens meet its experts (:func:`routed_saved`): by default, plain
+        autograd on this rank's experts and tokens (``local``)."""
+        return "local"
 
     def stage_held(self, spec: Spec, numel: int) -> tuple[int, int]:
         """A pipeline stage's bytes beyond its ``numel`` parameter elements that it keeps over

@@ -158,13 +158,15 @@ def routed_experts(
     idx: torch.Tensor,
     p: dict[str, torch.Tensor],
     first: int = 0,
+    experts: int = 0,
 ) -> torch.Tensor:
     """sum over each token's routed experts of weight x expert(token), for the experts
     ``first`` .. ``first + len(p['ew1'])`` whose weights ``p`` holds (all of them in the
     reference; an expert-parallel rank's own); tokens routed elsewhere get zeros. An expert no
     token reached still runs (on no rows): its gradient is zeros, not missing, on every rank
-    and in every strategy alike (AdamW moves a weight with a zero gradient, not one without)."""
-    out, E = torch.zeros_like(m), p["router"].shape[0]
+    and in every strategy alike (AdamW moves a weight with a zero gradient, not one without).
+    ``experts``: E, where ``p`` holds only some (0: ``p`` holds all)."""
+    out, E = torch.zeros_like(m), experts or p["ew1"].shape[0]
     for j in range(p["ew1"].shape[0]):
         tok, slot = rows_of(idx, first + j, E)
         y = expert_ffn(m[tok], p["ew1"][j], p["ew3"][j], p["ew2"][j])
