@@ -73,7 +73,8 @@ MOE_SCHEDULE = Option(
     "moe_schedule", "all_to_all",
     "how a model's experts meet its tokens: all_to_all (expert parallel: each token row to its "
     "experts' owner and back) or the experts move, ring or broadcast as the MLP's slices",
-    choices=MOE_SCHEDULES, experts_only=True, tag="-moe-{value}", label=" ({value} experts)",
+    choices=MOE_SCHEDULES, experts_only=True, searched=True, tag="-moe-{value}",
+    label=" ({value} experts)",
     short="moe",
 )  # fmt: skip
 

@@ -534,7 +534,13 @@ def test_published_model_files_plan(capsys, counted, tmp_path):
     assert q25.qkv_bias and not q25.qk_norm and not qwen_bias_elsewhere(got)
     assert round(q25.n_params() / 1e9, 2) == 7.62  # "Number of Parameters: 7.61B" (model card)
     assert all(noted(notes) <= {"torch_dtype", "max_position_embeddings"}
-               for _, notes in got.values())  # fmt: skip
+               for name, (_, notes) in got.items() if name != "mixtral-8x7b-v0.1")  # fmt: skip
+    mixtral, notes = got["mixtral-8x7b-v0.1"]  # (its load-balancing loss off, as HF's default)
+    assert noted(notes) == {"torch_dtype", "max_position_embeddings", "router_aux_loss_coef"}
+    assert (mixtral.experts, mixtral.top_k, mixtral.moe_ffn, mixtral.kv_heads) == (8, 2, 14336, 8)
+    assert round(mixtral.n_params() / 1e9, 1) == 46.7  # "46.7B total parameters" (Mistral AI)
+    idle = mixtral.layers * (mixtral.experts - mixtral.top_k) * 3 * mixtral.hidden * mixtral.ffn
+    assert round((mixtral.n_params() - idle) / 1e9, 1) == 12.9  # "12.9B active parameters"
     qwen, _ = got["qwen3-8b"]
     assert qwen.qk_norm and not llama_or_mistral_qk(got)
     assert round(qwen.n_params() / 1e9, 2) == 8.19  # "Number of Parameters: 8.2B" (model card)
@@ -545,6 +551,15 @@ def test_published_model_files_plan(capsys, counted, tmp_path):
     rc, out, _ = plan_cli(capsys, "--model", str(models / "llama3.1-8b.json"), "--hardware",
                           "h100", "--seq-len", 32768, "--gpus", 8, "--cache", tmp_path)  # fmt: skip
     assert rc == 0 and "best plan:" in out and "--set rope_scaling=llama3," in out
+    # with experts: only the strategies that run them, TSP's expert schedules searched
+    rc, out, _ = plan_cli(capsys, "--model", str(models / "mixtral-8x7b-v0.1.json"),
+                          "--hardware", "h200", "--seq-len", 32768, "--gpus", 8, "--cache",
+                          tmp_path)  # fmt: skip
+    best = next(line for line in out.splitlines() if line.startswith("best plan:"))
+    assert rc == 0 and "--set experts=8 --set top_k=2" in out
+    header = next(line for line in out.splitlines() if line.startswith(" #  strategy"))
+    assert best.split()[2] in {"tsp", "tp", "fsdp_cp"} and " moe " in header
+    assert "runs dense models only" in out  # (the others' groups, filtered with the reason)
 
 
 def test_the_margin_map_says_where_one_side_recomputes(tmp_path, monkeypatch):

@@ -62,10 +62,11 @@ def _host_peak(device: str, spec: RunSpec) -> float:
 
 
 def _experts_bound(spec: RunSpec) -> float:
-    """A rank's peak bytes bounded from above for a model with experts, which the closed forms
-    do not cover yet: every parameter with its gradient and AdamW's two moments (fp32), and
-    every layer's activations over a replica's tokens as a plain layer whose MLP is the k
-    routed experts and the shared one wide, kept for backward, and the fp32 logits twice."""
+    """A rank's peak bytes bounded from above for a model with experts, whose closed forms
+    assume even routing where a run routes by data (an expert may get every token's rows):
+    every parameter with its gradient and AdamW's two moments (fp32), and every layer's
+    activations over a replica's tokens as a plain layer whose MLP is the k routed experts and
+    the shared one wide, kept for backward, and the fp32 logits twice."""
     cfg, tokens = spec.cfg, spec.batch * spec.seq_len
     width = (
         8 * cfg.hidden

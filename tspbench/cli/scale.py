@@ -16,8 +16,8 @@ from tspbench.runtime.spec import RunSpec
 
 
 def _spec(args: argparse.Namespace, experts: bool = False) -> RunSpec:
-    """The run's spec; a model with experts only where the command prices them
-    (``experts``: the estimate, which routes evenly)."""
+    """The run's spec; a model with experts only where the command prices them (``experts``:
+    the closed forms, the estimate and the cost model, under even routing)."""
     spec = RunSpec.from_args(args).replace(quiet=True)
     if not experts:
         require_dense(spec.cfg, f"tspbench {args.cmd}")
@@ -35,7 +35,7 @@ def _emit(args: argparse.Namespace, obj: dict[str, Any], text: str) -> None:
 def cmd_model(args: argparse.Namespace) -> int:
     from tspbench.projection.report import model_report
 
-    _emit(args, *model_report(_spec(args)))
+    _emit(args, *model_report(_spec(args, experts=True)))
     return 0
 
 
@@ -74,7 +74,7 @@ def cmd_project(args: argparse.Namespace) -> int:
     from tspbench.projection.report import project_report
     from tspbench.runtime.registry import all_options
 
-    spec = _spec(args)
+    spec = _spec(args, experts=True)
     preset = load_preset(args.hardware)
     named = [k for k in all_options() if getattr(args, k, None) is not None]
     spec = spec.preset_options(preset, named)  # TSP: the topology's MLP schedule

@@ -24,7 +24,7 @@ from typing import TypedDict
 
 from tspbench.core.comm import KINDS, bus_bytes
 from tspbench.core.config import ModelConfig
-from tspbench.core.costs import Event, Schedule, routing_counts
+from tspbench.core.costs import Event, Schedule, expert_rows, routing_counts
 from tspbench.core.mesh import Axis
 from tspbench.runtime.spec import RunSpec
 
@@ -170,11 +170,18 @@ def flops(c: RunSpec, model: bool = True, loss: bool = True) -> int:
 
 
 def gemm_size(c: RunSpec) -> float:
-    """Equivalent square size of the step's typical GEMM (tokens x hidden x per-rank width),
-    the cube root of its m*n*k: what a GEMM rate table is looked up with."""
+    """Equivalent square size of the step's typical GEMM (tokens x hidden x per-rank width; with
+    experts, an expert's rows x hidden x f_e), the cube root of its m*n*k: what a GEMM rate
+    table is looked up with."""
     T = c.impl.costs.weight_split(c.layout)
-    width = (c.cfg.hidden + c.cfg.ffn) / 2 / T  # projection and MLP widths, on one rank
-    return (c.tokens * c.cfg.hidden * width) ** (1 / 3)
+    cfg = c.cfg
+    if cfg.moe:  # the experts' GEMMs, most of a MoE layer's FLOPs: one expert's rows under
+        # even routing by its whole f_e (TP: split T ways)
+        how = c.impl.costs.experts_meet(c)
+        rows = expert_rows(c, c.impl.costs.tensor_degree(c.layout), how)[1]
+        return (rows * cfg.hidden * cfg.moe_ffn / c.impl.costs.tensor_degree(c.layout)) ** (1 / 3)
+    width = (cfg.hidden + cfg.ffn) / 2 / T  # projection and MLP widths, on one rank
+    return (c.tokens * cfg.hidden * width) ** (1 / 3)
 
 
 def elementwise_bytes(c: RunSpec) -> float:

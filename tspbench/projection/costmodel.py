@@ -185,12 +185,17 @@ def _rate(r: dict, name: str, size: float, key: str | None = None) -> float:
 
 def count_key(c: RunSpec) -> RunSpec:
     """The one-layer shrunk copy of ``c`` whose operations are counted: the count depends on
-    the degrees, heads and buckets, not on tensor sizes, so hidden, head size, MLP, vocabulary,
-    sequence and batch are cut to the smallest values the strategy accepts, and dp to 1. Specs
-    with the same key count the same (7B and 13B-shaped models with the same heads, any depth)."""
+    the degrees, heads, buckets and experts, not on tensor sizes, so hidden, head size, MLP
+    (and experts') widths, vocabulary, sequence and batch are cut to the smallest values the
+    strategy accepts, and dp to 1. Specs with the same key count the same (7B and 13B-shaped
+    models with the same heads, any depth)."""
     cfg = c.cfg
     m = 2 * c.degree * max(c.tp, 1)
     shape = replace(cfg, hidden=cfg.heads * 2, head_dim=0, ffn=m, vocab=m, layers=1, name="shape")
+    if cfg.moe:  # the experts' widths too (their number and k set the count: one GEMM each)
+        shape = replace(
+            shape, expert_ffn=m if cfg.expert_ffn else 0, shared_ffn=m * (cfg.shared_ffn > 0)
+        )
     batch = c.impl.replica_batch(c.layout)
     return c.replace(
         cfg=shape, seq_len=4 * max(c.cp, 1), batch=batch, layout=replace(c.layout, dp=1)

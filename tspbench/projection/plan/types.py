@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tspbench.core.config import ConfigError, ModelConfig, load_model, require_dense
+from tspbench.core.config import ConfigError, ModelConfig, load_model
 from tspbench.core.options import Value
 from tspbench.core.strategy import Layout
 from tspbench.projection import costmodel
@@ -63,7 +63,6 @@ class Request:
         memory cap defaults to the preset's usable memory (``costmodel.usable_memory``), the
         degree cap to its node size."""
         cfg, notes = load_model(model) if isinstance(model, str) else (model, [])
-        require_dense(cfg, "tspbench plan")
         preset = costmodel.load_preset(hardware) if isinstance(hardware, str) else hardware
         memory_cap = _memory_cap(preset, memory_cap)
         node = node_size(preset)
