@@ -60,7 +60,13 @@ def _runs(strategy: str) -> list[dict]:
 def projected_experts(c: dict) -> tuple[str, bool]:
     """(what the projection says, whether the subject's leanest expert setting is leaner than
     every rival: a lower peak at one sequence and at least as large a micro-batch)."""
-    cfg, _ = load_model(str(ROOT / c["model"]) if "/" in c["model"] else c["model"])
+    name = c["model"]
+    if "/" in name:  # a committed config.json: from here, else from the checkout's root
+        found = [p for p in (Path(name), ROOT / name) if p.is_file()]
+        if not found:
+            return f"not projected: {name} is not here (run from a checkout)", False
+        name = str(found[0])
+    cfg, _ = load_model(name)
     budget = usable_memory(load_preset(c["hardware"]))
     D, S = c["degree"], c["seq_len"]
 
