@@ -154,7 +154,7 @@ def kv_exchange_ring(c: Spec) -> bool:
 def saved_per_layer(c: Spec) -> int:
     """Bytes one layer keeps for backward: the norms' and, per head group, the local [Q K_p V_p]
     (one tensor), A and the lse (and with ``kv_backward = save`` its gathered K/V over the
-    sequence); per MLP slice [h1 h3] (one tensor)."""
+    sequence); per MLP slice [h1 h3] (one tensor), or a MoE MLP's (:func:`moe_saved`)."""
     cfg, e, t = c.cfg, c.e, c.tokens
     q, kv = cfg.q_dim, cfg.kv_dim
     kept = c.degree * _units(c)[1] if c.options["kv_backward"] == "save" else 0
@@ -199,7 +199,7 @@ def moe_saved(c: Spec) -> int:
     each), and a shared expert's as a dense MLP's slices."""
     cfg, t = c.cfg, c.tokens
     routed = costs.routed_saved(c, t * cfg.top_k, _how(c))
-    return costs.route_saved(c) + routed + costs.shared_saved(c, 1, 2 * t * cfg.shared_ffn * c.e)
+    return costs.route_saved(c) + routed + costs.shared_saved(c, 2 * t * cfg.shared_ffn * c.e)
 
 
 def saved_loss(c: Spec) -> int:
@@ -230,7 +230,9 @@ def inference_working_set(c: Spec) -> tuple[int, int]:
       in global order (the previous group's tensors are freed by then); with the K/V ring,
       instead of the gathered pair, the ring's crest (:func:`ring_forward_crest`);
     - MLP, at a slice s > 0: the layer input, x + attention, its normed copy, Y; this slice's
-      [h1 h3] and its gate; this slice and the next;
+      [h1 h3] and its gate; this slice and the next; a MoE MLP: its experts' crest
+      (tspbench/core/costs.py ``moe_working_set``) and, moving them, another rank's block in
+      use and (D > 2) the next in flight, or a shared expert as the dense MLP's slices;
     - the embedding, at an owner r > 0: this shard and the next, the output so far, this
       owner's lookup and the merged output (what a prefill, which has no loss, crests at when
       the vocabulary is large against the local tokens);
@@ -263,7 +265,8 @@ def inference_working_set(c: Spec) -> tuple[int, int]:
 def backward_transients(c: Spec) -> tuple[int, int, int]:
     """With the plan's tables: at the loss, one vocabulary shard's recomputed logits (in x's
     dtype and two fp32 copies), and the head shard and its gradient in flight; at a layer: the
-    MLP's SiLU backward with its slices in flight (:func:`mlp_t`), or the attention's: the
+    MLP's SiLU backward with its slices in flight (:func:`mlp_t`; a MoE MLP's: :func:`moe_t`),
+    or the attention's: the
     gathered K/V of a head group, the chunks' dK/dV and dA, less the top layer's MLP saved
     tensors (counted among the saved, freed by then); with QK norms, the head group's normed
     [Q K V], recomputed from its saved projection. On CPU the longer chunk's kernel call is

@@ -232,7 +232,7 @@ def test_an_expert_no_token_reaches_gets_a_zero_gradient():
     _, weights, idx = moe.route(m, router, cfg.top_k, cfg.norm_topk)
     assert not (idx == 3).any()
     own = {k: model.p(f"layers.0.{k}")[3:].detach().clone().requires_grad_() for k in moe.EXPERTS}
-    moe.routed_experts(m, weights, idx, own, first=3).sum().backward()
+    moe.routed_experts(m, weights, idx, own, 3, cfg.experts).sum().backward()
     assert all(own[k].grad is not None and torch.all(own[k].grad == 0) for k in own)
 
 

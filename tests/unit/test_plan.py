@@ -539,7 +539,7 @@ def test_published_model_files_plan(capsys, counted, tmp_path):
     assert noted(notes) == {"torch_dtype", "max_position_embeddings", "router_aux_loss_coef"}
     assert (mixtral.experts, mixtral.top_k, mixtral.moe_ffn, mixtral.kv_heads) == (8, 2, 14336, 8)
     assert round(mixtral.n_params() / 1e9, 1) == 46.7  # "46.7B total parameters" (Mistral AI)
-    idle = mixtral.layers * (mixtral.experts - mixtral.top_k) * 3 * mixtral.hidden * mixtral.ffn
+    idle = mixtral.layers * (mixtral.experts - mixtral.top_k) * 3 * mixtral.hidden * mixtral.moe_ffn
     assert round((mixtral.n_params() - idle) / 1e9, 1) == 12.9  # "12.9B active parameters"
     qwen, _ = got["qwen3-8b"]
     assert qwen.qk_norm and not llama_or_mistral_qk(got)

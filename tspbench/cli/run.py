@@ -110,8 +110,8 @@ def cmd_overlap(args: argparse.Namespace) -> int:
     from tspbench.runtime.comm_hiding import check_hides
 
     spec = _checked(args)
-    require_dense(spec.cfg, "tspbench overlap")  # (its compute-only step skips the exchanges
-    # that size the experts' work; its closed-form schedule has none)
+    why = "its compute-only step skips the exchanges that size the experts' work"
+    require_dense(spec.cfg, "tspbench overlap", why)
     check_hides(spec)
     if args.launch == "local":
         from tspbench.runtime.local import run_local

@@ -10,18 +10,13 @@ from pathlib import Path
 from typing import Any
 
 from tspbench.cli.args import add_run_args, gib, out_dir, out_file, progress
-from tspbench.core.config import ConfigError, require_dense
+from tspbench.core.config import ConfigError
 from tspbench.core.dtypes import DTYPES
 from tspbench.runtime.spec import RunSpec
 
 
-def _spec(args: argparse.Namespace, experts: bool = False) -> RunSpec:
-    """The run's spec; a model with experts only where the command prices them (``experts``:
-    the closed forms, the estimate and the cost model, under even routing)."""
-    spec = RunSpec.from_args(args).replace(quiet=True)
-    if not experts:
-        require_dense(spec.cfg, f"tspbench {args.cmd}")
-    return spec
+def _spec(args: argparse.Namespace) -> RunSpec:
+    return RunSpec.from_args(args).replace(quiet=True)
 
 
 def _emit(args: argparse.Namespace, obj: dict[str, Any], text: str) -> None:
@@ -35,7 +30,7 @@ def _emit(args: argparse.Namespace, obj: dict[str, Any], text: str) -> None:
 def cmd_model(args: argparse.Namespace) -> int:
     from tspbench.projection.report import model_report
 
-    _emit(args, *model_report(_spec(args, experts=True)))
+    _emit(args, *model_report(_spec(args)))
     return 0
 
 
@@ -55,7 +50,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from tspbench.projection.costmodel import load_preset, usable_memory
     from tspbench.projection.report import estimate_report
 
-    spec = _spec(args, experts=True)
+    spec = _spec(args)
     ranks = _ranks(args.ranks, spec.layout.degree)
     preset = load_preset(args.hardware)  # before the estimate: a bad name costs nothing
     if args.device_memory is not None:
@@ -74,7 +69,7 @@ def cmd_project(args: argparse.Namespace) -> int:
     from tspbench.projection.report import project_report
     from tspbench.runtime.registry import all_options
 
-    spec = _spec(args, experts=True)
+    spec = _spec(args)
     preset = load_preset(args.hardware)
     named = [k for k in all_options() if getattr(args, k, None) is not None]
     spec = spec.preset_options(preset, named)  # TSP: the topology's MLP schedule

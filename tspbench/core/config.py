@@ -585,15 +585,11 @@ def _hf_model(
         raise ConfigError(f"{where}: {msg}") from None
 
 
-def require_dense(cfg: ModelConfig, what: str) -> None:
-    """Refuse a model with experts where ``what`` (a command) models dense ones only: its
-    closed forms would price a dense MLP that the model does not have."""
+def require_dense(cfg: ModelConfig, what: str, why: str) -> None:
+    """Refuse a model with experts where ``what`` (a command) handles dense ones only, saying
+    ``why``."""
     if cfg.moe:
-        raise ConfigError(
-            f"model.experts={cfg.experts}: {what} covers dense models only so far (the memory "
-            "closed forms, estimator and cost model have no experts); tspbench run measures "
-            "this one"
-        )
+        raise ConfigError(f"model.experts={cfg.experts}: {what} covers dense models only ({why})")
 
 
 def read_hf_config(path: str) -> tuple[ModelConfig, list[str]]:

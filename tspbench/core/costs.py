@@ -373,9 +373,9 @@ def final_norm_saved(c: Spec) -> int:
 
 
 def route_saved(c: Spec) -> int:
-    """Bytes a router keeps for backward per token (tspbench/core/moe.py): its fp32
-    probabilities [t, E] (softmax's output), the chosen experts [t, k] (int64) and, where the
-    family renormalises, the fp32 top-k weights and their sum."""
+    """Bytes a router keeps for backward over this rank's t tokens (tspbench/core/moe.py): its
+    fp32 probabilities [t, E] (softmax's output), the chosen experts [t, k] (int64) and, where
+    the family renormalises, the fp32 top-k weights and their sum."""
     cfg, t = c.cfg, c.tokens
     k = cfg.top_k
     return FP32 * t * cfg.experts + INT64 * t * k + (FP32 * t * (k + 1) if cfg.norm_topk else 0)
@@ -402,7 +402,7 @@ def routed_saved(c: Spec, rows: int, how: str) -> int:
     return rows * (4 * INT64 + (4 * h + 4 * fe + 1) * e)
 
 
-def shared_saved(c: Spec, T: int, dense_mlp: int) -> int:
+def shared_saved(c: Spec, dense_mlp: int) -> int:
     """Bytes a shared expert keeps for backward (Qwen2-MoE's; 0 without): its MLP's saved
     tensors (``dense_mlp``, the strategy's own for a [t, f_s/T] MLP), its output and the
     sigmoid of its gate, which scales it."""
@@ -416,29 +416,32 @@ def moe_saved(c: Spec, T: int, how: str) -> int:
     :func:`routed_saved`'s) keeps for backward: the router's, the routed experts' over the
     t k / T rows even routing gives this rank, a shared expert's."""
     t, e = c.tokens, c.e
-    shared = shared_saved(c, T, 4 * t * (c.cfg.shared_ffn // T) * e)
+    shared = shared_saved(c, 4 * t * (c.cfg.shared_ffn // T) * e)
     return route_saved(c) + routed_saved(c, t * c.cfg.top_k // T, how) + shared
 
 
 def expert_rows(c: Spec, T: int, how: str) -> tuple[int, int]:
-    """(rows this rank's experts compute, rows one expert computes at a time) under even
-    routing: t k / T rows over E / T experts (``local``: each rank's share of the tokens' or,
-    TP, of every token's), t k over E / D experts (``dispatch``: every rank's rows for them),
-    t k over E one expert at a time (``moving``: the experts come to the tokens)."""
+    """(rows this rank computes, rows one expert computes at a time) under even routing, E
+    dividing t k (else a few rows more on the first experts' rank: ``moe.even_counts``): t k / T
+    rows over this rank's E / T experts (``local``: its tokens', or TP's, every token's), t k
+    over its E / D experts (``dispatch``: every rank's rows for them), t k of its own tokens
+    over all E experts, one at a time (``moving``: the experts come to the tokens)."""
     cfg, t = c.cfg, c.tokens
     rows = t * cfg.top_k // (T if how == "local" else 1)
     held = {"local": cfg.experts // T, "dispatch": cfg.experts // c.degree}.get(how, cfg.experts)
-    return rows, rows // max(held, 1)
+    return rows, rows // held
 
 
 def moe_working_set(c: Spec, T: int, how: str, shared: bool = True) -> int:
     """A forward-only MoE MLP's crest beyond the layer's input, the residual sum and its normed
-    copy: the router's logits and fp32 probabilities, and one expert's SwiGLU on its rows (three
-    [f_e] tensors, four where [h1 h3] is one GEMM's output: moving experts) beside the output
-    being summed and the expert's input rows (``local``, ``moving``), or beside the received
-    rows and their copy by expert (``dispatch``: the output comes back after every expert
-    ran); a shared expert's gate beside the routed output instead where larger (``shared``
-    off: the caller prices it)."""
+    copy: the router's logits and fp32 probabilities (a small term, kept though they die with
+    ``route``), and one expert's SwiGLU on its rows (three [f_e] tensors, four where [h1 h3]
+    is one GEMM's output: moving experts) beside the output being summed and the expert's
+    input rows (``local``, ``moving``; plain autograd crests instead where the summed output
+    is copied: two of it, the weighted rows), or beside the received rows and their copy by
+    expert (``dispatch``; its combine crests with five row-sized buffers and two outputs);
+    a shared expert's MLP (three [t, f_s/T] tensors) beside the routed output instead where
+    larger (``shared`` off: the caller prices it). Fitted to the fake-tensor peaks."""
     cfg, e, t = c.cfg, c.e, c.tokens
     h, fe = cfg.hidden, cfg.moe_ffn
     rows, n = expert_rows(c, T, how)
@@ -562,7 +565,8 @@ def backward_transients(c: Spec, T: int, experts: str = "local") -> tuple[int, i
     (the residual's gradient, the attention output's gradient and its copy, and three and a half
     gathered K/V pairs: the gather, its gradient staging, the kernel's gradients; by then the
     MLP's saved tensors and the second norm's input and output are freed; Ulysses: the output
-    gradient's all-to-all, four [t, H/T * d] buffers)."""
+    gradient's all-to-all, four [t, H/T * d] buffers). A MoE MLP's: :func:`moe_backward_t`
+    over ``experts``' rows."""
     e, t = c.e, c.tokens
     nh, kvl, fl, vl = local_dims(c.cfg, T)
     act, kvu, logits = t * c.cfg.hidden * e, kv_unit(c, kvl), 4 * t * vl
@@ -599,7 +603,8 @@ def gathered_unit_working_set(
     cfg, e = c.cfg, c.e
     layer, loss = base
     _, ul, un = units
-    # (a layer's routed experts are outside its unit: FSDP+CP's expert parallelism)
+    # (a strategy with experts here keeps them outside its units: FSDP+CP's expert
+    # parallelism; FSDP2+CP runs dense models only)
     layer += (layer_numel(cfg) - expert_numel(cfg)) * e + (max(ul, un) if prefetch else 0)
     return layer, loss + (cfg.vocab * cfg.hidden + cfg.hidden) * e
 

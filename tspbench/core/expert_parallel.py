@@ -45,7 +45,10 @@ def dispatch_combine(
     """sum over each local token's k experts of weight x expert(token) for the tokens m [t, h]
     routed to ``idx`` [t, k] with ``weights`` [t, k]: the rows dispatched to the experts'
     owners over ``comm``, ``apply(j, rows)`` run there by local expert j (every one, on no
-    rows where none came: its gradient is zeros, not missing), and combined back."""
+    rows where none came: its gradient is zeros, not missing), and combined back. Under
+    :func:`tspbench.core.moe.balanced` routing the split sizes are taken from this rank's
+    shape: every rank of ``comm`` must hold as many tokens (TSP's and FSDP+CP's zigzag
+    chunks do; pipelines and decode refuse experts)."""
     D, per = comm.size, experts // comm.size
     flat = idx.flatten()  # (token, slot) pairs, token-major
     order = torch.argsort(flat, stable=True)  # by expert, hence by owner

@@ -157,18 +157,18 @@ def routed_experts(
     weights: torch.Tensor,
     idx: torch.Tensor,
     p: dict[str, torch.Tensor],
-    first: int = 0,
-    experts: int = 0,
+    first: int,
+    experts: int,
 ) -> torch.Tensor:
     """sum over each token's routed experts of weight x expert(token), for the experts
     ``first`` .. ``first + len(p['ew1'])`` whose weights ``p`` holds (all of them in the
     reference; an expert-parallel rank's own); tokens routed elsewhere get zeros. An expert no
     token reached still runs (on no rows): its gradient is zeros, not missing, on every rank
     and in every strategy alike (AdamW moves a weight with a zero gradient, not one without).
-    ``experts``: E, where ``p`` holds only some (0: ``p`` holds all)."""
-    out, E = torch.zeros_like(m), experts or p["ew1"].shape[0]
+    ``experts``: E, of which ``p`` holds some or all."""
+    out = torch.zeros_like(m)
     for j in range(p["ew1"].shape[0]):
-        tok, slot = rows_of(idx, first + j, E)
+        tok, slot = rows_of(idx, first + j, experts)
         y = expert_ffn(m[tok], p["ew1"][j], p["ew3"][j], p["ew2"][j])
         out = out.index_add(0, tok, y * weights[tok, slot, None])
     return out
@@ -191,7 +191,7 @@ def moe_mlp(
     shape = m.shape
     m = m.reshape(-1, shape[-1])
     _, weights, idx = route(m, p["router"], top_k, norm_topk, stats)
-    out = routed_experts(m, weights, idx, p)
+    out = routed_experts(m, weights, idx, p, 0, p["router"].shape[0])
     if "sgate" in p:
         out = out + shared_expert(m, p)
     return out.view(shape)

@@ -66,7 +66,10 @@ def projected_experts(c: dict) -> tuple[str, bool]:
         if not found:
             return f"not projected: {name} is not here (run from a checkout)", False
         name = str(found[0])
-    cfg, _ = load_model(name)
+    try:
+        cfg, _ = load_model(name)
+    except ConfigError as e:
+        return f"not projected: {e}", False
     budget = usable_memory(load_preset(c["hardware"]))
     D, S = c["degree"], c["seq_len"]
 
@@ -88,8 +91,13 @@ def projected_experts(c: dict) -> tuple[str, bool]:
             except ConfigError:  # a group the model cannot split is no competitor
                 continue
     mine = {k: v for k, v in got.items() if whose[k] == c["subject"]}
-    lean = min(mine, key=lambda k: mine[k][0])
     rivals = {k: v for k, v in got.items() if k not in mine}
+    if not mine or not rivals:
+        return (
+            f"not projected: no layout of D={D} runs {Path(c['model']).stem} for both sides",
+            False,
+        )
+    lean = min(mine, key=lambda k: mine[k][0])
     leaner = all(got[lean][0] < p and got[lean][1] >= b for p, b in rivals.values())
     text = (
         f"projected ({Path(c['model']).stem}, S={S}, D={D}, bf16, {c['hardware']}'s usable "

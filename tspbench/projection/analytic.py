@@ -173,14 +173,13 @@ def gemm_size(c: RunSpec) -> float:
     """Equivalent square size of the step's typical GEMM (tokens x hidden x per-rank width; with
     experts, an expert's rows x hidden x f_e), the cube root of its m*n*k: what a GEMM rate
     table is looked up with."""
-    T = c.impl.costs.weight_split(c.layout)
     cfg = c.cfg
     if cfg.moe:  # the experts' GEMMs, most of a MoE layer's FLOPs: one expert's rows under
-        # even routing by its whole f_e (TP: split T ways)
-        how = c.impl.costs.experts_meet(c)
-        rows = expert_rows(c, c.impl.costs.tensor_degree(c.layout), how)[1]
-        return (rows * cfg.hidden * cfg.moe_ffn / c.impl.costs.tensor_degree(c.layout)) ** (1 / 3)
-    width = (cfg.hidden + cfg.ffn) / 2 / T  # projection and MLP widths, on one rank
+        # even routing by its whole f_e (every strategy here keeps experts whole)
+        costs = c.impl.costs
+        rows = expert_rows(c, costs.tensor_degree(c.layout), costs.experts_meet(c))[1]
+        return (rows * cfg.hidden * cfg.moe_ffn) ** (1 / 3)
+    width = (cfg.hidden + cfg.ffn) / 2 / c.impl.costs.weight_split(c.layout)  # on one rank
     return (c.tokens * cfg.hidden * width) ** (1 / 3)
 
 

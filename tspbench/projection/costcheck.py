@@ -15,9 +15,9 @@ from tspbench.runtime.spec import RunSpec
 
 def measured_runs(paths: list[str]) -> tuple[list, list[str]]:
     """The ok training and forward cells of each summary (indexed by cell; decode cells are
-    projected by projection/decode.py; cells of a model with experts are left out, as
-    ``require_dense`` refuses them elsewhere: no memory closed form or cost model prices them
-    yet), and the cells every summary has."""
+    projected by projection/decode.py; cells of a model with experts are left out: their
+    projection assumes even routing, where a measured run routes by data), and the cells every
+    summary has."""
     runs = []
     for path in paths:
         df = read_csv_input(path, "--summary")
@@ -107,7 +107,8 @@ def _model(rec: dict, path: str) -> ModelConfig:
         cfg = ModelConfig(**mc)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"record {path!r}: model_config: {e}") from None
-    require_dense(cfg, f"tspbench project-check (record {path!r})")
+    require_dense(cfg, f"tspbench project-check (record {path!r})",
+                  "a run routes by data; its projection assumes even routing")  # fmt: skip
     return cfg
 
 

@@ -35,7 +35,7 @@ def code_digest() -> str:
     pkg = Path(tspbench.__file__).parent
     files = [
         *Path(tsp_impl.__file__).parent.glob("*.py"),
-        *Path(baselines.__file__).parent.glob("*.py"),
+        *Path(baselines.__file__).parent.rglob("*.py"),  # (one folder per strategy)
     ]
     files += [*(pkg / "core").glob("*.py")]
     files += [pkg / "runtime" / f for f in ("measure.py", "flops.py", "spec.py", "registry.py")]
