@@ -159,7 +159,7 @@ def saved_per_layer(c: Spec) -> int:
     q, kv = cfg.q_dim, cfg.kv_dim
     kept = c.degree * _units(c)[1] if c.options["kv_backward"] == "save" else 0
     attn = costs.norms_saved(c) + (2 * t * q + 2 * t * kv) * e + 4 * t * cfg.heads + kept
-    return attn + (moe_saved(c) if cfg.moe else 2 * t * cfg.ffn * e)
+    return attn + _mlp_saved(c)
 
 
 def _how(c: Spec) -> str:
@@ -250,7 +250,7 @@ def inference_working_set(c: Spec) -> tuple[int, int]:
     if cfg.moe:  # the experts' crest: moving, another rank's block in use and the next in
         # flight (D > 2; the own block is a parameter); a shared expert runs as the dense
         # MLP's slices beside the routed output
-        moving = c.options["moe_schedule"] != "all_to_all"
+        moving = _how(c) == "moving"
         mlp = 3 * act + costs.moe_working_set(c, 1, _how(c), shared=False)
         mlp += moving * min(D - 1, 2) * _block(c)
         if cfg.shared_ffn:

@@ -484,6 +484,12 @@ def moe_backward_t(c: Spec, T: int, how: str, blocks: int = 0) -> int:
     return t * h * e + one + extra
 
 
+def mlp_saved(c: Spec, T: int, experts: str) -> int:
+    """Bytes a plain layer's MLP keeps for backward: h1, silu(h1), h3 and their product, [t,
+    f/T] each; a MoE MLP's by how its tokens meet the experts (:func:`moe_saved`)."""
+    return moe_saved(c, T, experts) if c.cfg.moe else 4 * c.tokens * (c.cfg.ffn // T) * c.e
+
+
 def saved_per_layer(c: Spec, T: int, experts: str = "local") -> int:
     """Bytes one plain layer keeps for backward (no recomputation), from what each op saves;
     a MoE MLP's by how its tokens meet the experts (``experts``: :func:`routed_saved`)."""
@@ -500,8 +506,7 @@ def saved_per_layer(c: Spec, T: int, experts: str = "local") -> int:
     attn = (2 + o_copy) * t * nh * cfg.d_head * e + 4 * t * nh + kv
     if cfg.qk_norm:  # each QK norm keeps its input (the projection) and its fp32 1/rms
         attn += t * (nh * cfg.d_head + kvl) * e + 4 * t * (nh + kvl // cfg.d_head)
-    mlp = moe_saved(c, T, experts) if cfg.moe else 4 * t * fl * e  # h1, silu(h1), h3, product
-    return norms_saved(c) + attn + mlp
+    return norms_saved(c) + attn + mlp_saved(c, T, experts)
 
 
 def saved_loss(c: Spec, T: int, vocab_parallel: bool) -> int:
@@ -571,14 +576,14 @@ def backward_transients(c: Spec, T: int, experts: str = "local") -> tuple[int, i
     nh, kvl, fl, vl = local_dims(c.cfg, T)
     act, kvu, logits = t * c.cfg.hidden * e, kv_unit(c, kvl), 4 * t * vl
     layer_t = act + (moe_backward_t(c, T, experts) if c.cfg.moe else 2 * t * fl * e)
-    mlp_saved = moe_saved(c, T, experts) if c.cfg.moe else 4 * t * fl * e
+    mlp = mlp_saved(c, T, experts)  # freed before the attention's backward
     if ring(c) or hierarchical(c):
         # the ring's backward (a2a+p2p: over the re-sharded heads, as many bytes): the
         # output's gradient and its copy, the fp32 dQ and dK/dV sums (one in flight), two
         # K/V chunks (in use, in flight: a2a+p2p's ring of two groups has none in flight at
         # its last block) and a block's gradients
         kvp, o, o32 = 2 * t * kvl * e, t * nh * c.cfg.d_head * e, 4 * t * nh * c.cfg.d_head
-        freed = mlp_saved + 2 * act
+        freed = mlp + 2 * act
         chunks = 3 if ring(c) else 2 + (c.cp // cp_inner(c, T) > 2)
         layer_t = max(layer_t, act + 3 * o + o32 + 2 * kvp * FP32 // e + chunks * kvp - freed)
     elif c.cp > 1 and ulysses(c):
@@ -587,7 +592,7 @@ def backward_transients(c: Spec, T: int, experts: str = "local") -> tuple[int, i
         # crests), which do not grow with K/V there and see no MLP tensor freed yet
         layer_t = max(layer_t, act + 4 * t * nh * c.cfg.d_head * e)
     elif c.cp > 1:
-        freed = mlp_saved + 2 * act
+        freed = mlp + 2 * act
         layer_t = max(layer_t, act + 2 * t * nh * c.cfg.d_head * e + 7 * kvu // 2 - freed)
     return 2 * logits, layer_t
 
