@@ -293,12 +293,24 @@ def test_forced_oom_is_a_result(tmp_path):
             "cp_a2a=2: only with cp_comm=a2a+p2p (not all_gather)",
         ),
         # pipelines: stages that do not divide the layers, 1F1B with fewer micro-batches than
-        # stages, a schedule torch does not know, one torch knows that needs several stages
-        # per rank, a strategy that does not run as a stage yet, tied embeddings
+        # stages, a schedule torch does not know, one torch knows that is not run here (a
+        # zero-bubble one), interleaved 1F1B's two stages per rank that do not divide the
+        # layers, its unequal rounds, its forward only, a strategy that does not run as a
+        # stage yet, tied embeddings
         (PP + ["--pp", "4", "--microbatches", "4", "--batch", "4"], "pp=4: must divide model.lay"),
         (PP + ["--microbatches", "1"], "microbatches=1: 1f1b needs at least pp=2"),
-        (PP + ["--pp-schedule", "zbv"], "pp_schedule='zbv': must be one of gpipe, 1f1b"),
-        (PP + ["--pp-schedule", "interleaved1f1b"], "pp_schedule='interleaved1f1b' (torch's"),
+        (PP + ["--pp-schedule", "zbv"], "pp_schedule='zbv': must be one of gpipe, 1f1b, inter"),
+        (PP + ["--pp-schedule", "InterleavedZeroBubble"], "'InterleavedZeroBubble' (torch's, bu"),
+        (PP + ["--pp-schedule", "interleaved1f1b"], "pp=2: interleaved1f1b runs 2 stages per "),
+        (
+            PP[:-1]
+            + ["5", "--batch", "5", "--set", "layers=4", "--pp-schedule", "interleaved1f1b"],
+            "microbatches=5: interleaved1f1b splits them into microbatches // pp = 2 equal",
+        ),
+        (
+            PP + ["--set", "layers=4", "--pp-schedule", "interleaved1f1b", "--mode", "infer"],
+            "pp_schedule=interleaved1f1b: trains only here",
+        ),
         (["--strategy", "fsdp2_cp", *PP[2:]], "pp=2: strategy fsdp2_cp does not run as a pip"),
         (PP + ["--set", "tie_embeddings=True"], "pp=2: model.tie_embeddings=True puts one"),
         (PP + ["--mode", "decode"], "mode='decode' with pp=2: pipelines here train or infer"),

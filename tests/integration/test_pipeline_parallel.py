@@ -18,6 +18,7 @@ from tests.helpers.records import written_keys
 from tests.helpers.runner import tspbench
 from tspbench.core.config import get_config
 from tspbench.projection import stages
+from tspbench.runtime.pipelined import stages_per_rank
 from tspbench.runtime.registry import schema
 
 GQA = {"kv_heads": 4, "qk_norm": True, "head_dim": 16}
@@ -69,6 +70,15 @@ CASES = [
     _case("fsdp_cp", 1, 2, "1f1b", 2, dp=2, pp_keep_gathered=False),
     # one micro-batch through GPipe: the stages cannot overlap (the bubble test below)
     _case("tp", 2, 2, "gpipe", 1),
+    # interleaved 1F1B: two stages of a 4-layer model per rank (rank r: stages r and r + pp),
+    # four stages of an 8-layer one on 1-rank stages; FSDP+CP kept and regathered
+    _case("tsp", 2, 2, "interleaved1f1b", 2, model={"layers": 4}),
+    _case("tsp", 2, 2, "interleaved1f1b", 4, model={**GQA, "layers": 4}, recompute="full"),
+    _case("tp", 2, 2, "interleaved1f1b", 4, model={**GQA, "layers": 4}),
+    _case("sp", 2, 2, "interleaved1f1b", 2, model={"layers": 4}, cp_comm="ring"),
+    _case("fsdp_cp", 2, 2, "interleaved1f1b", 4, model={**GQA, "layers": 4}),
+    _case("fsdp_cp", 2, 2, "interleaved1f1b", 2, model={"layers": 4}, pp_keep_gathered=False),
+    _case("tsp", 1, 4, "interleaved1f1b", 4, model={"layers": 8}),
 ]
 TRAIN = [c for c in CASES if c.get("mode") != "infer"]
 
@@ -114,10 +124,11 @@ def test_stages_send_activations_and_their_gradients(results, case):
     spec = case_spec(case, pp=case["pp"], pp_schedule=case["schedule"], microbatches=case["M"])
     local = case["S"] // spec.impl.context_parallel(spec.layout)
     one_way = case["B"] * local * cfg.hidden * 4  # fp32
-    steps = 3
+    steps, v = 3, stages_per_rank(case["schedule"])
     for rank, r in enumerate(results):
-        stage, ends = r[case["id"]]["stage"], (0, case["pp"] - 1)
-        sends = 1 if stage in ends else 2  # forward to the next, backward to the previous
+        stage = r[case["id"]]["stage"]  # (its position; its v stages each send both ways but
+        # the pipeline's first backward and its last forward)
+        sends = 2 * v - (stage == 0) - (stage == case["pp"] - 1)
         assert r[case["id"]]["pp_bytes"] == steps * sends * one_way, rank
 
 
@@ -153,6 +164,37 @@ CLI_RUNS = {
     ),  # fmt: skip
     "tpsp-pp2": (["--strategy", "tpsp", "--tp", "2", "--sp", "1", "--pp", "2"], 4),
     "tsp-pp2-infer": (["--strategy", "tsp", "--degree", "2", "--pp", "2", "--mode", "infer"], 4),
+    # interleaved 1F1B: two stages of one layer per rank
+    "tsp-pp2-interleaved": (
+        [
+            "--strategy",
+            "tsp",
+            "--degree",
+            "2",
+            "--pp",
+            "2",
+            "--microbatches",
+            "4",
+            "--pp-schedule",
+            "interleaved1f1b",
+        ],
+        4,
+    ),  # fmt: skip
+    "tp-pp2-interleaved": (
+        [
+            "--strategy",
+            "tp",
+            "--degree",
+            "2",
+            "--pp",
+            "2",
+            "--microbatches",
+            "4",
+            "--pp-schedule",
+            "interleaved1f1b",
+        ],
+        4,
+    ),  # fmt: skip
 }
 
 
@@ -176,7 +218,8 @@ def test_cli_pipelined_forward_equals_single(cli_records):
 
 
 PIPELINES = ["tsp-pp2", "tp-pp4-1f1b", "tp-pp2-dp2", "sp-pp2-ring", "fsdp_cp-pp2",
-             "fsdp_cp-pp2-reshard", "tpsp-pp2"]  # fmt: skip
+             "fsdp_cp-pp2-reshard", "tpsp-pp2", "tsp-pp2-interleaved",
+             "tp-pp2-interleaved"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", PIPELINES)
@@ -192,8 +235,8 @@ def test_cli_pipelines_equal_single(cli_records, name):
     # each rank sends its micro-batches' activations forward and their gradients back
     local = rec["seq_len"] // {"tp": 1, "tpsp": rec["sp"]}.get(rec["strategy"], D)
     one_way = rec["batch"] * local * 64 * 4  # replica's batch x local tokens x h x fp32
-    ends = (0, pp - 1)
-    sends = [one_way * (1 if s in ends else 2) for s in rec["pp_stage_per_rank"]]
+    v = stages_per_rank(rec["pp_schedule"])  # (a rank's stages: all but two send both ways)
+    sends = [one_way * (2 * v - (s == 0) - (s == pp - 1)) for s in rec["pp_stage_per_rank"]]
     assert rec["comm_bytes_pp_per_rank"] == sends
 
 
@@ -222,6 +265,18 @@ def test_1f1b_bubble_is_measured_beside_its_closed_form(cli_records):
         assert 0 < busy <= sched <= rec["step_time_s"]
     # the first and last stages wait longest (warm-up and cool-down): every stage idles
     assert all(0 < b < 1 for b in rec["pp_bubble_fraction_per_rank"])
+
+
+def test_interleaved_bubble_is_measured_beside_its_closed_form(cli_records):
+    """Interleaved 1F1B's record: two stages per rank, so (pp - 1) / (2 M + pp - 1) = 1/9 at
+    pp = 2, M = 4 (1F1B's: 1/5), beside each rank's measured bubble; its busy time sums both
+    stages' chunks."""
+    rec, plain = cli_records["tsp-pp2-interleaved"], cli_records["tsp-pp2"]
+    assert rec["pp_bubble_closed_form"] == pytest.approx(1 / 9)
+    assert plain["pp_bubble_closed_form"] == pytest.approx(1 / 5)
+    for sched, busy in zip(rec["pp_schedule_s_per_rank"], rec["pp_busy_s_per_rank"]):
+        assert 0 < busy <= sched <= rec["step_time_s"]
+    assert all(0 <= b < 1 for b in rec["pp_bubble_fraction_per_rank"])
 
 
 @pytest.mark.parametrize("name", [*PIPELINES, "tsp-pp2-infer"])

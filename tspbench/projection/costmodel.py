@@ -46,6 +46,7 @@ from tspbench.core.comm import bus_bytes
 from tspbench.core.config import ConfigError, read_json_input
 from tspbench.core.mesh import Axis
 from tspbench.projection import analytic
+from tspbench.runtime.pipelined import stages_per_rank
 from tspbench.runtime.registry import strategies
 from tspbench.runtime.spec import RunSpec
 
@@ -346,33 +347,38 @@ def _flat_flops(strategy: str, *args: Any) -> int:
 
 
 def project_pipeline(c: RunSpec, preset: dict, ops: int | None = None) -> dict[str, Any]:
-    """A pipelined step (GPipe or 1F1B over pp equal stages, M micro-batches), as
-    :mod:`tspbench.runtime.pipelined` runs it:
+    """A pipelined step (GPipe or 1F1B over pp equal stages, M micro-batches; interleaved 1F1B
+    over pp x v stages, v per rank), as :mod:`tspbench.runtime.pipelined` runs it:
 
-        T = (M + pp - 1) x (t_stage + t_hop) + t_once + t_dp
+        T = (v M + pp - 1) x (t_stage + t_hop) + t_once + t_dp
 
     - t_stage: the slowest stage (the last: its layers, the head and the loss) on one
       micro-batch: :func:`project` of :func:`stages.micro_spec` (the model group's collectives
-      and their overlap as in a whole step), without its host time;
+      and their overlap as in a whole step), without its host time. Under interleaved 1F1B
+      every one of a rank's v M chunks is priced so, the head included, which the last rank
+      runs in M of them only: an over-estimate by (v - 1) M heads;
     - t_hop: the micro-batch's activations sent to the next stage and, in training, their
       gradients back (b x S/cp x h elements each way): point-to-point over the NIC where the
       pipeline leaves a node (the stages are laid outermost, so it does once the world does),
       else over one intra-node link; charged on the critical path (torch's schedules wait for
       each receive before the compute that needs it);
-    - (M + pp - 1): the schedules' length in micro-batch slots, of which pp - 1 are the bubble
-      (the closed form the records compare with, :func:`bubble_closed_form`);
+    - (v M + pp - 1): the schedules' length in chunk slots, of which pp - 1 are the bubble
+      (the closed form the records compare with, :func:`bubble_closed_form`); each chunk
+      sends (Narayanan et al., 2021: interleaving divides the bubble by v for v times the
+      point-to-point traffic);
     - t_dp: the stage's gradients summed over its dp replicas after the last backward, not
       hidden (the runtime issues it there: docs/running.md);
     - once a step, not per slot: the strategy's own gradient reductions after the schedule
       (``per_step`` events: SP's all-reduce of every gradient, TSP's of the norms), sized by
       the stage's model (both tables: an over-estimate by one), and the metrics' reductions.
-    The host issues every micro-batch's operations: ``ops`` (one stage's on one micro-batch,
-    counted on :func:`stages.micro_spec`) x M."""
+    The host issues every chunk's operations: ``ops`` (one stage's on one micro-batch, counted
+    on :func:`stages.micro_spec`) x v M."""
     from tspbench.projection import stages
 
     mb = stages.micro_spec(c)
     one = _one_replica(mb)
-    pp, M, per_node = c.layout.pp, c.microbatches, preset.get("gpus_per_node", 8)
+    pp, per_node = c.layout.pp, preset.get("gpus_per_node", 8)
+    M = c.microbatches * stages_per_rank(c.pp_schedule)  # chunks a rank runs
     world = c.layout.world_size
     r = rates(preset, min(world, per_node))
     slot = _slot(one, json.dumps(preset, sort_keys=True), min(world, per_node))
@@ -400,7 +406,7 @@ def project_pipeline(c: RunSpec, preset: dict, ops: int | None = None) -> dict[s
         "dp_reduce_s": dp,
         "dispatch_s_per_op": slot["dispatch_s_per_op"],
         "serial_dispatch": slot["serial_dispatch"],
-        "op_repeats": M,  # the stage's operations, once per micro-batch
+        "op_repeats": M,  # the stage's operations, once per chunk
         "flops_per_rank": _model_flops(c) // pp,  # model FLOPs: a stage's share
         "flops_executed_per_rank": M * slot["flops_executed_per_rank"],
         "tokens_per_step": c.batch * c.seq_len * c.dp,

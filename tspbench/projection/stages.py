@@ -11,7 +11,12 @@ the embedding is a lookup) and the memory model prices its activations. What a s
 Activations in flight (Narayanan et al., 2021; torch.distributed.pipelining's schedules): GPipe
 runs every micro-batch's forward before any backward, so each stage keeps M micro-batches'
 activations; 1F1B starts a micro-batch's backward as soon as the last stage can, so stage s
-keeps at most pp - s (the first stage pp, the last one).
+keeps at most pp - s (the first stage pp, the last one). Interleaved 1F1B runs v stages of
+L/(pp v) layers on each rank (rank r: stages r, r + pp, ...) and counts in chunks (one such stage
+on one micro-batch): rank r runs min((v - 1) m + 2 (pp - 1 - r), v M) forwards before its first
+backward, m = M / max(1, M // pp) micro-batches a round (torch's ``_get_warmup_ops``), then
+alternates, so it keeps one chunk more than that. Here ``stage`` is a rank's position in the
+pipeline, whatever the number of stages it runs.
 """
 
 from __future__ import annotations
@@ -24,15 +29,16 @@ from tspbench.core.layout import Layout
 from tspbench.core.strategy import Strategy
 from tspbench.projection import analytic
 from tspbench.projection.analytic import Memory
+from tspbench.runtime.pipelined import stages_per_rank
 from tspbench.runtime.spec import RunSpec
 
 
 @functools.lru_cache(maxsize=4096)
 def micro_spec(c: RunSpec) -> RunSpec:
-    """One stage's work on one micro-batch as a whole-model case: L/pp layers, batch B/M, no
-    pipeline axis, the same replicas (it keeps the embedding and the head, as the last stage
-    does with its head)."""
-    pp = c.layout.pp
+    """One stage's work on one micro-batch (a chunk) as a whole-model case: L/(pp v) layers,
+    batch B/M, no pipeline axis, the same replicas (it keeps the embedding and the head, as the
+    last stage does with its head)."""
+    pp = c.layout.pp * stages_per_rank(c.pp_schedule)
     cfg = dataclasses.replace(c.cfg, layers=c.cfg.layers // pp)
     lay = dataclasses.replace(c.layout, pp=1)
     return c.replace(
@@ -73,9 +79,15 @@ def _parts(impl: type[Strategy], cfg: ModelConfig, lay: Layout) -> tuple[int, in
 
 
 def in_flight(c: RunSpec, stage: int) -> int:
-    """Micro-batches whose activations stage ``stage`` keeps at once (module docstring)."""
-    M = c.microbatches
-    return M if c.pp_schedule == "gpipe" else min(c.layout.pp - stage, M)
+    """Chunks (one stage's layers on one micro-batch) whose activations the rank at pipeline
+    position ``stage`` keeps at once (module docstring)."""
+    M, pp, v = c.microbatches, c.layout.pp, stages_per_rank(c.pp_schedule)
+    if c.pp_schedule == "gpipe":
+        return M
+    per_round = M // max(1, M // pp)
+    return (
+        min((v - 1) * per_round + 2 * (pp - 1 - stage) + 1, v * M) if v > 1 else min(pp - stage, M)
+    )
 
 
 def stage_memory(c: RunSpec, stage: int) -> Memory:
@@ -108,15 +120,20 @@ def stage_memory(c: RunSpec, stage: int) -> Memory:
         parts.update({"saved_activations": outputs, "transient": work, "peak_at": "inference"})
         parts["peak_first"] = parts["peak"] = rest + kept_w + outputs + work
         return parts
-    # torch's stage keeps a receive buffer per micro-batch: activations from the previous
-    # stage, and in training their gradients from the next
-    bufs = c.microbatches * act * ((stage > 0) + (c.train and not last))
+    # each of torch's stages keeps a receive buffer per micro-batch: activations from the
+    # previous stage, and in training their gradients from the next (a rank's v stages: all but
+    # the pipeline's first and last)
+    v = stages_per_rank(c.pp_schedule)
+    bufs = c.microbatches * act * ((v - (stage == 0)) + c.train * (v - last))
     k = in_flight(c, stage)
+    kl = min(k, 1) if v > 1 else k  # micro-batches with the loss's tensors (on the last rank)
     # the first backward finds k micro-batches in flight and no gradient yet; a later one
     # finds every gradient of the stage beside k (1F1B's steady state) or k - 1 in flight
-    later = k if c.pp_schedule == "1f1b" and c.microbatches > k else k - 1
+    later = k if c.pp_schedule != "gpipe" and v * c.microbatches > k else k - 1
     per_layer = analytic.saved_per_layer(mb)
-    unit = mb.cfg.layers * (act if c.rc else per_layer)  # one micro-batch's saved layers
+    # one chunk's saved layers, and its output, which torch's stage keeps for the chunk's
+    # backward (its ``fwd_cache``)
+    unit = mb.cfg.layers * (act if c.rc else per_layer) + act
     loss_unit = analytic.saved_loss(mb) if last else 0
     # (kept gradients are summed in full, the shards' assigned only after the schedule)
     grads = (kept_g or n * e) if c.microbatches > 1 else 0
@@ -128,10 +145,10 @@ def stage_memory(c: RunSpec, stage: int) -> Memory:
     def held(at_loss: bool) -> int:
         """Saved tensors at a backward: the loss's saved tensors of the micro-batch in
         backward too at the loss, only the others' at a layer."""
-        first = k * unit + (k - (not at_loss)) * loss_unit
+        first = k * unit + (kl - (not at_loss)) * loss_unit
         if c.microbatches == 1:  # (kept gradients fill during the one backward: all, at most)
             first += kept_g
-        again = later * unit + (later - (not at_loss)) * loss_unit + grads if later else 0
+        again = later * unit + (min(later, kl) - (not at_loss)) * loss_unit + grads if later else 0
         return max(first, again)
 
     crests = {
@@ -142,7 +159,7 @@ def stage_memory(c: RunSpec, stage: int) -> Memory:
     }
     if last:
         crests["loss backward"] = rest + kept_w + held(True) + loss_t + head_grad
-    layers = k * unit + k * loss_unit
+    layers = k * unit + kl * loss_unit
     opt = rest + n * e + 8 * n + (4 * n if e != 4 else 0)
     at = max(crests, key=lambda x: crests[x])
     parts.update({"saved_activations": layers, "transient": crests[at] - rest - layers})

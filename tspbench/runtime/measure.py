@@ -29,10 +29,16 @@ from tspbench.core.mesh import Axis, build_mesh
 from tspbench.core.optim import AdamW
 from tspbench.core.reference import make_batch
 from tspbench.core.stage import Stage
+from tspbench.core.strategy import Strategy
 from tspbench.runtime.faults import inject, stretched
 from tspbench.runtime.flops import counter
 from tspbench.runtime.guard import process_age_s
-from tspbench.runtime.pipelined import Pipelined, bubble_closed_form
+from tspbench.runtime.pipelined import (
+    Pipelined,
+    bubble_closed_form,
+    stage_indices,
+    stages_per_rank,
+)
 from tspbench.runtime.record_keys import MOE_SUMMARY, PIPELINE_SUMMARY, RUN_SUMMARY, ordered
 from tspbench.runtime.registry import get_strategy
 from tspbench.runtime.spec import RunSpec
@@ -95,22 +101,28 @@ def gemm_rate(device: torch.device, dtype: torch.dtype, n: int = 0, reps: int = 
 
 def build_strategy(spec: RunSpec, mesh, device: torch.device, overlap: bool | None = None):
     """The spec's strategy on ``mesh`` (``overlap`` overrides the spec's, for the benchmark);
-    with pipeline stages, this rank's stage of it behind the spec's schedule."""
+    with pipeline stages, this rank's stages of it behind the spec's schedule."""
     pp = spec.layout.pp
-    strat = get_strategy(spec.strategy)(
-        spec.cfg,
-        mesh,
-        seed=spec.seed,
-        dtype=DTYPES[spec.dtype],
-        device=device,
-        recompute=spec.recompute,
-        # the keys are the strategy's declared options, never dp_bucket_mb (a float parameter)
-        **{**spec.options, **({} if overlap is None else {"overlap": overlap})},  # type: ignore[arg-type]
-        stage=Stage.of(spec.cfg, pp, mesh[Axis.PP].rank) if pp > 1 else None,
-    )
+
+    def build(stage: Stage | None) -> Strategy:
+        return get_strategy(spec.strategy)(
+            spec.cfg,
+            mesh,
+            seed=spec.seed,
+            dtype=DTYPES[spec.dtype],
+            device=device,
+            recompute=spec.recompute,
+            # the keys are the strategy's declared options, never dp_bucket_mb (a float)
+            **{**spec.options, **({} if overlap is None else {"overlap": overlap})},  # type: ignore[arg-type]
+            stage=stage,
+        )
+
     if pp == 1:
-        return strat
-    return Pipelined(strat, mesh, spec.pp_schedule, spec.microbatches, spec.train)
+        return build(None)
+    count = pp * stages_per_rank(spec.pp_schedule)
+    here = stage_indices(spec.pp_schedule, pp, mesh[Axis.PP].rank)
+    strats = [build(Stage.of(spec.cfg, count, i)) for i in here]
+    return Pipelined(strats, mesh, spec.pp_schedule, spec.microbatches, spec.train)
 
 
 def measure_rank(spec: RunSpec, device: torch.device, beat=lambda: None) -> dict[str, Any]:
@@ -394,7 +406,9 @@ def pipeline_summary(spec: RunSpec, ranks: list[dict[str, Any]]) -> dict[str, An
         "pp_schedule_s_per_rank": sched,
         "pp_busy_s_per_rank": busy,
         "pp_bubble_fraction_per_rank": [1.0 - b / max(sched) for b in busy],
-        "pp_bubble_closed_form": bubble_closed_form(spec.layout.pp, spec.microbatches),
+        "pp_bubble_closed_form": bubble_closed_form(
+            spec.layout.pp, spec.microbatches, spec.pp_schedule
+        ),
         "comm_bytes_pp_per_rank": [r["comm_by_axis"].get("pp", 0.0) for r in ranks],
     }
     return ordered(PIPELINE_SUMMARY, values)

@@ -4,10 +4,13 @@ World = pp x dp x D, the pipeline axis outermost (it crosses nodes; each stage's
 stay inside one). Stage s holds a contiguous block of layers (:class:`tspbench.core.stage.Stage`)
 and runs it with its strategy on its D ranks; ``torch.distributed.pipelining`` moves each
 micro-batch's activations (and in backward their gradients) point-to-point between the ranks
-of equal position in neighbouring stages, in the order of its schedule (GPipe or 1F1B). We
-build the stage statically (its input and output shapes are the strategy's local activations,
-[micro-batch, local tokens, h]): torch's shape inference would run the stage's forward on meta
-tensors, which the strategies' collectives cannot take.
+of equal position in neighbouring stages, in the order of its schedule (GPipe, 1F1B or
+interleaved 1F1B). Under interleaved 1F1B (Narayanan et al., 2021) each rank runs
+:data:`VIRTUAL` stages, rank r stages r, r + pp, ...: the model is cut into pp x VIRTUAL blocks
+and a micro-batch crosses the pipeline VIRTUAL times, which shrinks the bubble VIRTUAL-fold for
+VIRTUAL times the sends. We build each stage statically (its input and output shapes are the
+strategy's local activations, [micro-batch, local tokens, h]): torch's shape inference would
+run the stage's forward on meta tensors, which the strategies' collectives cannot take.
 
 Micro-batches split this replica's batch rows. Each micro-batch's local loss is divided by the
 whole batch's token count (not the micro-batch's) and the schedule does not rescale gradients,
@@ -22,18 +25,41 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-from torch.distributed.pipelining.schedules import get_schedule_class
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
 
 from tspbench.core.comm import CommCounter
 from tspbench.core.config import ConfigError
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.strategy import Batch, Strategy
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}  # one stage per rank
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved1f1b": ScheduleInterleaved1F1B,
+}
+# stages per rank under a schedule that runs several: torchtitan's default for its multi-stage
+# schedules where no layers per stage are given
+VIRTUAL = 2
 
 
-def check(pp: int, schedule: str, microbatches: int, batch: int) -> None:
+def stages_per_rank(schedule: str) -> int:
+    """How many stages each rank runs under ``schedule`` (1, or :data:`VIRTUAL`)."""
+    return VIRTUAL if issubclass(SCHEDULES[schedule], PipelineScheduleMulti) else 1
+
+
+def stage_indices(schedule: str, pp: int, rank: int) -> list[int]:
+    """The stages (of pp x :func:`stages_per_rank`) that pipeline rank ``rank`` runs, in model
+    order: torch's loop-style placement, rank r stages r, r + pp, ..."""
+    return [rank + i * pp for i in range(stages_per_rank(schedule))]
+
+
+def check(pp: int, schedule: str, microbatches: int, batch: int, layers: int, train: bool) -> None:
     """Refuse, in one line naming the field and the rule, a pipeline that cannot run."""
     if microbatches < 1:
         raise ConfigError(f"microbatches={microbatches}: must be a positive integer")
@@ -46,16 +72,34 @@ def check(pp: int, schedule: str, microbatches: int, batch: int) -> None:
         if schedule.lower() in SCHEDULES:
             why = " (spelled in lower case here)"
         elif _torch_knows(schedule):
-            why = " (torch's, but it runs several stages per rank)"
+            why = " (torch's, but not run here: docs/running.md, 'Pipeline parallelism')"
         raise ConfigError(f"pp_schedule={schedule!r}{why}: must be one of {', '.join(SCHEDULES)}")
     if batch % microbatches:
         raise ConfigError(
             f"microbatches={microbatches}: must divide batch={batch} (each micro-batch is "
             "batch/microbatches rows of the replica's batch)"
         )
-    if schedule == "1f1b" and microbatches < pp:
+    if schedule != "gpipe" and microbatches < pp:
         raise ConfigError(
-            f"microbatches={microbatches}: 1f1b needs at least pp={pp} (one in flight per stage)"
+            f"microbatches={microbatches}: {schedule} needs at least pp={pp} (one in flight per "
+            "stage)"
+        )
+    v = stages_per_rank(schedule)
+    if v > 1 and not train:
+        raise ConfigError(
+            f"pp_schedule={schedule}: trains only here (a forward-only pipeline runs gpipe or "
+            "1f1b, one schedule then)"
+        )
+    if v > 1 and layers % (pp * v):
+        raise ConfigError(
+            f"pp={pp}: {schedule} runs {v} stages per rank, so pp x {v} must divide "
+            f"model.layers={layers} (each stage holds an equal block of layers)"
+        )
+    rounds = microbatches // pp
+    if v > 1 and microbatches % rounds:
+        raise ConfigError(
+            f"microbatches={microbatches}: {schedule} splits them into microbatches // pp = "
+            f"{rounds} equal rounds (torch's rule), so they must be a multiple of {rounds}"
         )
 
 
@@ -131,17 +175,20 @@ class _CountedStage(PipelineStage):
 
 
 class Pipelined:
-    """A strategy's stage stepped by a pipeline schedule: what the runtime calls of a strategy
-    (a step, the gradient norm, the parameters), the rest asked of the stage's strategy."""
+    """A rank's stages stepped by a pipeline schedule: what the runtime calls of a strategy (a
+    step, the gradient norm, the parameters) over all of them, the rest asked of the first
+    stage's strategy (every stage's strategy shards a batch alike)."""
 
     def __init__(
-        self, strat: Strategy, mesh: Mesh, schedule: str, microbatches: int, train: bool
+        self, strats: list[Strategy], mesh: Mesh, schedule: str, microbatches: int, train: bool
     ) -> None:
-        self.strat, self.mesh, self.train = strat, mesh, train
+        self.strats, self.strat, self.mesh, self.train = strats, strats[0], mesh, train
         self.schedule, self.microbatches = schedule, microbatches
         self.pp = mesh[Axis.PP]
+        self.first = any(s.stage.first for s in strats)
+        self.last = any(s.stage.last for s in strats)
         self._sched: Any = None
-        self._stage: _CountedStage | None = None
+        self._stages: list[_CountedStage] = []
         self._schedule_s = 0.0
         self._n_tokens = 0
 
@@ -149,40 +196,45 @@ class Pipelined:
         return getattr(self.strat, name)
 
     def _schedule_for(self, batch: Batch) -> Any:
-        """torch's stage and schedule, built at the first step (the shapes are the batch's)."""
+        """torch's stages and schedule, built at the first step (the shapes are the batch's)."""
         if self._sched is not None:
             return self._sched
-        s, cfg = self.strat, self.strat.cfg
+        cfg = self.strat.cfg
         rows, local = batch.tokens.shape[0] // self.microbatches, batch.tokens.shape[1]
-        act = torch.empty(rows, local, cfg.hidden, dtype=s.dtype, device="meta")
-        inp = batch.tokens[:rows].to("meta") if s.stage.first else act
-        stage = _CountedStage(
-            _StageModule(s), s.stage.index, s.stage.count, s.device,
-            input_args=(inp.requires_grad_(self.train and not s.stage.first),),
-            output_args=(act.clone().requires_grad_(self.train),),
-            group=self.pp.group,
-        )  # fmt: skip
-        stage.counter = self.mesh.counter
-        self._stage = stage
+        for s in self.strats:
+            act = torch.empty(rows, local, cfg.hidden, dtype=s.dtype, device="meta")
+            inp = batch.tokens[:rows].to("meta") if s.stage.first else act
+            stage = _CountedStage(
+                _StageModule(s), s.stage.index, s.stage.count, s.device,
+                input_args=(inp.requires_grad_(self.train and not s.stage.first),),
+                output_args=(act.clone().requires_grad_(self.train),),
+                group=self.pp.group,
+            )  # fmt: skip
+            stage.counter = self.mesh.counter
+            self._stages.append(stage)
         loss = self._loss if self.train else None
-        self._sched = SCHEDULES[self.schedule](
-            stage, self.microbatches, loss_fn=loss, scale_grads=False
-        )
+        cls = SCHEDULES[self.schedule]
+        one = self._stages[0] if len(self._stages) == 1 else self._stages
+        self._sched = cls(one, self.microbatches, loss_fn=loss, scale_grads=False)
         return self._sched
+
+    def _last(self) -> tuple[Strategy, _CountedStage]:
+        """The last stage's strategy and torch stage (on this rank only where it is last)."""
+        return next((s, st) for s, st in zip(self.strats, self._stages) if s.stage.last)
 
     def _loss(self, out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The last stage's loss of one micro-batch (torch calls it outside the stage's forward:
         timed here as the stage's work)."""
-        assert self._stage is not None
-        return self._stage._timed(self.strat.head_loss, out, labels, self._n_tokens)
+        strat, stage = self._last()
+        return stage._timed(strat.head_loss, out, labels, self._n_tokens)
 
     def _step(self, batch: Batch) -> torch.Tensor:
         """One step of the schedule; the global mean loss, on every rank."""
-        sched, st = self._schedule_for(batch), self.strat.stage
+        sched = self._schedule_for(batch)
         self._n_tokens = batch.n_tokens
-        args = (batch.tokens,) if st.first else ()
+        args = (batch.tokens,) if self.first else ()
         t0 = time.perf_counter()
-        if not st.last:
+        if not self.last:
             sched.step(*args, **_no_outputs(sched))
             local = torch.zeros((), device=self.strat.device)
         elif self.train:
@@ -191,24 +243,26 @@ class Pipelined:
             local = torch.stack(losses).sum().detach()
         else:  # (the loss of the merged outputs: the stage's work too)
             out = sched.step(*args)
-            assert self._stage is not None
-            local = self._stage._timed(self.strat.head_loss, out, batch.labels, batch.n_tokens)
+            strat, stage = self._last()
+            local = stage._timed(strat.head_loss, out, batch.labels, batch.n_tokens)
         self._schedule_s += time.perf_counter() - t0
-        self.strat.schedule_done()
-        total = self.strat.reported_loss(local) if st.last else local
+        for s in self.strats:
+            s.schedule_done()
+        total = self._last()[0].reported_loss(local) if self.last else local
         return self.pp.all_reduce_metric(total.float().clone())  # from the last stage
 
     def forward_backward(self, batch: Batch) -> torch.Tensor:
-        """A step; the strategy's own gradient reductions over its model group (FSDP+CP's
-        last reduce-scatters complete its shards' gradients there); then the stage's gradients
-        summed over the data-parallel replicas of the same stage, in one packed all-reduce (the
-        strategies' bucketed reducer would issue it at the first micro-batch's gradients; the
-        cost model charges it as not hidden: docs/running.md)."""
+        """A step; each stage's own gradient reductions over its model group (FSDP+CP's last
+        reduce-scatters complete its shards' gradients there); then the rank's gradients
+        summed over the data-parallel replicas of the same stages, in one packed all-reduce
+        (the strategies' bucketed reducer would issue it at the first micro-batch's gradients;
+        the cost model charges it as not hidden: docs/running.md)."""
         total = self._step(batch)
-        self.strat.finish_grads()
+        for s in self.strats:
+            s.finish_grads()
         dp = self.mesh.comms.get(Axis.DP)
         if dp is not None and dp.size > 1:
-            self.strat.all_reduce_grads(self.strat.parameters(), dp)
+            self.strat.all_reduce_grads(self.parameters(), dp)
         return total
 
     @torch.no_grad()
@@ -217,22 +271,34 @@ class Pipelined:
 
     def grad_sq_norm(self) -> torch.Tensor:
         """Over every stage: each stage's over its model group, summed along the pipeline."""
-        return self.pp.all_reduce_metric(self.strat.grad_sq_norm().clone())
+        local = torch.stack([s.grad_sq_norm() for s in self.strats]).sum()
+        return self.pp.all_reduce_metric(local)
 
     def parameters(self) -> list[torch.nn.Parameter]:
-        return self.strat.parameters()
+        return [p for s in self.strats for p in s.parameters()]
+
+    def local_numel(self) -> int:
+        return sum(s.local_numel() for s in self.strats)
+
+    def full_params(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        """Every stage's whole tensors (collective over each stage's model group)."""
+        return {n: t for s in self.strats for n, t in s.full_params(grads).items()}
 
     def take_times(self) -> tuple[float, float]:
-        """(seconds in the schedule's steps, seconds this stage computed in them) since the
-        last call: the stage's bubble is the first's rest (the optimizer step, the gradient
-        reductions after the schedule and the reported metrics are in neither)."""
-        assert self._stage is not None, "no step yet"
-        out = (self._schedule_s, self._stage.busy_s)
-        self._schedule_s = self._stage.busy_s = 0.0
+        """(seconds in the schedule's steps, seconds this rank's stages computed in them)
+        since the last call: the rank's bubble is the first's rest (the optimizer step, the
+        gradient reductions after the schedule and the reported metrics are in neither)."""
+        assert self._stages, "no step yet"
+        out = (self._schedule_s, sum(st.busy_s for st in self._stages))
+        self._schedule_s = 0.0
+        for st in self._stages:
+            st.busy_s = 0.0
         return out
 
 
-def bubble_closed_form(pp: int, microbatches: int) -> float:
-    """GPipe's and 1F1B's idle fraction of a step with equal stages (Narayanan et al., 2021):
-    (pp - 1) / (microbatches + pp - 1)."""
-    return (pp - 1) / (microbatches + pp - 1)
+def bubble_closed_form(pp: int, microbatches: int, schedule: str = "1f1b") -> float:
+    """The idle fraction of a step with equal stages (Narayanan et al., 2021): GPipe's and
+    1F1B's (pp - 1) / (M + pp - 1); interleaved 1F1B's with v stages per rank, each 1/v of the
+    work, (pp - 1) / (v M + pp - 1)."""
+    v = stages_per_rank(schedule)
+    return (pp - 1) / (v * microbatches + pp - 1)

@@ -122,7 +122,9 @@ class RunSpec:
                 f"new_tokens={self.new_tokens}: only --mode {' or '.join(DECODE_MODES)} generates"
             )
         self.impl.validate(self.cfg, self.layout, self.seq_len, self.batch, **options)
-        check_pipeline(lay.pp, self.pp_schedule, self.microbatches, self.batch)
+        check_pipeline(
+            lay.pp, self.pp_schedule, self.microbatches, self.batch, self.cfg.layers, self.train
+        )
 
     @classmethod
     def make(

@@ -56,6 +56,7 @@ from tspbench.projection.plan.types import (
     Row,
     divisors,
 )
+from tspbench.runtime.pipelined import stages_per_rank
 from tspbench.runtime.registry import planned, searched
 from tspbench.runtime.spec import RunSpec
 
@@ -162,8 +163,10 @@ def enumerate_configs(req: Request) -> tuple[list[Config], list[dict]]:
                 continue  # the single-device model: the one-rank strategy stands for it
             for pp in _pipelines(req, impl, lay.degree):
                 staged = dataclasses.replace(lay, dp=req.gpus // (lay.degree * pp), pp=pp)
-                # (forward only, GPipe and 1F1B run the same schedule: one of them)
-                tried = req.pp_schedules if req.mode == "train" else req.pp_schedules[:1]
+                # (forward only, GPipe and 1F1B run the same schedule: one of them; the
+                # interleaved one trains only: alone, its candidates say so)
+                one = [s for s in req.pp_schedules if stages_per_rank(s) == 1][:1]
+                tried = req.pp_schedules if req.mode == "train" else one or req.pp_schedules[:1]
                 for schedule in tried if pp > 1 else ("1f1b",):
                     configs += _layout_configs(req, name, impl, staged, schedule)
     return configs, _skipped_degrees(req)
@@ -182,13 +185,15 @@ def _pipelines(req: Request, impl: type[Strategy], degree: int) -> list[int]:
     return [p for p in divisors(rest) if p == 1 or req.cfg.layers % p == 0]
 
 
-def _microbatches(lay: Layout, batch: int) -> list[int]:
+def _microbatches(lay: Layout, batch: int, schedule: str) -> list[int]:
     """Micro-batch counts to try for a replica's batch: none without a pipeline (0); else every
     divisor of the batch from pp up (fewer leave 1F1B a stage with none in flight and GPipe
-    more bubble); none where no such divisor exists (the table's footnote says so)."""
+    more bubble) that the schedule takes (interleaved 1F1B: equal rounds, torch's rule); none
+    where no such divisor exists (the table's footnote says so)."""
     if lay.pp == 1:
         return [0]
-    return [m for m in divisors(batch) if m >= lay.pp]
+    ms = [m for m in divisors(batch) if m >= lay.pp]
+    return [m for m in ms if m % (m // lay.pp) == 0] if stages_per_rank(schedule) > 1 else ms
 
 
 def _layout_configs(
@@ -212,7 +217,7 @@ def _layout_configs(
         if isinstance(batches, str):
             conf.candidates.append(Candidate(name, lay, 0, rc, opts, reason=batches))
         for b in [] if isinstance(batches, str) else batches:
-            for m in _microbatches(lay, b):
+            for m in _microbatches(lay, b, schedule):
                 cand = Candidate(name, lay, b, rc, opts, microbatches=m,
                                  pp_schedule=conf.pipeline[1])  # fmt: skip
                 try:
