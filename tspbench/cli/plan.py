@@ -9,6 +9,7 @@ import json
 
 from tspbench.cli.args import NEW_TOKENS, gib, int_in, out_dir, out_file, progress
 from tspbench.core.dtypes import DTYPES
+from tspbench.projection.plan.types import DEFAULT_SCHEDULES
 from tspbench.runtime.pipelined import SCHEDULES
 
 GiB = 2**30
@@ -39,7 +40,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         recompute=("none", "full") if args.recompute == "both" else (args.recompute,),
         pp=tuple(args.pp),
-        pp_schedules=tuple(SCHEDULES) if args.pp_schedule == "all" else (args.pp_schedule,),
+        pp_schedules=tuple(SCHEDULES) if "all" in args.pp_schedule else tuple(args.pp_schedule),
         options={
             k: (o.parse(getattr(args, k)),)
             for k, o in searched().items()
@@ -154,11 +155,12 @@ def add_parsers(sub) -> None:
     )
     p.add_argument(
         "--pp-schedule",
+        nargs="+",
         choices=(*SCHEDULES, "all"),
-        default="1f1b",
-        help="the pipelines' schedules to try (default 1f1b: GPipe's projected step is 1F1B's, "
-        "with more micro-batches in flight, so it never wins; interleaved1f1b: two stages per "
-        "rank, less bubble for twice the sends; all: every one)",
+        default=list(DEFAULT_SCHEDULES),
+        help="the pipelines' schedules to try (default 1f1b and interleaved1f1b, two stages per "
+        "rank: half the bubble for twice the sends and more in flight; gpipe's projected step "
+        "is 1F1B's, with more micro-batches in flight, so it never wins; all: every one)",
     )
     for name, option in searched().items():  # the strategies' options with listed values
         if option.values():

@@ -23,6 +23,11 @@ MAX_BATCH = 4096  # tspbench run's --batch bound
 
 
 # -- the question ---------------------------------------------------------------------------------
+# the pipelines' schedules tried unless asked otherwise: 1F1B and interleaved 1F1B (GPipe's
+# projected step is 1F1B's with more micro-batches in flight: it never wins)
+DEFAULT_SCHEDULES = ("1f1b", "interleaved1f1b")
+
+
 @dataclass(frozen=True)
 class Request:
     """What to plan: a model on G GPUs of a hardware preset at sequence length S."""
@@ -43,7 +48,7 @@ class Request:
     # restricted to these values (the rest: every value the strategy offers)
     pp: tuple[int, ...] = ()  # pipeline stages to try (empty: 1 and every pp that divides the
     # layers and G / D, for the strategies that run as stages)
-    pp_schedules: tuple[str, ...] = ("1f1b",)  # GPipe: the same step, more memory (--pp-schedule)
+    pp_schedules: tuple[str, ...] = DEFAULT_SCHEDULES  # (--pp-schedule)
     model: str = ""  # as the user named it (preset or path)
     notes: tuple[str, ...] = ()
 
