@@ -117,6 +117,38 @@ def test_stage_parameters_split_the_whole_model_exactly():
         assert sum(stages.stage_params(c, s) for s in range(4)) == whole, name
 
 
+@pytest.mark.parametrize(("pp", "M"), [(2, 2), (2, 4), (2, 6), (4, 4), (4, 8), (4, 12)])
+def test_interleaved_chunks_in_flight_are_torchs(pp, M):
+    """The closed form's chunks in flight per rank under interleaved 1F1B equal the most
+    forwards without their backward in torch's own order of actions for that rank (its
+    ``pipeline_order``, built on the fake process group from two stages per rank)."""
+    import re
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=pp)
+    try:
+        x = torch.empty(1, 2, device="meta")
+        own = [PipelineStage(nn.Linear(2, 2), i * pp, 2 * pp, torch.device("cpu"),
+                             input_args=(x,), output_args=(x,)) for i in range(2)]  # fmt: skip
+        order = ScheduleInterleaved1F1B(own, M).pipeline_order
+    finally:
+        dist.destroy_process_group()
+    c = _spec(pp=pp, microbatches=M, batch=M, pp_schedule="interleaved1f1b")
+    for rank, actions in order.items():
+        live = most = 0
+        for a in filter(None, actions):
+            kind = re.fullmatch(r"\d+([FB])\d+", str(a))
+            assert kind, a  # (compute actions only, before torch adds the sends)
+            live += 1 if kind.group(1) == "F" else -1
+            most = max(most, live)
+        assert stages.in_flight(c, rank) == most, (rank, most)
+
+
 def test_1f1b_keeps_fewer_micro_batches_than_gpipe():
     one, gp = _spec(recompute="none"), _spec(recompute="none", pp_schedule="gpipe")
     assert [stages.in_flight(one, s) for s in range(4)] == [4, 3, 2, 1]
