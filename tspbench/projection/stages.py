@@ -131,9 +131,9 @@ def stage_memory(c: RunSpec, stage: int) -> Memory:
     # finds every gradient of the stage beside k (1F1B's steady state) or k - 1 in flight
     later = k if c.pp_schedule != "gpipe" and v * c.microbatches > k else k - 1
     per_layer = analytic.saved_per_layer(mb)
-    # one chunk's saved layers, and its output, which torch's stage keeps for the chunk's
-    # backward (its ``fwd_cache``)
-    unit = mb.cfg.layers * (act if c.rc else per_layer) + act
+    unit = mb.cfg.layers * (act if c.rc else per_layer)  # one chunk's saved layers
+    # and its output, which torch's stage keeps for the chunk's backward (its ``fwd_cache``),
+    # but on the pipeline's last stage, whose output the final norm saves (in loss_unit)
     loss_unit = analytic.saved_loss(mb) if last else 0
     # (kept gradients are summed in full, the shards' assigned only after the schedule)
     grads = (kept_g or n * e) if c.microbatches > 1 else 0
@@ -145,11 +145,17 @@ def stage_memory(c: RunSpec, stage: int) -> Memory:
     def held(at_loss: bool) -> int:
         """Saved tensors at a backward: the loss's saved tensors of the micro-batch in
         backward too at the loss, only the others' at a layer."""
-        first = k * unit + (kl - (not at_loss)) * loss_unit
+        first = k * unit + (kl - (not at_loss)) * loss_unit + outputs(k, kl)
         if c.microbatches == 1:  # (kept gradients fill during the one backward: all, at most)
             first += kept_g
-        again = later * unit + (min(later, kl) - (not at_loss)) * loss_unit + grads if later else 0
-        return max(first, again)
+        lk = min(later, kl)
+        again = later * unit + (lk - (not at_loss)) * loss_unit + outputs(later, lk) + grads
+        return max(first, again if later else 0)
+
+    def outputs(chunks: int, at_last: int) -> int:
+        """The outputs torch keeps of ``chunks`` in flight, ``at_last`` of them the last
+        stage's (whose output is in loss_unit)."""
+        return (chunks - (at_last if last else 0)) * act
 
     crests = {
         "layer backward": rest + kept_w + held(False) + top + layer_t + head_grad,
@@ -159,7 +165,7 @@ def stage_memory(c: RunSpec, stage: int) -> Memory:
     }
     if last:
         crests["loss backward"] = rest + kept_w + held(True) + loss_t + head_grad
-    layers = k * unit + kl * loss_unit
+    layers = k * unit + kl * loss_unit + outputs(k, kl)
     opt = rest + n * e + 8 * n + (4 * n if e != 4 else 0)
     at = max(crests, key=lambda x: crests[x])
     parts.update({"saved_activations": layers, "transient": crests[at] - rest - layers})
