@@ -49,8 +49,8 @@ def check_pipelined(case: dict) -> dict:
         record(f"loss{step}", loss, ref_loss)
         ref_norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in ref.parameters()))
         record(f"grad_norm{step}", strat.grad_sq_norm().sqrt(), ref_norm)
-        for name in CARRIED:
-            if getattr(strat.strat, name, None):
+        for name in CARRIED:  # (on each of the rank's stages)
+            if any(getattr(s, name, None) for s in strat.strats):
                 res["ok"] = False
                 res.setdefault("failed", []).append(f"step {step}: {name} not empty")
         if step == 0:

@@ -62,14 +62,14 @@ def test_the_user_restricts_the_pipelines(capsys, counted, tmp_path):  # noqa: F
     rc, out, _ = plan_cli(capsys, *base, "--pp", 2, "--pp-schedule", "gpipe")
     cands = json.loads(out)["candidates"]
     assert rc == 0 and {(c["pp"], c["pp_schedule"]) for c in cands} == {(2, "gpipe")}
-    # by default 1F1B and interleaved 1F1B: GPipe's projected step is 1F1B's, with more in
-    # flight; interleaved's micro-batch counts split into equal rounds (torch's rule)
+    # by default 1F1B alone: GPipe's projected step is its twin's, with more in flight
     rc, out, _ = plan_cli(capsys, *base, "--pp", 2)
-    default = json.loads(out)["candidates"]
-    assert rc == 0 and {c["pp_schedule"] for c in default} == {"1f1b", "interleaved1f1b"}
-    for c in default:
-        if c["pp_schedule"] == "interleaved1f1b":
-            assert c["microbatches"] % (c["microbatches"] // 2) == 0
+    assert rc == 0 and {c["pp_schedule"] for c in json.loads(out)["candidates"]} == {"1f1b"}
+    # interleaved 1F1B on request: its micro-batch counts split into equal rounds (torch's rule)
+    rc, out, _ = plan_cli(capsys, *base, "--pp", 2, "--pp-schedule", "interleaved1f1b")
+    inter = json.loads(out)["candidates"]
+    assert rc == 0 and inter and {c["pp_schedule"] for c in inter} == {"interleaved1f1b"}
+    assert all(c["microbatches"] % (c["microbatches"] // 2) == 0 for c in inter)
     rc, out, _ = plan_cli(capsys, *base, "--pp", 2, "--pp-schedule", "gpipe", "1f1b")
     assert {c["pp_schedule"] for c in json.loads(out)["candidates"]} == {"gpipe", "1f1b"}
     assert {c["strategy"] for c in cands} <= {n for n, s in strategies().items() if s.stages}

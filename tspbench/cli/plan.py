@@ -158,9 +158,10 @@ def add_parsers(sub) -> None:
         nargs="+",
         choices=(*SCHEDULES, "all"),
         default=list(DEFAULT_SCHEDULES),
-        help="the pipelines' schedules to try (default 1f1b and interleaved1f1b, two stages per "
-        "rank: half the bubble for twice the sends and more in flight; gpipe's projected step "
-        "is 1F1B's, with more micro-batches in flight, so it never wins; all: every one)",
+        help="the pipelines' schedules to try (default 1f1b; gpipe's projected step is 1F1B's, "
+        "with more micro-batches in flight, so it never wins; interleaved1f1b, two stages per "
+        "rank: half the bubble's time for twice the sends and more in flight, its memory an "
+        "under-estimate (docs/projection.md); all: every one)",
     )
     for name, option in searched().items():  # the strategies' options with listed values
         if option.values():

@@ -368,7 +368,8 @@ def project_pipeline(c: RunSpec, preset: dict, ops: int | None = None) -> dict[s
       point-to-point traffic);
     - t_dp: the stage's gradients summed over its dp replicas after the last backward, not
       hidden (the runtime issues it there: docs/running.md);
-    - once a step, not per slot: the strategy's own gradient reductions after the schedule
+    - once a step, not per slot, for each of the rank's v stages (each a strategy of its own):
+      the strategy's own gradient reductions after the schedule
       (``per_step`` events: SP's all-reduce of every gradient, TSP's of the norms), sized by
       the stage's model (both tables: an over-estimate by one), and the metrics' reductions.
     The host issues every chunk's operations: ``ops`` (one stage's on one micro-batch, counted
@@ -392,7 +393,8 @@ def project_pipeline(c: RunSpec, preset: dict, ops: int | None = None) -> dict[s
         dlink = r["inter"] if inter else r.get("groups", {}).get(str(c.dp), r)["all_reduce"]
         dp = dlink["lat"] + bus_bytes("all_reduce", n * c.e, c.dp) / dlink["bw"]
     slots = M + pp - 1
-    once = slot["once_s"] + dp  # the stage's gradient reductions and the metrics, once a step
+    # each of the rank's stages' gradient reductions and the metrics, once a step
+    once = stages_per_rank(c.pp_schedule) * slot["once_s"] + dp
     base = {
         "device_s": slots * (slot["device_s"] + hop) + once,
         "compute_s": M * slot["compute_s"],
@@ -402,7 +404,7 @@ def project_pipeline(c: RunSpec, preset: dict, ops: int | None = None) -> dict[s
         "pp_bubble_s": (pp - 1) * (slot["device_s"] + hop),
         "pp_bubble_fraction": (pp - 1) / slots,
         "pp_hop_s": hop,
-        "pp_once_s": slot["once_s"],
+        "pp_once_s": once - dp,
         "dp_reduce_s": dp,
         "dispatch_s_per_op": slot["dispatch_s_per_op"],
         "serial_dispatch": slot["serial_dispatch"],
