@@ -137,6 +137,16 @@ def test_stages_send_activations_and_their_gradients(results, case):
 # closed form; both against single on the same 4-layer model and batch of 8 sequences
 CLI_BASE = ["--model", "tiny", "--set", "layers=4", "--seq-len", "32", "--batch", "8",
             "--warmup", "1", "--steps", "3", "--quiet"]  # fmt: skip
+INTERLEAVED = [
+    "--degree",
+    "2",
+    "--pp",
+    "2",
+    "--microbatches",
+    "4",
+    "--pp-schedule",
+    "interleaved1f1b",
+]
 CLI_RUNS = {
     "single": (["--strategy", "single"], 1),
     "single-s256": (["--strategy", "single", "--seq-len", "256"], 1),
@@ -165,36 +175,8 @@ CLI_RUNS = {
     "tpsp-pp2": (["--strategy", "tpsp", "--tp", "2", "--sp", "1", "--pp", "2"], 4),
     "tsp-pp2-infer": (["--strategy", "tsp", "--degree", "2", "--pp", "2", "--mode", "infer"], 4),
     # interleaved 1F1B: two stages of one layer per rank
-    "tsp-pp2-interleaved": (
-        [
-            "--strategy",
-            "tsp",
-            "--degree",
-            "2",
-            "--pp",
-            "2",
-            "--microbatches",
-            "4",
-            "--pp-schedule",
-            "interleaved1f1b",
-        ],
-        4,
-    ),  # fmt: skip
-    "tp-pp2-interleaved": (
-        [
-            "--strategy",
-            "tp",
-            "--degree",
-            "2",
-            "--pp",
-            "2",
-            "--microbatches",
-            "4",
-            "--pp-schedule",
-            "interleaved1f1b",
-        ],
-        4,
-    ),  # fmt: skip
+    "tsp-pp2-interleaved": (["--strategy", "tsp", *INTERLEAVED], 4),
+    "tp-pp2-interleaved": (["--strategy", "tp", *INTERLEAVED], 4),
 }
 
 
