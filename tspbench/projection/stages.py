@@ -145,14 +145,14 @@ def stage_memory(c: RunSpec, stage: int) -> Memory:
     def held(at_loss: bool) -> int:
         """Saved tensors at a backward: the loss's saved tensors of the micro-batch in
         backward too at the loss, only the others' at a layer."""
-        first = k * unit + (kl - (not at_loss)) * loss_unit + outputs(k, kl)
+        first = k * unit + (kl - (not at_loss)) * loss_unit + chunk_outputs(k, kl)
         if c.microbatches == 1:  # (kept gradients fill during the one backward: all, at most)
             first += kept_g
         lk = min(later, kl)
-        again = later * unit + (lk - (not at_loss)) * loss_unit + outputs(later, lk) + grads
+        again = later * unit + (lk - (not at_loss)) * loss_unit + chunk_outputs(later, lk) + grads
         return max(first, again if later else 0)
 
-    def outputs(chunks: int, at_last: int) -> int:
+    def chunk_outputs(chunks: int, at_last: int) -> int:
         """The outputs torch keeps of ``chunks`` in flight, ``at_last`` of them the last
         stage's (whose output is in loss_unit)."""
         return (chunks - (at_last if last else 0)) * act
@@ -165,7 +165,7 @@ def stage_memory(c: RunSpec, stage: int) -> Memory:
     }
     if last:
         crests["loss backward"] = rest + kept_w + held(True) + loss_t + head_grad
-    layers = k * unit + kl * loss_unit + outputs(k, kl)
+    layers = k * unit + kl * loss_unit + chunk_outputs(k, kl)
     opt = rest + n * e + 8 * n + (4 * n if e != 4 else 0)
     at = max(crests, key=lambda x: crests[x])
     parts.update({"saved_activations": layers, "transient": crests[at] - rest - layers})
