@@ -59,6 +59,12 @@ def stage_indices(schedule: str, pp: int, rank: int) -> list[int]:
     return [rank + i * pp for i in range(stages_per_rank(schedule))]
 
 
+def equal_rounds(pp: int, microbatches: int) -> bool:
+    """Torch's rule for its interleaved schedule (microbatches >= pp): the micro-batches split
+    into microbatches // pp rounds of equal size."""
+    return microbatches % (microbatches // pp) == 0
+
+
 def check(pp: int, schedule: str, microbatches: int, batch: int, layers: int, train: bool) -> None:
     """Refuse, in one line naming the field and the rule, a pipeline that cannot run."""
     if microbatches < 1:
@@ -96,7 +102,7 @@ def check(pp: int, schedule: str, microbatches: int, batch: int, layers: int, tr
             f"model.layers={layers} (each stage holds an equal block of layers)"
         )
     rounds = microbatches // pp
-    if v > 1 and microbatches % rounds:
+    if v > 1 and not equal_rounds(pp, microbatches):
         raise ConfigError(
             f"microbatches={microbatches}: {schedule} splits them into microbatches // pp = "
             f"{rounds} equal rounds (torch's rule), so they must be a multiple of {rounds}"

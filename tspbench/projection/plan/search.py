@@ -56,7 +56,7 @@ from tspbench.projection.plan.types import (
     Row,
     divisors,
 )
-from tspbench.runtime.pipelined import stages_per_rank
+from tspbench.runtime.pipelined import equal_rounds, stages_per_rank
 from tspbench.runtime.registry import planned, searched
 from tspbench.runtime.spec import RunSpec
 
@@ -193,7 +193,7 @@ def _microbatches(lay: Layout, batch: int, schedule: str) -> list[int]:
     if lay.pp == 1:
         return [0]
     ms = [m for m in divisors(batch) if m >= lay.pp]
-    return [m for m in ms if m % (m // lay.pp) == 0] if stages_per_rank(schedule) > 1 else ms
+    return [m for m in ms if equal_rounds(lay.pp, m)] if stages_per_rank(schedule) > 1 else ms
 
 
 def _layout_configs(
