@@ -47,7 +47,9 @@ def test_links_and_algorithms_per_topology():
     from tspbench.core.comm import bus_bytes
     from tspbench.projection.costmodel import fabric, load_preset
 
-    mi, h100 = load_preset("mi300x"), load_preset("h100")
+    # the datasheet model, where a preset has no published curve (test below for the curves)
+    mi, h100 = ({k: v for k, v in load_preset(n).items() if k != "collectives"}
+                for n in ("mi300x", "h100"))  # fmt: skip
     link_mi, link_h = (p["link_bandwidth"] * p["bus_efficiency"] for p in (mi, h100))
     n = 1e9
 
@@ -62,6 +64,75 @@ def test_links_and_algorithms_per_topology():
             assert secs(h100, kind, g) == pytest.approx(n / link_h)
         assert secs(mi, "all_gather", g) == pytest.approx((g - 1) / g * n / ((g - 1) * link_mi))
         assert secs(h100, "all_gather", g) == pytest.approx((g - 1) / g * n / link_h)
+
+
+def test_a_published_curve_is_read_at_each_calls_size():
+    """With a curve (nccl-tests' busbw against its size), a call costs what the benchmark timed
+    for that size: exactly at a measured size, log-log between two, the smallest size's time
+    below it (latency), the largest size's bandwidth above it; nccl-tests' bus factors (an
+    all-reduce 2(n-1)/n, a broadcast 1); on a full mesh a smaller group drives fewer links."""
+    from tspbench.projection.costmodel import call_time, fabric, load_preset
+
+    rows = [[8, 0.0008, None], [1 << 20, 40.0, None], [1 << 30, 400.0, None]]  # (busbw only)
+    sets = {k: [{"collective": k, "gpus": 8, "rows": rows}] for k in ("all_reduce", "broadcast")}
+    h100 = load_preset("h100") | {"collectives": {"intra": sets}}
+    ar = fabric(h100, 8)["all_reduce"]
+    f = 2 * 7 / 8
+    assert call_time(ar, "all_reduce", 1 << 20, 8) == pytest.approx(f * (1 << 20) / 40e9)
+    assert call_time(ar, "all_reduce", 1, 8) == call_time(ar, "all_reduce", 8, 8)
+    assert call_time(ar, "all_reduce", 1 << 32, 8) == pytest.approx(f * (1 << 32) / 400e9)
+    mid = 1 << 25  # halfway in log size: busbw sqrt(40 x 400)
+    assert call_time(ar, "all_reduce", mid, 8) == pytest.approx(f * mid / (40e9 * 400e9) ** 0.5)
+    bc = fabric(h100, 8)["broadcast"]
+    assert call_time(bc, "broadcast", 1 << 30, 8) == pytest.approx((1 << 30) / 400e9)
+    # a switch: every group its port; a full mesh: a group of 4 drives 3 of the 7 links
+    assert fabric(h100, 4)["all_reduce"]["curve"] == ar["curve"]
+    mi = load_preset("mi300x") | {"collectives": {"intra": sets}}
+    four, eight = fabric(mi, 4)["all_reduce"], fabric(mi, 8)["all_reduce"]
+    for n in (8, 1 << 20, 1 << 25):  # bus factor 1.5 against 1.75, 3 links against 7
+        assert call_time(four, "all_reduce", n, 4) == pytest.approx(
+            1.5 / 1.75 * 7 / 3 * call_time(eight, "all_reduce", n, 8)
+        )
+    # the stated uncertainty scales the curve; a kind without one keeps latency + bytes/bw
+    slow = fabric(h100 | {"collective_efficiency": 0.5}, 8)["all_reduce"]
+    assert call_time(slow, "all_reduce", 1 << 30, 8) == pytest.approx(
+        2 * call_time(ar, "all_reduce", 1 << 30, 8)
+    )
+    # times: busbw from them; a run's glitch (a smaller message slower than a larger one) is
+    # read as the larger one's time
+    timed = [[8, 0.0, 20.0], [1024, 0.0, 60.0], [2048, 0.0, 21.0], [1 << 30, 0.0, 2684.4]]
+    ag4 = {"all_gather": [{"collective": "all_gather", "gpus": 4, "rows": timed}]}
+    g = fabric(load_preset("h100") | {"collectives": {"intra": ag4}}, 4)["all_gather"]
+    assert call_time(g, "all_gather", 1024, 4) == pytest.approx(21e-6)
+    assert call_time(g, "all_gather", 1 << 30, 4) == pytest.approx(2684.4e-6)
+    ag = fabric(h100, 8)["all_gather"]
+    assert "curve" not in ag
+    assert call_time(ag, "all_gather", 1e6, 8) == pytest.approx(ag["lat"] + 7 / 8 * 1e6 / ag["bw"])
+
+
+def test_every_published_curve_is_sourced_and_well_formed():
+    """hardware.json's curves: each names its source and hardware, sizes strictly rising,
+    bandwidths positive, for a kind the strategies call."""
+    from tspbench.core.comm import KINDS
+    from tspbench.projection.costmodel import presets
+
+    seen = 0
+    for name, p in presets().items():
+        for where, kinds in p.get("collectives", {}).items():
+            if where in ("sources", "proxy"):
+                continue
+            assert where in ("intra", "inter"), (name, where)
+            for kind, sets in kinds.items():
+                assert kind in KINDS, (name, kind)
+                for m in sets:
+                    seen += 1
+                    assert m["source"] and m["hardware"] and m["gpus"] >= 2, (name, kind)
+                    assert m["collective"] == kind, (name, kind)
+                    sizes = [r[0] for r in m["rows"]]
+                    assert sizes == sorted(set(sizes)) and len(sizes) >= 3, (name, kind)
+                    # the time per call where given (busbw is printed to 0.01 GB/s: 0 at 8 B)
+                    assert all((r[1] if r[2] is None else r[2]) > 0 for r in m["rows"]), name
+    assert seen, "no preset has a published curve"
 
 
 def test_tsp_mlp_schedule_default_follows_the_preset():

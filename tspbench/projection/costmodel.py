@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from tspbench.core import datafiles
-from tspbench.core.comm import bus_bytes
+from tspbench.core.comm import KINDS, bus_bytes
 from tspbench.core.config import ConfigError, read_json_input
 from tspbench.core.mesh import Axis
 from tspbench.projection import analytic
@@ -85,9 +85,25 @@ def usable_memory(preset: dict) -> float:
     return float(math.floor((left - u["blas_workspace_bytes"]) * (1 - u["fragmentation"])))
 
 
+_RATES: collections.OrderedDict[tuple[int, int], tuple[dict, dict]] = collections.OrderedDict()
+
+
 def rates(preset: dict, ranks_per_node: int) -> dict[str, Any]:
     """Achievable rates per rank: measured at this many ranks per node, or from the datasheet
-    (numbers, and tables of them: by collective kind, group size, GEMM size)."""
+    (numbers, and tables of them: by collective kind, group size, GEMM size). Read-only, and
+    made once per preset object (a plan projects thousands of cases on a few presets)."""
+    key = (id(preset), ranks_per_node)
+    hit = _RATES.get(key)
+    if hit is not None and hit[0] is preset:
+        return hit[1]
+    out = _rates(preset, ranks_per_node)
+    _RATES[key] = (preset, out)
+    if len(_RATES) > 256:
+        _RATES.popitem(last=False)
+    return out
+
+
+def _rates(preset: dict, ranks_per_node: int) -> dict[str, Any]:
     if "ranks" in preset:  # calibrated: rates measured with P ranks sharing the machine
         table = preset["ranks"]
         p = min((int(k) for k in table if int(k) >= ranks_per_node), default=None)
@@ -97,7 +113,6 @@ def rates(preset: dict, ranks_per_node: int) -> dict[str, Any]:
                 f"node, the run needs {ranks_per_node}; calibrate with --ranks {ranks_per_node}"
             )
         return table[str(p)]
-    eff = preset.get("bus_efficiency", 1.0)
     node = preset.get("gpus_per_node", 8)
     return {
         "gemm_flops": preset["peak_flops"] * preset["gemm_efficiency"],
@@ -107,7 +122,7 @@ def rates(preset: dict, ranks_per_node: int) -> dict[str, Any]:
         "overlap_efficiency": preset["overlap_efficiency"],
         **fabric(preset, node),
         "groups": {str(g): fabric(preset, g) for g in range(2, node + 1)},
-        "inter": {"lat": preset["latency_inter_s"], "bw": preset["nic_bandwidth"] * eff},
+        "inter": _inter(preset),
     }
 
 
@@ -134,7 +149,106 @@ def fabric(preset: dict, size: int) -> dict[str, dict[str, float]]:
     for kind in ("broadcast", "reduce"):
         out[kind] = {"lat": lat, "bw": paths * link * whole}
     out["send_recv"] = {"lat": lat, "bw": link}
+    for kind in out:
+        sets = _published(preset, "intra", kind)
+        if sets:
+            out[kind] = out[kind] | _curve(preset, sets, 2 if kind == "send_recv" else size)
     return out
+
+
+def _published(preset: dict, where: str, kind: str) -> list[dict]:
+    """The preset's published measurements of ``kind`` (``intra`` or ``inter`` a node), or of
+    the kind its ``proxy`` names where none of its own was published; none for a
+    point-to-point hop across nodes (one NIC: the preset's NIC rate)."""
+    coll = preset.get("collectives", {})
+    if where == "inter" and kind == "send_recv":
+        return []
+    table = coll.get(where, {})
+    return table.get(kind) or table.get(coll.get("proxy", {}).get(kind, ""), [])
+
+
+def _inter(preset: dict) -> dict[str, Any]:
+    """The NIC's (latency, bandwidth), and per collective kind the published curve across
+    nodes where the preset has one (``curves``)."""
+    eff = preset.get("bus_efficiency", 1.0)
+    out: dict[str, Any] = {"lat": preset["latency_inter_s"], "bw": preset["nic_bandwidth"] * eff}
+    curves = {}
+    for kind in KINDS:
+        sets = _published(preset, "inter", kind)
+        if sets:
+            curves[kind] = _curve(preset, sets, 0)
+    return out | ({"curves": curves} if curves else {})
+
+
+def _curve(preset: dict, sets: list[dict], size: int) -> dict[str, Any]:
+    """The published curve of the measured group nearest ``size`` ranks (the smallest at least
+    as large, else the largest) as (message bytes, bus bytes/s) pairs: nccl-tests'/rccl-tests'
+    ``size`` and its bus bandwidth, from the time per call where the source gives it (more
+    digits than its busbw) and never falling as the size grows (a message can be sent as a
+    larger one: a row slower than the next larger one is a glitch of that run). Times
+    ``collective_efficiency`` (its stated uncertainty: 1 is the curve as published). On a full
+    mesh a group of ``size`` drives ``size - 1`` links where the measured group of g drove
+    ``g - 1``: the bandwidth scales by their ratio; on a switch every rank has its port."""
+    pick = min(sets, key=lambda m: (m["gpus"] < size, abs(m["gpus"] - size)))
+    scale = preset.get("collective_efficiency", 1.0)
+    if size and preset["topology"] == "full_mesh":
+        links = preset["links"]
+        scale *= min(links, size - 1) / min(links, pick["gpus"] - 1)
+    return {"curve": _bus_curve(pick), "curve_scale": scale}
+
+
+_CURVES: dict[int, tuple[dict, tuple[tuple[float, float], ...]]] = {}
+
+
+def _bus_curve(m: dict) -> tuple[tuple[float, float], ...]:
+    """(message bytes, bus bytes/s) of one published measurement ``m``, made once per
+    measurement (a plan projects thousands of cases on one preset)."""
+    hit = _CURVES.get(id(m))
+    if hit is not None and hit[0] is m:
+        return hit[1]
+    factor = _nccl_factor(m["collective"], m["gpus"])
+    secs = [t * 1e-6 if t is not None else factor * x / (bw * 1e9) for x, bw, t in m["rows"]]
+    out, fastest = [], math.inf  # (seconds of the smallest larger message, from the end)
+    for x, t in zip(reversed(m["rows"]), reversed(secs)):
+        fastest = min(fastest, t)
+        out.append((float(x[0]), factor * x[0] / fastest))
+    curve = tuple(out[::-1])
+    _CURVES[id(m)] = (m, curve)
+    return curve
+
+
+# nccl-tests' bus-bandwidth factor: busbw = algbw x this (its doc/PERFORMANCE.md)
+def _nccl_factor(kind: str, size: int) -> float:
+    if kind == "all_reduce":
+        return 2 * (size - 1) / size
+    if kind in ("broadcast", "reduce", "send_recv"):
+        return 1.0
+    return (size - 1) / size
+
+
+def call_time(link: dict[str, Any], kind: str, nbytes: float, size: int) -> float:
+    """Seconds of one ``kind`` over ``size`` ranks on a ``nbytes`` full tensor (the
+    all-gather's output, the reduce-scatter's input: nccl-tests' ``size``). Where ``link``
+    has a published curve (``collectives`` in hardware.json) it is read at this size, log-log
+    between the measured sizes: the benchmark timed that very call, so its latency, protocol
+    and algorithm switches are in it (below the smallest size measured, that size's time;
+    above the largest, its bandwidth). Otherwise the latency plus the bus bytes over the
+    link's bandwidth."""
+    if size <= 1:
+        return 0.0
+    got = link.get("curves", {}).get(kind) or link
+    curve = got.get("curve")
+    if not curve:
+        return link["lat"] + bus_bytes(kind, nbytes, size) / link["bw"]
+    factor = _nccl_factor(kind, size) / got["curve_scale"]
+    m0, bw0 = curve[0]
+    if nbytes <= m0:
+        return factor * m0 / bw0
+    for (m1, b1), (m2, b2) in zip(curve, curve[1:]):
+        if nbytes <= m2:
+            w = math.log(nbytes / m1) / math.log(m2 / m1)
+            return factor * nbytes / math.exp(math.log(b1) + w * math.log(b2 / b1))
+    return factor * nbytes / curve[-1][1]
 
 
 def _link(rates: dict, kind: str) -> dict[str, float]:
@@ -257,22 +371,17 @@ def project(
     crit = ovl = 0.0
     decoder = c.impl.decoder
     events = decoder.prefill_schedule(c) if prefill and decoder else analytic.schedule(c)
-    calls: dict[tuple[str, str, int, bool, bool], list[float]] = {}  # (calls, bytes) per use
     same = collections.Counter(  # (a schedule repeats each layer's events: counted in C)
         (ev[1], ev[2], ev[3], ev.overlapped, micro and ev.per_step, ev[4])
         for ev in events
         if ev[3] > 1
     )
-    for (axis, kind, size, overlapped, once, nbytes), times in same.items():
-        use = calls.setdefault((axis, kind, size, overlapped, once), [0, 0.0])
-        use[0] += times
-        use[1] += times * nbytes
     once_s = once_ovl = 0.0
-    for (axis, kind, size, overlapped, once), (n, nbytes) in calls.items():
+    for (axis, kind, size, overlapped, once, nbytes), n in same.items():
         inter = crosses_nodes(c, axis, size, per_node)
         # a calibrated preset may hold fits per group size (groups of 2 in a 4-rank node...)
         link = r["inter"] if inter else _link(r.get("groups", {}).get(str(size), r), kind)
-        t = n * link["lat"] + bus_bytes(kind, nbytes, size) / link["bw"]
+        t = n * call_time(link, kind, nbytes, size)
         if once and overlapped:  # (FSDP+CP's kept units, gathered in one micro-batch's forward)
             once_ovl += t
         elif once:
@@ -284,7 +393,8 @@ def project(
     straggler = r.get("straggler", 1.0)  # the step waits for its slowest rank
     compute *= straggler
     for _, size in metric_reductions(c):  # uncounted, but they synchronise the ranks
-        lat = r.get("groups", {}).get(str(size), r)["all_reduce"]["lat"]
+        lat = call_time(r.get("groups", {}).get(str(size), r)["all_reduce"], "all_reduce", 8,
+                        size)  # fmt: skip
         if micro:
             once_s += lat
         else:
@@ -385,13 +495,13 @@ def project_pipeline(c: RunSpec, preset: dict, ops: int | None = None) -> dict[s
     slot = _slot(one, json.dumps(preset, sort_keys=True), min(world, per_node))
     link = r["inter"] if crosses_nodes(c, Axis.PP, 2, per_node) else _link(r, "send_recv")
     sends = 2 if c.train else 1
-    hop = sends * (link["lat"] + mb.tokens * c.cfg.hidden * c.e / link["bw"])
+    hop = sends * call_time(link, "send_recv", mb.tokens * c.cfg.hidden * c.e, 2)
     dp = 0.0
     if c.train and c.dp > 1:
         n = max(stages.stage_params(c, s) for s in range(pp))
         inter = crosses_nodes(c, Axis.DP, c.dp, per_node)
         dlink = r["inter"] if inter else r.get("groups", {}).get(str(c.dp), r)["all_reduce"]
-        dp = dlink["lat"] + bus_bytes("all_reduce", n * c.e, c.dp) / dlink["bw"]
+        dp = call_time(dlink, "all_reduce", n * c.e, c.dp)
     slots = M + pp - 1
     # each of the rank's stages' gradient reductions and the metrics, once a step
     once = stages_per_rank(c.pp_schedule) * slot["once_s"] + dp

@@ -15,11 +15,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from tspbench.core.comm import bus_bytes
 from tspbench.core.decode import Decoder, bytes_per_step, kv_heads_local
 from tspbench.core.mesh import Axis
 from tspbench.projection import analytic
-from tspbench.projection.costmodel import project, rates, usable_memory
+from tspbench.projection.costmodel import call_time, project, rates, usable_memory
 from tspbench.runtime.spec import RunSpec
 
 FP32 = 4
@@ -98,7 +97,7 @@ def project_decode(c: RunSpec, preset: dict, prefill_ops: int | None = None) -> 
             continue
         inter = axis != Axis.DP and c.degree > per_node
         link = r["inter"] if inter else r.get("groups", {}).get(str(size), r)[kind]
-        comm += link["lat"] + bus_bytes(kind, nbytes, size) / link["bw"]
+        comm += call_time(link, kind, nbytes, size)
     latency = max(memory_s, compute_s) + comm
     prefill = project(prefill_spec(c), preset, ops=prefill_ops, prefill=True)["step_time_s"]
     mem = memory(c)
