@@ -110,6 +110,33 @@ def test_a_published_curve_is_read_at_each_calls_size():
     assert call_time(ag, "all_gather", 1e6, 8) == pytest.approx(ag["lat"] + 7 / 8 * 1e6 / ag["bw"])
 
 
+def test_across_nodes_a_group_drives_as_many_nics_as_it_has_ranks_on_each_node():
+    """The published all-reduce across H100 nodes had all 8 GPUs of each node in the group
+    (its rings over all 8 NICs at once); a data-parallel group of a D = 8 model has one rank per
+    node, so one NIC: an eighth of the curve's bandwidth; D = 4, two; a model group of 16
+    fills both nodes; a pipeline's hop is one NIC at its datasheet rate."""
+    from tspbench.core.mesh import Axis
+    from tspbench.projection.costmodel import across, call_time, load_preset, ranks_per_node, rates
+
+    cfg = get_config("7b")
+    r = rates(load_preset("h100"), 8)
+
+    def spec(D: int, dp: int) -> RunSpec:
+        return RunSpec.make("tp", cfg, degree=D, dp=dp, seq_len=8192, dtype="bf16")
+
+    assert ranks_per_node(spec(8, 16), Axis.DP, 16, 8) == 1
+    assert ranks_per_node(spec(4, 4), Axis.DP, 4, 8) == 2
+    assert ranks_per_node(spec(16, 1), Axis.MODEL, 16, 8) == 8
+    n = 1 << 30
+    full = call_time(across(r, 8), "all_reduce", n, 16)
+    assert call_time(across(r, 1), "all_reduce", n, 16) == pytest.approx(8 * full)
+    assert call_time(across(r, 2), "all_reduce", n, 16) == pytest.approx(4 * full)
+    # at 1 GiB the curve of 4 nodes reads 358 GB/s: one NIC's share is 45, the NIC 50 x 0.8
+    assert 2 * 15 / 16 * n / call_time(across(r, 1), "all_reduce", n, 16) / 1e9 == pytest.approx(
+        358.14 / 8, rel=0.01
+    )
+
+
 def test_every_published_curve_is_sourced_and_well_formed():
     """hardware.json's curves: each names its source and hardware, sizes strictly rising,
     bandwidths positive, for a kind the strategies call."""

@@ -176,7 +176,9 @@ def _inter(preset: dict) -> dict[str, Any]:
     for kind in KINDS:
         sets = _published(preset, "inter", kind)
         if sets:
-            curves[kind] = _curve(preset, sets, 0)
+            pick = min(sets, key=lambda m: m["gpus"])
+            per_node = pick["gpus"] // pick.get("nodes", 1)
+            curves[kind] = _curve(preset, [pick], 0) | {"per_node": per_node}
     return out | ({"curves": curves} if curves else {})
 
 
@@ -272,6 +274,36 @@ def crosses_nodes(c: RunSpec, axis: str, size: int, per_node: int) -> bool:
         span = size * (c.degree // max(c.cp, 1))
         return span > per_node or per_node % span != 0
     return c.degree > per_node
+
+
+def ranks_per_node(c: RunSpec, axis: str, size: int, per_node: int) -> int:
+    """How many of a ``size``-rank group's ranks on ``axis`` share a node, where it leaves one:
+    a data-parallel group's ranks are ``degree`` apart (one per node once a model group fills
+    it), a model group wider than a node fills each, an a2a+p2p inner group's are its stride
+    (T) apart."""
+    if axis == Axis.DP:
+        return max(1, min(c.dp, per_node // c.degree))
+    if axis == Axis.PP:
+        return 1
+    stride = c.degree // max(c.cp, 1) if axis.endswith(".a2a") else 1
+    return max(1, min(size, per_node // stride))
+
+
+def across(r: dict[str, Any], share: int) -> dict[str, Any]:
+    """The link across nodes for a group with ``share`` ranks on each node: a published curve
+    was measured with every GPU of each node in the group, its rings crossing the nodes over
+    all their NICs at once; a group with fewer ranks per node drives that many NICs, so the
+    curve's bandwidth scales by ``share`` over the measurement's GPUs per node (1 of 8: one
+    NIC's worth, about what the datasheet model charged)."""
+    link = r["inter"]
+    curves = link.get("curves")
+    if not curves:
+        return link
+    scaled = {
+        kind: cv | {"curve_scale": cv["curve_scale"] * min(1.0, share / cv["per_node"])}
+        for kind, cv in curves.items()
+    }
+    return link | {"curves": scaled}
 
 
 def metric_reductions(c: RunSpec) -> list[tuple[str, int]]:
@@ -380,7 +412,10 @@ def project(
     for (axis, kind, size, overlapped, once, nbytes), n in same.items():
         inter = crosses_nodes(c, axis, size, per_node)
         # a calibrated preset may hold fits per group size (groups of 2 in a 4-rank node...)
-        link = r["inter"] if inter else _link(r.get("groups", {}).get(str(size), r), kind)
+        if inter:
+            link = across(r, ranks_per_node(c, axis, size, per_node))
+        else:
+            link = _link(r.get("groups", {}).get(str(size), r), kind)
         t = n * call_time(link, kind, nbytes, size)
         if once and overlapped:  # (FSDP+CP's kept units, gathered in one micro-batch's forward)
             once_ovl += t
@@ -500,7 +535,8 @@ def project_pipeline(c: RunSpec, preset: dict, ops: int | None = None) -> dict[s
     if c.train and c.dp > 1:
         n = max(stages.stage_params(c, s) for s in range(pp))
         inter = crosses_nodes(c, Axis.DP, c.dp, per_node)
-        dlink = r["inter"] if inter else r.get("groups", {}).get(str(c.dp), r)["all_reduce"]
+        share = ranks_per_node(c, Axis.DP, c.dp, per_node)
+        dlink = across(r, share) if inter else r.get("groups", {}).get(str(c.dp), r)["all_reduce"]
         dp = call_time(dlink, "all_reduce", n * c.e, c.dp)
     slots = M + pp - 1
     # each of the rank's stages' gradient reductions and the metrics, once a step
