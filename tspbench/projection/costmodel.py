@@ -462,6 +462,20 @@ def project(
     return recharge(base, ops)
 
 
+_KEYS: dict[int, tuple[dict, str]] = {}
+
+
+def _preset_key(preset: dict) -> str:
+    """``preset`` as canonical JSON, made once per preset object (its published curves make
+    it long, and a plan prices thousands of pipelines on one preset)."""
+    hit = _KEYS.get(id(preset))
+    if hit is None or hit[0] is not preset:
+        if len(_KEYS) > 256:
+            _KEYS.clear()
+        hit = _KEYS[id(preset)] = (preset, json.dumps(preset, sort_keys=True))
+    return hit[1]
+
+
 @functools.lru_cache(maxsize=4096)
 def _slot(one: RunSpec, preset: str, node_ranks: int) -> dict[str, Any]:
     """:func:`project` of one stage on one micro-batch, without host time and its once-per-step
@@ -527,7 +541,7 @@ def project_pipeline(c: RunSpec, preset: dict, ops: int | None = None) -> dict[s
     M = c.microbatches * stages_per_rank(c.pp_schedule)  # chunks a rank runs
     world = c.layout.world_size
     r = rates(preset, min(world, per_node))
-    slot = _slot(one, json.dumps(preset, sort_keys=True), min(world, per_node))
+    slot = _slot(one, _preset_key(preset), min(world, per_node))
     link = r["inter"] if crosses_nodes(c, Axis.PP, 2, per_node) else _link(r, "send_recv")
     sends = 2 if c.train else 1
     hop = sends * call_time(link, "send_recv", mb.tokens * c.cfg.hidden * c.e, 2)
