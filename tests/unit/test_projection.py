@@ -85,18 +85,28 @@ def test_a_published_curve_is_read_at_each_calls_size():
     assert call_time(ar, "all_reduce", mid, 8) == pytest.approx(f * mid / (40e9 * 400e9) ** 0.5)
     bc = fabric(h100, 8)["broadcast"]
     assert call_time(bc, "broadcast", 1 << 30, 8) == pytest.approx((1 << 30) / 400e9)
-    # a switch: every group its port; a full mesh: a group of 4 drives 3 of the 7 links
+    # a switch: every group its port; a full mesh: a group of 4 drives 3 of the 7 links. Only
+    # the part above the floor (the smallest size's time, a latency) converts and scales
     assert fabric(h100, 4)["all_reduce"]["curve"] == ar["curve"]
     mi = load_preset("mi300x") | {"collectives": {"intra": sets}}
     four, eight = fabric(mi, 4)["all_reduce"], fabric(mi, 8)["all_reduce"]
-    for n in (8, 1 << 20, 1 << 25):  # bus factor 1.5 against 1.75, 3 links against 7
-        assert call_time(four, "all_reduce", n, 4) == pytest.approx(
-            1.5 / 1.75 * 7 / 3 * call_time(eight, "all_reduce", n, 8)
+    floor = 1.75 * 8 / 0.8e6
+    assert call_time(four, "all_reduce", 8, 4) == call_time(eight, "all_reduce", 8, 8) == floor
+    for n in (1 << 20, 1 << 25, 1 << 30):  # bus factor 1.5 against 1.75, 3 links against 7
+        assert call_time(four, "all_reduce", n, 4) - floor == pytest.approx(
+            1.5 / 1.75 * 7 / 3 * (call_time(eight, "all_reduce", n, 8) - floor)
         )
-    # the stated uncertainty scales the curve; a kind without one keeps latency + bytes/bw
+    # the stated uncertainty scales the bandwidth part; a kind read through another's curve
+    # (a proxy) converts by the bus factors; without a curve: latency + bytes / bandwidth
     slow = fabric(h100 | {"collective_efficiency": 0.5}, 8)["all_reduce"]
-    assert call_time(slow, "all_reduce", 1 << 30, 8) == pytest.approx(
-        2 * call_time(ar, "all_reduce", 1 << 30, 8)
+    assert call_time(slow, "all_reduce", 1 << 30, 8) - floor == pytest.approx(
+        2 * (call_time(ar, "all_reduce", 1 << 30, 8) - floor)
+    )
+    real = fabric(load_preset("h100"), 8)  # (a broadcast reads the all-gather's curve)
+    t0 = real["all_gather"]["curve"][0][1]
+    assert real["broadcast"]["curve"] == real["all_gather"]["curve"]
+    assert call_time(real["broadcast"], "broadcast", 1 << 30, 8) - t0 == pytest.approx(
+        8 / 7 * (call_time(real["all_gather"], "all_gather", 1 << 30, 8) - t0)
     )
     # times: busbw from them; a run's glitch (a smaller message slower than a larger one) is
     # read as the larger one's time
@@ -127,10 +137,22 @@ def test_across_nodes_a_group_drives_as_many_nics_as_it_has_ranks_on_each_node()
     assert ranks_per_node(spec(8, 16), Axis.DP, 16, 8) == 1
     assert ranks_per_node(spec(4, 4), Axis.DP, 4, 8) == 2
     assert ranks_per_node(spec(16, 1), Axis.MODEL, 16, 8) == 8
+    tpsp = RunSpec.make("tpsp", cfg, degree=16, tp=4, sp=4, seq_len=8192, dtype="bf16")
+    assert ranks_per_node(tpsp, Axis.SP, 4, 8) == 2  # (its ranks T = 4 apart)
     n = 1 << 30
-    full = call_time(across(r, 8), "all_reduce", n, 16)
-    assert call_time(across(r, 1), "all_reduce", n, 16) == pytest.approx(8 * full)
-    assert call_time(across(r, 2), "all_reduce", n, 16) == pytest.approx(4 * full)
+    floor = call_time(across(r, 8), "all_reduce", 8, 16)  # (a latency: NICs do not move it)
+    assert call_time(across(r, 1), "all_reduce", 8, 16) == floor
+    full = call_time(across(r, 8), "all_reduce", n, 16) - floor
+    assert call_time(across(r, 1), "all_reduce", n, 16) - floor == pytest.approx(8 * full)
+    assert call_time(across(r, 2), "all_reduce", n, 16) - floor == pytest.approx(4 * full)
+    # every group-wide kind reads a curve across nodes (its own, its proxy's, else the
+    # all-reduce's) on every preset that has one; a point-to-point hop none
+    from tspbench.core.comm import KINDS
+    from tspbench.projection.costmodel import presets
+
+    for name in presets():
+        curves = rates(load_preset(name), 8)["inter"]["curves"]
+        assert set(curves) == set(KINDS) - {"send_recv"}, name
     # at 1 GiB the curve of 4 nodes reads 358 GB/s: one NIC's share is 45, the NIC 50 x 0.8
     assert 2 * 15 / 16 * n / call_time(across(r, 1), "all_reduce", n, 16) / 1e9 == pytest.approx(
         358.14 / 8, rel=0.01

@@ -158,13 +158,15 @@ def fabric(preset: dict, size: int) -> dict[str, dict[str, float]]:
 
 def _published(preset: dict, where: str, kind: str) -> list[dict]:
     """The preset's published measurements of ``kind`` (``intra`` or ``inter`` a node), or of
-    the kind its ``proxy`` names where none of its own was published; none for a
-    point-to-point hop across nodes (one NIC: the preset's NIC rate)."""
+    the kind its ``proxy`` names where none of its own was published; across nodes, where
+    neither was, the all-reduce's (NCCL's rings cross the nodes alike for every group-wide
+    kind); none for a point-to-point hop across nodes (one NIC: the preset's NIC rate)."""
     coll = preset.get("collectives", {})
     if where == "inter" and kind == "send_recv":
         return []
     table = coll.get(where, {})
-    return table.get(kind) or table.get(coll.get("proxy", {}).get(kind, ""), [])
+    sets = table.get(kind) or table.get(coll.get("proxy", {}).get(kind, ""))
+    return sets or (table.get("all_reduce", []) if where == "inter" else [])
 
 
 def _inter(preset: dict) -> dict[str, Any]:
@@ -184,39 +186,46 @@ def _inter(preset: dict) -> dict[str, Any]:
 
 def _curve(preset: dict, sets: list[dict], size: int) -> dict[str, Any]:
     """The published curve of the measured group nearest ``size`` ranks (the smallest at least
-    as large, else the largest) as (message bytes, bus bytes/s) pairs: nccl-tests'/rccl-tests'
-    ``size`` and its bus bandwidth, from the time per call where the source gives it (more
-    digits than its busbw) and never falling as the size grows (a message can be sent as a
-    larger one: a row slower than the next larger one is a glitch of that run). Times
-    ``collective_efficiency`` (its stated uncertainty: 1 is the curve as published). On a full
-    mesh a group of ``size`` drives ``size - 1`` links where the measured group of g drove
-    ``g - 1``: the bandwidth scales by their ratio; on a switch every rank has its port."""
+    as large, else the largest): its time per call against nccl-tests'/rccl-tests' ``size``
+    (:func:`_times`), the measured kind's bus factor, and ``curve_scale``, what the bandwidth
+    part of a call's time is divided by: ``collective_efficiency`` (the curves' stated
+    uncertainty: 1 as published) and, on a full mesh, the links a group of ``size`` drives
+    (``size - 1``) over those the measured group of g drove (``g - 1``); on a switch every rank
+    has its port whichever the group."""
     pick = min(sets, key=lambda m: (m["gpus"] < size, abs(m["gpus"] - size)))
     scale = preset.get("collective_efficiency", 1.0)
     if size and preset["topology"] == "full_mesh":
         links = preset["links"]
         scale *= min(links, size - 1) / min(links, pick["gpus"] - 1)
-    return {"curve": _bus_curve(pick), "curve_scale": scale}
+    factor = _nccl_factor(pick["collective"], pick["gpus"])
+    return {"curve": _times(pick), "curve_factor": factor, "curve_scale": scale}
 
 
-_CURVES: dict[int, tuple[dict, tuple[tuple[float, float], ...]]] = {}
+_CURVES: collections.OrderedDict[int, tuple[dict, tuple[tuple[float, float], ...]]] = (
+    collections.OrderedDict()
+)
 
 
-def _bus_curve(m: dict) -> tuple[tuple[float, float], ...]:
-    """(message bytes, bus bytes/s) of one published measurement ``m``, made once per
-    measurement (a plan projects thousands of cases on one preset)."""
+def _times(m: dict) -> tuple[tuple[float, float], ...]:
+    """(message bytes, seconds per call) of one published measurement ``m``: its time where
+    the source gives one (more digits than its busbw, which reads 0.00 at a few bytes), else
+    from its busbw; never falling as the size grows (a message can be sent as a larger one: a
+    row slower than the next larger one is a glitch of that run). Made once per measurement
+    (a plan projects thousands of cases on one preset)."""
     hit = _CURVES.get(id(m))
     if hit is not None and hit[0] is m:
         return hit[1]
     factor = _nccl_factor(m["collective"], m["gpus"])
     secs = [t * 1e-6 if t is not None else factor * x / (bw * 1e9) for x, bw, t in m["rows"]]
     out, fastest = [], math.inf  # (seconds of the smallest larger message, from the end)
-    for x, t in zip(reversed(m["rows"]), reversed(secs)):
+    for row, t in zip(reversed(m["rows"]), reversed(secs)):
         fastest = min(fastest, t)
-        out.append((float(x[0]), factor * x[0] / fastest))
-    curve = tuple(out[::-1])
-    _CURVES[id(m)] = (m, curve)
-    return curve
+        out.append((float(row[0]), fastest))
+    times = tuple(out[::-1])
+    _CURVES[id(m)] = (m, times)
+    if len(_CURVES) > 256:
+        _CURVES.popitem(last=False)
+    return times
 
 
 # nccl-tests' bus-bandwidth factor: busbw = algbw x this (its doc/PERFORMANCE.md)
@@ -232,25 +241,29 @@ def call_time(link: dict[str, Any], kind: str, nbytes: float, size: int) -> floa
     """Seconds of one ``kind`` over ``size`` ranks on a ``nbytes`` full tensor (the
     all-gather's output, the reduce-scatter's input: nccl-tests' ``size``). Where ``link``
     has a published curve (``collectives`` in hardware.json) it is read at this size, log-log
-    between the measured sizes: the benchmark timed that very call, so its latency, protocol
-    and algorithm switches are in it (below the smallest size measured, that size's time;
-    above the largest, its bandwidth). Otherwise the latency plus the bus bytes over the
-    link's bandwidth."""
+    between the measured sizes (the benchmark timed that very call: its latency, protocol and
+    algorithm switches are in it); below the smallest size measured, that size's time (the
+    floor); above the largest, its bandwidth. What the call takes above the floor is its
+    bandwidth part, and only that converts to another kind or group (by the ratio of
+    nccl-tests' bus factors: the same bus bandwidth) and scales with ``curve_scale`` (links,
+    NICs, the stated uncertainty); the floor, a latency, stays. Without a curve: the latency
+    plus the bus bytes over the link's bandwidth."""
     if size <= 1:
         return 0.0
     got = link.get("curves", {}).get(kind) or link
     curve = got.get("curve")
     if not curve:
         return link["lat"] + bus_bytes(kind, nbytes, size) / link["bw"]
-    factor = _nccl_factor(kind, size) / got["curve_scale"]
-    m0, bw0 = curve[0]
-    if nbytes <= m0:
-        return factor * m0 / bw0
-    for (m1, b1), (m2, b2) in zip(curve, curve[1:]):
+    floor = curve[0][1]
+    if nbytes <= curve[0][0]:
+        return floor
+    t = curve[-1][1] * nbytes / curve[-1][0]  # (above the largest size: its bandwidth)
+    for (m1, t1), (m2, t2) in zip(curve, curve[1:]):
         if nbytes <= m2:
-            w = math.log(nbytes / m1) / math.log(m2 / m1)
-            return factor * nbytes / math.exp(math.log(b1) + w * math.log(b2 / b1))
-    return factor * nbytes / curve[-1][1]
+            t = t1 * math.exp(math.log(t2 / t1) * math.log(nbytes / m1) / math.log(m2 / m1))
+            break
+    ratio = _nccl_factor(kind, size) / got["curve_factor"]
+    return floor + (t - floor) * ratio / got["curve_scale"]
 
 
 def _link(rates: dict, kind: str) -> dict[str, float]:
@@ -279,13 +292,14 @@ def crosses_nodes(c: RunSpec, axis: str, size: int, per_node: int) -> bool:
 def ranks_per_node(c: RunSpec, axis: str, size: int, per_node: int) -> int:
     """How many of a ``size``-rank group's ranks on ``axis`` share a node, where it leaves one:
     a data-parallel group's ranks are ``degree`` apart (one per node once a model group fills
-    it), a model group wider than a node fills each, an a2a+p2p inner group's are its stride
-    (T) apart."""
+    it), a model group wider than a node fills each, TP+SP's context-parallel group and an
+    a2a+p2p inner group have theirs T apart (tensor parallelism innermost)."""
     if axis == Axis.DP:
         return max(1, min(c.dp, per_node // c.degree))
     if axis == Axis.PP:
         return 1
-    stride = c.degree // max(c.cp, 1) if axis.endswith(".a2a") else 1
+    spread = axis == Axis.SP or axis.endswith(".a2a")
+    stride = c.degree // max(c.cp, 1) if spread else 1
     return max(1, min(size, per_node // stride))
 
 
@@ -427,9 +441,12 @@ def project(
             crit += t
     straggler = r.get("straggler", 1.0)  # the step waits for its slowest rank
     compute *= straggler
-    for _, size in metric_reductions(c):  # uncounted, but they synchronise the ranks
-        lat = call_time(r.get("groups", {}).get(str(size), r)["all_reduce"], "all_reduce", 8,
-                        size)  # fmt: skip
+    for axis, size in metric_reductions(c):  # uncounted, but they synchronise the ranks
+        if crosses_nodes(c, axis, size, per_node):
+            small = across(r, ranks_per_node(c, axis, size, per_node))
+        else:
+            small = r.get("groups", {}).get(str(size), r)["all_reduce"]
+        lat = call_time(small, "all_reduce", 8, size)
         if micro:
             once_s += lat
         else:
