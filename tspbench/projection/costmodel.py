@@ -257,7 +257,8 @@ def call_time(link: dict[str, Any], kind: str, nbytes: float, size: int) -> floa
     floor = curve[0][1]
     if nbytes <= curve[0][0]:
         return floor
-    t = curve[-1][1] * nbytes / curve[-1][0]  # (above the largest size: its bandwidth)
+    m_last, t_last = curve[-1]  # above the largest size: its bandwidth above the floor
+    t = floor + (t_last - floor) * nbytes / m_last
     for (m1, t1), (m2, t2) in zip(curve, curve[1:]):
         if nbytes <= m2:
             t = t1 * math.exp(math.log(t2 / t1) * math.log(nbytes / m1) / math.log(m2 / m1))
