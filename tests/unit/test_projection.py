@@ -139,6 +139,16 @@ def test_across_nodes_a_group_drives_as_many_nics_as_it_has_ranks_on_each_node()
     assert ranks_per_node(spec(16, 1), Axis.MODEL, 16, 8) == 8
     tpsp = RunSpec.make("tpsp", cfg, degree=16, tp=4, sp=4, seq_len=8192, dtype="bf16")
     assert ranks_per_node(tpsp, Axis.SP, 4, 8) == 2  # (its ranks T = 4 apart)
+    # its tensor groups are 4 consecutive ranks: inside a node although the model group of 16
+    # is not; its context-parallel group leaves it
+    from tspbench.projection.costmodel import crosses_nodes, group_link
+
+    assert not crosses_nodes(tpsp, Axis.TP, 4, 8) and crosses_nodes(tpsp, Axis.SP, 4, 8)
+    assert group_link(tpsp, r, Axis.TP, "all_reduce", 4, 8) is r["groups"]["4"]["all_reduce"]
+    sp = group_link(tpsp, r, Axis.SP, "all_gather", 4, 8)["curves"]["all_gather"]
+    assert sp["curve_scale"] == pytest.approx(across(r, 2)["curves"]["all_gather"]["curve_scale"])
+    wide = RunSpec.make("tpsp", cfg, degree=16, tp=16, sp=1, seq_len=8192, dtype="bf16")
+    assert crosses_nodes(wide, Axis.TP, 16, 8)
     n = 1 << 30
     floor = call_time(across(r, 8), "all_reduce", 8, 16)  # (a latency: NICs do not move it)
     assert call_time(across(r, 1), "all_reduce", 8, 16) == floor

@@ -37,6 +37,7 @@ import functools
 import itertools
 import json
 import math
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -85,22 +86,29 @@ def usable_memory(preset: dict) -> float:
     return float(math.floor((left - u["blas_workspace_bytes"]) * (1 - u["fragmentation"])))
 
 
-_RATES: collections.OrderedDict[tuple[int, int], tuple[dict, dict]] = collections.OrderedDict()
+_MEMO: collections.OrderedDict[tuple, tuple[object, Any]] = collections.OrderedDict()
+
+
+def _once(obj: object, key: tuple, make: Callable[[], Any]) -> Any:
+    """``make()``, made once per live object ``obj`` and ``key`` (a plan projects thousands of
+    cases on a few presets, each read many times): the entry holds ``obj`` itself, so its id
+    is not reused while the entry lives, and the oldest of 512 entries goes first."""
+    k = (id(obj), *key)
+    hit = _MEMO.get(k)
+    if hit is not None and hit[0] is obj:
+        return hit[1]
+    out = make()
+    _MEMO[k] = (obj, out)
+    if len(_MEMO) > 512:
+        _MEMO.popitem(last=False)
+    return out
 
 
 def rates(preset: dict, ranks_per_node: int) -> dict[str, Any]:
     """Achievable rates per rank: measured at this many ranks per node, or from the datasheet
     (numbers, and tables of them: by collective kind, group size, GEMM size). Read-only, and
-    made once per preset object (a plan projects thousands of cases on a few presets)."""
-    key = (id(preset), ranks_per_node)
-    hit = _RATES.get(key)
-    if hit is not None and hit[0] is preset:
-        return hit[1]
-    out = _rates(preset, ranks_per_node)
-    _RATES[key] = (preset, out)
-    if len(_RATES) > 256:
-        _RATES.popitem(last=False)
-    return out
+    made once per preset object."""
+    return _once(preset, ("rates", ranks_per_node), lambda: _rates(preset, ranks_per_node))
 
 
 def _rates(preset: dict, ranks_per_node: int) -> dict[str, Any]:
@@ -201,31 +209,22 @@ def _curve(preset: dict, sets: list[dict], size: int) -> dict[str, Any]:
     return {"curve": _times(pick), "curve_factor": factor, "curve_scale": scale}
 
 
-_CURVES: collections.OrderedDict[int, tuple[dict, tuple[tuple[float, float], ...]]] = (
-    collections.OrderedDict()
-)
-
-
 def _times(m: dict) -> tuple[tuple[float, float], ...]:
     """(message bytes, seconds per call) of one published measurement ``m``: its time where
     the source gives one (more digits than its busbw, which reads 0.00 at a few bytes), else
     from its busbw; never falling as the size grows (a message can be sent as a larger one: a
-    row slower than the next larger one is a glitch of that run). Made once per measurement
-    (a plan projects thousands of cases on one preset)."""
-    hit = _CURVES.get(id(m))
-    if hit is not None and hit[0] is m:
-        return hit[1]
+    row slower than the next larger one is a glitch of that run). Made once per measurement."""
+    return _once(m, ("times",), lambda: _read_times(m))
+
+
+def _read_times(m: dict) -> tuple[tuple[float, float], ...]:
     factor = _nccl_factor(m["collective"], m["gpus"])
     secs = [t * 1e-6 if t is not None else factor * x / (bw * 1e9) for x, bw, t in m["rows"]]
     out, fastest = [], math.inf  # (seconds of the smallest larger message, from the end)
     for row, t in zip(reversed(m["rows"]), reversed(secs)):
         fastest = min(fastest, t)
         out.append((float(row[0]), fastest))
-    times = tuple(out[::-1])
-    _CURVES[id(m)] = (m, times)
-    if len(_CURVES) > 256:
-        _CURVES.popitem(last=False)
-    return times
+    return tuple(out[::-1])
 
 
 # nccl-tests' bus-bandwidth factor: busbw = algbw x this (its doc/PERFORMANCE.md)
@@ -287,6 +286,8 @@ def crosses_nodes(c: RunSpec, axis: str, size: int, per_node: int) -> bool:
     if axis.endswith(".a2a"):
         span = size * (c.degree // max(c.cp, 1))
         return span > per_node or per_node % span != 0
+    if axis == Axis.TP:  # TP+SP's tensor group: T consecutive ranks
+        return size > per_node or per_node % size != 0
     return c.degree > per_node
 
 
@@ -302,6 +303,17 @@ def ranks_per_node(c: RunSpec, axis: str, size: int, per_node: int) -> int:
     spread = axis == Axis.SP or axis.endswith(".a2a")
     stride = c.degree // max(c.cp, 1) if spread else 1
     return max(1, min(size, per_node // stride))
+
+
+def group_link(
+    c: RunSpec, r: dict[str, Any], axis: str, kind: str, size: int, per_node: int
+) -> dict[str, Any]:
+    """The link a ``size``-rank ``kind`` on ``axis`` of case ``c`` runs over: where the group
+    leaves a node, the link across nodes at the group's ranks per node; else the node's link
+    for a group of this size (a calibrated preset may hold fits per group size)."""
+    if crosses_nodes(c, axis, size, per_node):
+        return across(r, ranks_per_node(c, axis, size, per_node))
+    return _link(r.get("groups", {}).get(str(size), r), kind)
 
 
 def across(r: dict[str, Any], share: int) -> dict[str, Any]:
@@ -425,13 +437,7 @@ def project(
     )
     once_s = once_ovl = 0.0
     for (axis, kind, size, overlapped, once, nbytes), n in same.items():
-        inter = crosses_nodes(c, axis, size, per_node)
-        # a calibrated preset may hold fits per group size (groups of 2 in a 4-rank node...)
-        if inter:
-            link = across(r, ranks_per_node(c, axis, size, per_node))
-        else:
-            link = _link(r.get("groups", {}).get(str(size), r), kind)
-        t = n * call_time(link, kind, nbytes, size)
+        t = n * call_time(group_link(c, r, axis, kind, size, per_node), kind, nbytes, size)
         if once and overlapped:  # (FSDP+CP's kept units, gathered in one micro-batch's forward)
             once_ovl += t
         elif once:
@@ -443,11 +449,7 @@ def project(
     straggler = r.get("straggler", 1.0)  # the step waits for its slowest rank
     compute *= straggler
     for axis, size in metric_reductions(c):  # uncounted, but they synchronise the ranks
-        if crosses_nodes(c, axis, size, per_node):
-            small = across(r, ranks_per_node(c, axis, size, per_node))
-        else:
-            small = r.get("groups", {}).get(str(size), r)["all_reduce"]
-        lat = call_time(small, "all_reduce", 8, size)
+        lat = call_time(group_link(c, r, axis, "all_reduce", size, per_node), "all_reduce", 8, size)
         if micro:
             once_s += lat
         else:
@@ -480,18 +482,10 @@ def project(
     return recharge(base, ops)
 
 
-_KEYS: dict[int, tuple[dict, str]] = {}
-
-
 def _preset_key(preset: dict) -> str:
     """``preset`` as canonical JSON, made once per preset object (its published curves make
     it long, and a plan prices thousands of pipelines on one preset)."""
-    hit = _KEYS.get(id(preset))
-    if hit is None or hit[0] is not preset:
-        if len(_KEYS) > 256:
-            _KEYS.clear()
-        hit = _KEYS[id(preset)] = (preset, json.dumps(preset, sort_keys=True))
-    return hit[1]
+    return _once(preset, ("key",), lambda: json.dumps(preset, sort_keys=True))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -566,9 +560,7 @@ def project_pipeline(c: RunSpec, preset: dict, ops: int | None = None) -> dict[s
     dp = 0.0
     if c.train and c.dp > 1:
         n = max(stages.stage_params(c, s) for s in range(pp))
-        inter = crosses_nodes(c, Axis.DP, c.dp, per_node)
-        share = ranks_per_node(c, Axis.DP, c.dp, per_node)
-        dlink = across(r, share) if inter else r.get("groups", {}).get(str(c.dp), r)["all_reduce"]
+        dlink = group_link(c, r, Axis.DP, "all_reduce", c.dp, per_node)
         dp = call_time(dlink, "all_reduce", n * c.e, c.dp)
     slots = M + pp - 1
     # each of the rank's stages' gradient reductions and the metrics, once a step

@@ -16,9 +16,14 @@ import dataclasses
 from typing import Any
 
 from tspbench.core.decode import Decoder, bytes_per_step, kv_heads_local
-from tspbench.core.mesh import Axis
 from tspbench.projection import analytic
-from tspbench.projection.costmodel import across, call_time, project, rates, usable_memory
+from tspbench.projection.costmodel import (
+    call_time,
+    group_link,
+    project,
+    rates,
+    usable_memory,
+)
 from tspbench.runtime.spec import RunSpec
 
 FP32 = 4
@@ -95,9 +100,7 @@ def project_decode(c: RunSpec, preset: dict, prefill_ops: int | None = None) -> 
     for _, axis, kind, size, nbytes in _decoder(c).schedule(c):
         if size <= 1:
             continue
-        inter = axis != Axis.DP and c.degree > per_node
-        link = across(r, per_node) if inter else r.get("groups", {}).get(str(size), r)[kind]
-        comm += call_time(link, kind, nbytes, size)
+        comm += call_time(group_link(c, r, axis, kind, size, per_node), kind, nbytes, size)
     latency = max(memory_s, compute_s) + comm
     prefill = project(prefill_spec(c), preset, ops=prefill_ops, prefill=True)["step_time_s"]
     mem = memory(c)
