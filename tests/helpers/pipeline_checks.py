@@ -6,13 +6,15 @@ three AdamW steps with the single-device reference's."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from tests.helpers.checks import LR, case_spec, close, err
 from tspbench.core.dtypes import DTYPES
+from tspbench.core.memory import MemoryTracker
 from tspbench.core.mesh import build_mesh
 from tspbench.core.optim import AdamW
 from tspbench.core.reference import ReferenceModel, make_batch
-from tspbench.runtime.measure import build_strategy
+from tspbench.runtime.measure import at_rest, build_strategy, one_step
 
 # what FSDP+CP's stage holds only within a step (kept units, their summed gradients, gathers
 # and reduce-scatters in flight): empty after every step
@@ -74,3 +76,42 @@ def check_pipelined(case: dict) -> dict:
 
 def run_pipelined(cases: list[dict]) -> dict:
     return {c["id"]: check_pipelined(c) for c in cases}
+
+
+def held_sends(case: dict) -> dict:
+    """This rank's tracked peak of a training step as torch's schedule runs it, and of the same
+    step with every send waited for as soon as it is posted (its work, and the tensor it holds,
+    dropped at once): what torch's multi-stage runtime keeps of its sends to the step's end."""
+    from torch.distributed.pipelining import schedules
+
+    spec = case_spec(case, pp=case["pp"], pp_schedule=case["schedule"], microbatches=case["M"])
+    strat = build_strategy(spec, build_mesh(spec.mesh_dims), torch.device("cpu"))
+    tokens, labels = make_batch(spec.cfg, spec.batch, spec.seq_len, spec.seed)
+    batch = strat.shard_batch(tokens, labels)
+    opt = AdamW(strat.parameters())
+    tracker = MemoryTracker()
+    tracker.track(*at_rest(strat, batch, opt))
+    posted = schedules._batch_p2p
+
+    def waited(ops: list, desc: str | None = None) -> list:
+        works = posted(ops, desc)
+        if all(op.op is dist.isend for op in ops):
+            schedules._wait_batch_p2p(works)
+            return []
+        return works
+
+    peaks = []
+    for eager in (False, False, True):  # (the first step makes AdamW's state)
+        schedules._batch_p2p = waited if eager else posted
+        try:
+            tracker.reset_peak()
+            with tracker:
+                one_step(strat, batch, opt)
+        finally:
+            schedules._batch_p2p = posted
+        peaks.append(tracker.peak)
+    return {"stage": strat.stage.index, "held": peaks[1], "waited": peaks[2]}
+
+
+def run_held_sends(cases: list[dict]) -> dict:
+    return {c["id"]: held_sends(c) for c in cases}

@@ -276,6 +276,28 @@ def test_stage_peaks_equal_the_closed_form(cli_records, name):
         assert 0.95 * closed <= peak <= 1.05 * closed + staged, (stage, peak, closed, staged)
 
 
+HELD = [
+    _case("tp", 1, 4, "interleaved1f1b", 8, model={"layers": 8}, B=8),
+    _case("tsp", 2, 2, "interleaved1f1b", 4, model={"layers": 4}),
+]
+
+
+def test_interleaved_ranks_hold_their_sends_as_the_closed_form_says():
+    """torch's multi-stage runtime waits for its sends only at the step's end, and each send's
+    work holds its tensor: each rank's peak is higher than with every send waited for at once
+    by exactly the activations the closed form counts as held there (``stages.sends_held`` at
+    the steady crest: its last backward with the most chunks in flight)."""
+    out = run_world(4, "tests.helpers.pipeline_checks:run_held_sends", HELD)
+    for case in HELD:
+        spec = case_spec(case, pp=case["pp"], pp_schedule=case["schedule"], microbatches=case["M"])
+        act = spec.batch // case["M"] * case["S"] // case["D"] * spec.cfg.hidden * 4  # fp32
+        chunks = stages_per_rank(case["schedule"]) * case["M"]
+        for r in (rank[case["id"]] for rank in out):
+            done = chunks - stages.in_flight(spec, r["stage"])
+            held = stages.sends_held(spec, r["stage"], done)
+            assert held > 0 and r["held"] - r["waited"] == held * act, (case["id"], r, held)
+
+
 @pytest.mark.parametrize("name", ["tp-pp4-1f1b", "tsp-pp2"])
 def test_project_check_projects_a_pipelined_record(cli_records, tmp_path, name):
     """``project-check --records`` projects a pipelined record as a pipeline (its stages,

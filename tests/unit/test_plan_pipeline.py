@@ -100,9 +100,12 @@ def test_a_pipelined_best_plan_runs_as_printed(capsys, counted, tmp_path):  # no
 
 def test_the_fullest_stage_is_among_the_three_priced():
     """stages.memory prices the first, second and last stage only; every stage's own price
-    is no higher than their maximum (1F1B and GPipe, recomputation or not, infer)."""
+    is no higher than their maximum (1F1B, GPipe and interleaved 1F1B, whose middle ranks hold
+    the most sends, recomputation or not, infer)."""
+    inter = {"pp_schedule": "interleaved1f1b"}
     for kw in ({}, {"pp_schedule": "gpipe"}, {"recompute": "none", "batch": 16,
-               "microbatches": 16}, {"pp": 8}, {"mode": "infer", "recompute": "none"}):  # fmt: skip
+               "microbatches": 16}, {"pp": 8}, {"mode": "infer", "recompute": "none"}, inter,
+               inter | {"pp": 8}, inter | {"recompute": "none", "microbatches": 4}):  # fmt: skip
         c = _spec(**kw)
         _, top = stages.memory(c)
         every = [stages.stage_memory(c, s)["peak"] for s in range(c.layout.pp)]
@@ -121,7 +124,10 @@ def test_stage_parameters_split_the_whole_model_exactly():
 def test_interleaved_chunks_in_flight_are_torchs(pp, M):
     """The closed form's chunks in flight per rank under interleaved 1F1B equal the most
     forwards without their backward in torch's own order of actions for that rank (its
-    ``pipeline_order``, built on the fake process group from two stages per rank)."""
+    ``pipeline_order``, built on the fake process group from two stages per rank); before each
+    backward, the sent activations torch still holds are the closed form's (every backward
+    before it sent its chunk's input gradient, but the first stage's, and left the output it
+    sent alive, but the last stage's)."""
     import re
 
     import torch
@@ -140,13 +146,19 @@ def test_interleaved_chunks_in_flight_are_torchs(pp, M):
         dist.destroy_process_group()
     c = _spec(pp=pp, microbatches=M, batch=M, pp_schedule="interleaved1f1b")
     for rank, actions in order.items():
-        live = most = 0
+        live = most = done = held = 0
         for a in filter(None, actions):
-            kind = re.fullmatch(r"\d+([FB])\d+", str(a))
+            kind = re.fullmatch(r"(\d+)([FB])\d+", str(a))
             assert kind, a  # (compute actions only, before torch adds the sends)
-            live += 1 if kind.group(1) == "F" else -1
+            if kind.group(2) == "B":
+                assert stages.sends_held(c, rank, done) == held, (rank, done, held)
+                g = int(kind.group(1))
+                held += (g != 2 * pp - 1) + (g != 0)
+                done += 1
+            live += 1 if kind.group(2) == "F" else -1
             most = max(most, live)
         assert stages.in_flight(c, rank) == most, (rank, most)
+        assert done == 2 * M and stages.sends_held(c, rank, done) == held
 
 
 def test_1f1b_keeps_fewer_micro_batches_than_gpipe():

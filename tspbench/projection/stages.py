@@ -90,6 +90,29 @@ def in_flight(c: RunSpec, stage: int) -> int:
     )
 
 
+@functools.lru_cache(maxsize=4096)
+def sends_held(c: RunSpec, stage: int, done: int) -> int:
+    """Activations the rank at pipeline position ``stage`` has sent and torch still holds after
+    its first ``done`` backward chunks, under a schedule of several stages per rank: torch's
+    multi-stage runtime (``_PipelineScheduleRuntime``) waits for its sends only when the step
+    ends, and a send's work holds its tensor until waited for (gloo's; NCCL's stash is cleared
+    at the wait), so each chunk's output, sent forward, outlives the chunk's backward, and each
+    gradient sent back lives to the step's end. A rank runs its backwards in rounds of ``m``
+    micro-batches per stage, its last stage first (torch's order of actions); a chunk sends an
+    output unless it is the pipeline's last stage, a gradient unless it is the first.
+    GPipe and 1F1B run one stage and wait for their sends (GPipe's gradients at the end of its
+    backwards, at most one a crest later: not counted)."""
+    M, pp, v = c.microbatches, c.layout.pp, stages_per_rank(c.pp_schedule)
+    if v == 1:
+        return 0
+    m = M // max(1, M // pp)
+    held = 0
+    for j in range(done):
+        g = stage + (v - 1 - (j // m) % v) * pp  # the global stage of the rank's j-th backward
+        held += (g != pp * v - 1) + (g != 0)
+    return held
+
+
 def stage_memory(c: RunSpec, stage: int) -> Memory:
     """Bytes per rank of stage ``stage`` by part, and its peaks: :func:`analytic.memory`'s
     crests with the stage's parameters and its micro-batches in flight. The loss's crest is the
@@ -130,6 +153,12 @@ def stage_memory(c: RunSpec, stage: int) -> Memory:
     # the first backward finds k micro-batches in flight and no gradient yet; a later one
     # finds every gradient of the stage beside k (1F1B's steady state) or k - 1 in flight
     later = k if c.pp_schedule != "gpipe" and v * c.microbatches > k else k - 1
+    # sent activations torch holds to the step's end (multi-stage schedules): at the last
+    # backward that finds ``later`` chunks in flight (the steady crest: v M - k done before it;
+    # each later one finds a chunk fewer and at most two more sent, or the second backward) and
+    # at the last backward
+    sent = sends_held(c, stage, v * c.microbatches - k if later == k else 1) * act
+    sent_end = sends_held(c, stage, v * c.microbatches - 1) * act
     per_layer = analytic.saved_per_layer(mb)
     unit = mb.cfg.layers * (act if c.rc else per_layer)  # one chunk's saved layers
     # and its output, which torch's stage keeps for the chunk's backward (its ``fwd_cache``),
@@ -149,7 +178,8 @@ def stage_memory(c: RunSpec, stage: int) -> Memory:
         if c.microbatches == 1:  # (kept gradients fill during the one backward: all, at most)
             first += kept_g
         lk = min(later, kl)
-        again = later * unit + (lk - (not at_loss)) * loss_unit + chunk_outputs(later, lk) + grads
+        again = later * unit + (lk - (not at_loss)) * loss_unit + chunk_outputs(later, lk)
+        again += grads + sent
         return max(first, again if later else 0)
 
     def chunk_outputs(chunks: int, at_last: int) -> int:
@@ -161,7 +191,7 @@ def stage_memory(c: RunSpec, stage: int) -> Memory:
         "layer backward": rest + kept_w + held(False) + top + layer_t + head_grad,
         # (kept units: their weights until the schedule ends, their full gradients until
         # reduce-scattered after it; else the shards' gradients)
-        "end of backward": rest + end_t + (kept_w + kept_g if kept_g else n * e),
+        "end of backward": rest + end_t + (kept_w + kept_g if kept_g else n * e) + sent_end,
     }
     if last:
         crests["loss backward"] = rest + kept_w + held(True) + loss_t + head_grad
