@@ -36,7 +36,7 @@ from tspbench.core.layers import rms_norm
 from tspbench.core.mesh import Axis, Mesh
 from tspbench.core.optim import grad_sq_sum
 from tspbench.core.options import OVERLAP, Option, Value
-from tspbench.core.reference import QK_NORMS
+from tspbench.core.reference import QK_NORMS, head_name
 from tspbench.core.strategy import Batch, Layout, Strategy, tensor_of
 
 MLP = {"ring": RingMLP, "broadcast": BroadcastMLP}
@@ -163,8 +163,9 @@ class TSP(Strategy):
         rows = chunk_slice(cfg.vocab, D, r)  # the embedding's and the head's vocabulary rows
         first, last = self.stage.first, self.stage.last  # (a pipeline stage: its part only)
         self.tables = [self.to_param(self.init_block("embed", rows))] if first else []
-        if last and not cfg.tie_embeddings:  # tied: the head is the embedding (its two
-            self.tables.append(self.to_param(self.init_block("head", rows)))  # grads sum)
+        if last and not (cfg.tie_embeddings and first):  # tied: the head is the embedding
+            # (its two grads sum), or on a pipeline's last stage the embedding's copy
+            self.tables.append(self.to_param(self.init_block(head_name(cfg), rows)))
         self.norms = [self.to_param(self.init_block("norm"))] if last else []
         q, f, kv = cfg.q_dim, cfg.ffn, cfg.kv_dim
         own = {n: chunk_slice(n_out, D, r) for n, n_out in (("q", q), ("f", f), ("kv", kv))}
@@ -342,6 +343,9 @@ class TSP(Strategy):
         output biases (Llama's bo, b2), where the model has them."""
         experts = ("router",) + ("sgate",) * bool(self.cfg.shared_ffn) if self.cfg.moe else ()
         return self.qk_norms + ("bo",) * self.cfg.o_bias + ("b2",) * self.cfg.mlp_bias + experts
+
+    def tied_table(self) -> list[torch.nn.Parameter]:
+        return self.tables[:1]  # (the embedding's rows, or the last stage's copy of them)
 
     def replicated(self) -> list[torch.nn.Parameter]:
         names = ("attn_norm", "mlp_norm", *self.whole)

@@ -154,8 +154,11 @@ class FSDPCP(SequenceSharded):
         self.cp_groups = exchange_groups(mesh, Axis.MODEL, cfg, self.cp_comm, self.cp_a2a)
         shapes = param_shapes(cfg)
         self.units = []
-        for names in unit_names(cfg):
-            if self.stage.holds(names[0]):  # (a pipeline stage: its units; each on one stage)
+        order = unit_names(cfg)
+        if self.stage.tied_copy:  # the last stage's copy of the embedding: its head, after
+            order = order[1:] + order[:1]  # the norm's unit
+        for names in order:
+            if self.stage.holds(names[0]):  # (a pipeline stage: its units)
                 names = [n for n in names if n.rsplit(".", 1)[-1] not in moe.EXPERTS]
                 shard = self.to_param(self.shard(names))
                 self.units.append(Unit(names, [shapes[n] for n in names], shard))
@@ -338,8 +341,9 @@ class FSDPCP(SequenceSharded):
 
     @property
     def head_unit(self) -> int:
-        """The final norm's (and untied head's) unit: the last, on the last stage."""
-        return len(self.units) - 1
+        """The final norm's (and untied head's) unit: the last on the last stage (before the
+        embedding's copy, with tied embeddings in a pipeline)."""
+        return len(self.units) - 1 - self.stage.tied_copy
 
     def _body(self, batch: Batch) -> torch.Tensor:
         return self.run_layers(self.embed(batch.tokens))
@@ -350,10 +354,22 @@ class FSDPCP(SequenceSharded):
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
 
     def head_loss(self, x: torch.Tensor, labels: torch.Tensor, n_tokens: int) -> torch.Tensor:
+        if self.stage.tied_copy:  # the norm's unit, then the embedding's copy as the head
+            x = self.run_unit(
+                self.head_unit, lambda w, x: rms_norm(x, w["norm"], self.cfg.norm_eps), x
+            )
+            total = self.run_unit(
+                self.head_unit + 1, lambda w, x: self._ce(x, w["embed"], labels), x
+            )
+            return total / n_tokens
+
         def head(w, x):
             return self._ce(rms_norm(x, w["norm"], self.cfg.norm_eps), w["head"], labels)
 
         return self.run_unit(self.head_unit, head, x) / n_tokens
+
+    def tied_table(self) -> list[torch.nn.Parameter]:
+        return [u.shard for u in self.units if u.names == ["embed"]]
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         self.router_stats = moe.RouterStats() if self.cfg.moe else None

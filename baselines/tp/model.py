@@ -75,6 +75,9 @@ class TP(Strategy):
         x = self.run_layers(self.embed(batch.tokens))
         return rms_norm(x, self.params["norm"], self.cfg.norm_eps)
 
+    def tied_table(self) -> list[torch.nn.Parameter]:
+        return [self.params["embed"]]  # (the first stage's, or the last stage's copy)
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return embedding(tokens, self.params["embed"], self.comm)
 

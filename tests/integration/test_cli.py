@@ -296,7 +296,7 @@ def test_forced_oom_is_a_result(tmp_path):
         # stages, a schedule torch does not know, one torch knows that is not run here (a
         # zero-bubble one), interleaved 1F1B's two stages per rank that do not divide the
         # layers, its unequal rounds, its forward only, a strategy that does not run as a
-        # stage yet, tied embeddings
+        # stage yet
         (PP + ["--pp", "4", "--microbatches", "4", "--batch", "4"], "pp=4: must divide model.lay"),
         (PP + ["--microbatches", "1"], "microbatches=1: 1f1b needs at least pp=2"),
         (PP + ["--pp-schedule", "zbv"], "pp_schedule='zbv': must be one of gpipe, 1f1b, inter"),
@@ -312,7 +312,6 @@ def test_forced_oom_is_a_result(tmp_path):
             "pp_schedule=interleaved1f1b: trains only here",
         ),
         (["--strategy", "fsdp2_cp", *PP[2:]], "pp=2: strategy fsdp2_cp does not run as a pip"),
-        (PP + ["--set", "tie_embeddings=True"], "pp=2: model.tie_embeddings=True puts one"),
         (PP + ["--mode", "decode"], "mode='decode' with pp=2: pipelines here train or infer"),
         (PP + ["--batch", "3"], "microbatches=2: must divide batch=3"),
         (PP[:-4] + ["--microbatches", "2"], "--microbatches: only with --pp > 1 (got pp=1)"),

@@ -22,6 +22,7 @@ from tspbench.runtime.pipelined import stages_per_rank
 from tspbench.runtime.registry import schema
 
 GQA = {"kv_heads": 4, "qk_norm": True, "head_dim": 16}
+TIED = {"tie_embeddings": True}  # (Llama 3.2 1B/3B, the small Qwens)
 
 
 def _case(strategy: str, D: int, pp: int, schedule: str, M: int, **kw) -> dict:
@@ -79,6 +80,19 @@ CASES = [
     _case("fsdp_cp", 2, 2, "interleaved1f1b", 4, model={**GQA, "layers": 4}),
     _case("fsdp_cp", 2, 2, "interleaved1f1b", 2, model={"layers": 4}, pp_keep_gathered=False),
     _case("tsp", 1, 4, "interleaved1f1b", 4, model={"layers": 8}),
+    # tied embeddings: the last stage's copy of the embedding is its head, the two copies'
+    # gradients summed after every step (over the pipeline's two ends at pp = 4), FSDP+CP's
+    # both ways, under interleaving and with replicas
+    _case("tsp", 2, 2, "1f1b", 2, model=TIED),
+    _case("tp", 2, 2, "gpipe", 2, model={**TIED, **GQA}),
+    _case("sp", 2, 2, "1f1b", 2, model=TIED, cp_comm="ring"),
+    _case("tpsp", 2, 2, "1f1b", 2, model=TIED, tp=2, sp=1),
+    _case("fsdp_cp", 2, 2, "1f1b", 2, model=TIED),
+    _case("fsdp_cp", 2, 2, "1f1b", 2, model=TIED, pp_keep_gathered=False, overlap=False),
+    _case("tsp", 1, 4, "1f1b", 4, model={**TIED, "layers": 4}),
+    _case("tp", 2, 2, "interleaved1f1b", 2, model={**TIED, "layers": 4}),
+    _case("tsp", 1, 2, "1f1b", 2, dp=2, model=TIED, recompute="full"),
+    _case("tsp", 2, 2, "gpipe", 2, model=TIED, mode="infer"),
 ]
 TRAIN = [c for c in CASES if c.get("mode") != "infer"]
 
@@ -97,12 +111,15 @@ def test_every_stage_equals_the_reference(results, case):
     spec = case_spec(case, pp=case["pp"], pp_schedule=case["schedule"], microbatches=case["M"])
     group = dataclasses.replace(spec.layout, pp=1, dp=1)
     whole = spec.impl.costs.param_numel(spec.cfg, group)
+    tied = spec.cfg.tie_embeddings  # (the last stage holds the embedding's copy too)
+    whole += tied * stages.table_params(spec)
     dp = case.get("dp", 1)  # (ranks: stage outermost, then replica, then model-group position)
     assert sum(r["numel"] for r in ranks[:: case["D"]]) == whole * dp
     assert [r["numel"] for r in ranks] == [stages.stage_params(spec, r["stage"]) for r in ranks]
     if case in TRAIN:  # the stages together hold every parameter, once per model group
         held = [n for r in ranks for n in r["names"]]
-        assert sorted(held) == sorted(ranks[0]["ref_names"] * case["D"] * dp)
+        twice = ["embed"] * tied
+        assert sorted(held) == sorted((ranks[0]["ref_names"] + twice) * case["D"] * dp)
 
 
 def test_one_micro_batch_leaves_the_stages_no_overlap(results):
@@ -129,7 +146,10 @@ def test_stages_send_activations_and_their_gradients(results, case):
         stage = r[case["id"]]["stage"]  # (its position; its v stages each send both ways but
         # the pipeline's first backward and its last forward)
         sends = 2 * v - (stage == 0) - (stage == case["pp"] - 1)
-        assert r[case["id"]]["pp_bytes"] == steps * sends * one_way, rank
+        # tied embeddings: the two ends' all-reduce of the table's gradient
+        ends = cfg.tie_embeddings and stage in (0, case["pp"] - 1)
+        tie = ends * stages.table_params(spec) * 4
+        assert r[case["id"]]["pp_bytes"] == steps * (sends * one_way + tie), rank
 
 
 # Through the CLI, as every strategy is checked (test_cli.py): TSP in two stages of 2 ranks,
@@ -177,6 +197,12 @@ CLI_RUNS = {
     # interleaved 1F1B: two stages of one layer per rank
     "tsp-pp2-interleaved": (["--strategy", "tsp", *INTERLEAVED], 4),
     "tp-pp2-interleaved": (["--strategy", "tp", *INTERLEAVED], 4),
+    # tied embeddings: the last stage's head is the embedding's copy
+    "single-tied": (["--strategy", "single", "--set", "tie_embeddings=True"], 1),
+    "tsp-pp2-tied": (
+        ["--strategy", "tsp", "--degree", "2", "--pp", "2", "--set", "tie_embeddings=True"],
+        4,
+    ),
 }
 
 
@@ -222,6 +248,20 @@ def test_cli_pipelines_equal_single(cli_records, name):
     assert rec["comm_bytes_pp_per_rank"] == sends
 
 
+def test_cli_pipeline_with_tied_embeddings_equals_single(cli_records):
+    """The first stage's embedding and the last stage's copy sum their gradients once a step
+    (an all-reduce between the two ends, counted on the pipeline's axis): single's loss and
+    gradient norm, the embedding's gradient counted once."""
+    rec, ref = cli_records["tsp-pp2-tied"], cli_records["single-tied"]
+    assert rec["status"] == "ok" and rec["model_config"]["tie_embeddings"]
+    assert rec["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+    assert rec["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+    spec = argv_spec([*CLI_BASE, *CLI_RUNS["tsp-pp2-tied"][0]])
+    one_way = rec["batch"] * rec["seq_len"] // 2 * 64 * 4
+    tie = stages.table_params(spec) * 4  # (an all-reduce of two: its bus bytes are its size)
+    assert rec["comm_bytes_pp_per_rank"] == [one_way + tie] * 4
+
+
 def test_fsdp_cp_stages_keep_their_units_over_the_micro_batches(cli_records):
     """Kept (the default, as torch runs an FSDP2 stage), each stage's units are reduce-scattered
     once a step; regathered per micro-batch, once per micro-batch: M - 1 = 1 more set of the
@@ -261,7 +301,7 @@ def test_interleaved_bubble_is_measured_beside_its_closed_form(cli_records):
     assert all(0 <= b < 1 for b in rec["pp_bubble_fraction_per_rank"])
 
 
-@pytest.mark.parametrize("name", [*PIPELINES, "tsp-pp2-infer"])
+@pytest.mark.parametrize("name", [*PIPELINES, "tsp-pp2-infer", "tsp-pp2-tied"])
 def test_stage_peaks_equal_the_closed_form(cli_records, name):
     """Each rank's measured peak (live tensors, tracked) against its stage's closed form
     (tspbench/projection/stages.py: the stage's parameters, its micro-batches in flight under

@@ -210,6 +210,30 @@ def test_a_pipeline_that_leaves_the_node_sends_over_the_nic():
     assert dp["dp_reduce_s"] > 0 and inside["dp_reduce_s"] == 0
 
 
+def test_tied_embeddings_cost_their_copy_and_one_all_reduce_a_step():
+    """With tied embeddings the last stage holds the embedding's copy and the two ends sum
+    their gradients once a step: the table's elements on a rank, over the NIC where the
+    pipeline leaves the node (the first and the last stage are furthest apart)."""
+    import dataclasses
+
+    tied = dataclasses.replace(SEVEN_B, tie_embeddings=True)
+    pre = costmodel.load_preset("h100")
+    r = costmodel.rates(pre, 8)
+    for degree, link in ((2, r["groups"]["2"]["all_reduce"]), (8, costmodel.across(r, 1))):
+        c = _spec(degree=degree, pp=4).replace(cfg=tied)
+        table = tied.vocab * tied.hidden // degree  # (TSP: its vocabulary rows)
+        assert stages.table_params(c) == table
+        untied = _spec(degree=degree, pp=4)  # (the copy where the untied head was)
+        assert [stages.stage_params(c, s) for s in range(4)] == [
+            stages.stage_params(untied, s) for s in range(4)
+        ]
+        p = costmodel.project(c, pre, ops=0)
+        want = costmodel.call_time(link, "all_reduce", table * 2, 2)
+        assert p["pp_tie_s"] == pytest.approx(want) and want > 0
+        assert costmodel.project(_spec(degree=degree, pp=4), pre, ops=0)["pp_tie_s"] == 0
+    assert costmodel.project(c.replace(mode="infer"), pre, ops=0)["pp_tie_s"] == 0
+
+
 def test_sp_sums_its_gradients_once_a_step_not_once_a_micro_batch():
     """SP's all-reduce of every gradient runs after the schedule (finish_grads): doubling the
     micro-batches adds their slots, not another all-reduce, which is charged once."""

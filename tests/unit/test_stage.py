@@ -26,14 +26,21 @@ def test_stages_hold_every_parameter_once():
     assert Stage.whole(cfg).holds("embed") and Stage.whole(cfg).holds("head")
 
 
-@pytest.mark.parametrize(
-    ("over", "pp", "needle"),
-    [({"layers": 3}, 2, "pp=2: must divide model.layers=3"),
-     ({"tie_embeddings": True}, 2, "pp=2: model.tie_embeddings=True")],
-)  # fmt: skip
-def test_a_model_that_cannot_be_split_is_refused(over, pp, needle):
-    with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
-        Stage.of(get_config("tiny", **over), pp, 0)
+def test_with_tied_embeddings_the_last_stage_holds_the_embeddings_copy():
+    """Megatron-Core's split: the embedding on the first stage, its copy as the head on the
+    last (the middle ones hold neither); a whole model's one table is no copy."""
+    cfg = get_config("tiny", layers=4, tie_embeddings=True)
+    stages = [Stage.of(cfg, 4, i) for i in range(4)]
+    assert [s.holds("embed") for s in stages] == [True, False, False, True]
+    assert [s.tied_copy for s in stages] == [False, False, False, True]
+    assert not any(s.holds("head") for s in stages[:3]) and "head" not in param_shapes(cfg)
+    assert Stage.whole(cfg).holds("embed") and not Stage.whole(cfg).tied_copy
+    assert not Stage.of(get_config("tiny", layers=4), 2, 1).tied_copy
+
+
+def test_a_model_that_cannot_be_split_is_refused():
+    with pytest.raises(ConfigError, match="pp=2: must divide model.layers=3"):
+        Stage.of(get_config("tiny", layers=3), 2, 0)
 
 
 def test_stages_go_outermost_so_model_groups_stay_in_a_node():

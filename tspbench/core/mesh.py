@@ -37,6 +37,7 @@ class Mesh:
     counter: CommCounter
     lines: dict[str, list[list[int]]]  # every group of each axis (global ranks)
     splits: dict[tuple[str, int], tuple[Comm, Comm]] = field(default_factory=dict)  # split()'s
+    end_pairs: dict[str, Comm] = field(default_factory=dict)  # ends()'s, by axis
 
     def __getitem__(self, axis: str) -> Comm:
         return self.comms[axis]
@@ -62,6 +63,16 @@ class Mesh:
         pair = self.splits[(axis, inner)]
         self.comms.update(zip(names, pair))  # the latest split (one per run)
         return pair
+
+    def ends(self, axis: str) -> Comm:
+        """The first and the last rank of each line of ``axis`` in one group (the others
+        alone), counted as ``axis``: a pipeline's two copies of a tied embedding, on its first
+        and last stage. Made once per mesh. Collective: every rank must call it."""
+        if axis not in self.end_pairs:
+            lines = [[ln[0], ln[-1]] for ln in self.lines[axis]]
+            lines += [[r] for ln in self.lines[axis] for r in ln[1:-1]]
+            self.end_pairs[axis] = _comm(lines, axis, self.counter)
+        return self.end_pairs[axis]
 
 
 def split_lines(lines: list[list[int]], inner: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -100,7 +111,7 @@ def _comm(lines: list[list[int]], axis: str, counter: CommCounter) -> Comm:
     process group each, made by every rank)."""
     me = dist.get_rank() if dist.is_initialized() else 0
     mine = next(line for line in lines if me in line)
-    if len(mine) == 1:
+    if all(len(line) == 1 for line in lines):
         return Comm(None, mine, axis, counter)
     group, _ = dist.new_subgroups_by_enumeration(lines)
-    return Comm(group, mine, axis, counter)
+    return Comm(group if len(mine) > 1 else None, mine, axis, counter)

@@ -324,6 +324,12 @@ class Strategy(ABC):
         batch's), so local losses sum to the mean over micro-batches and ranks."""
         raise NotImplementedError(f"strategy {self.name}: no pipeline stages")
 
+    def tied_table(self) -> list[torch.nn.Parameter]:
+        """With tied embeddings, this stage's parameters that hold the embedding: the first
+        stage's, or the last stage's copy used as its head, split alike on both (the pipeline
+        sums the two stages' gradients of them: :class:`tspbench.runtime.pipelined.Pipelined`)."""
+        raise NotImplementedError(f"strategy {self.name}: no pipeline stages")
+
     def decoding(self) -> Decoder:
         """This model's decode path (docs/decode.md); ConfigError where it has none."""
         if self.decoder is None:

@@ -539,6 +539,8 @@ def project_pipeline(c: RunSpec, preset: dict, ops: int | None = None) -> dict[s
       point-to-point traffic);
     - t_dp: the stage's gradients summed over its dp replicas after the last backward, not
       hidden (the runtime issues it there: docs/running.md);
+    - with tied embeddings, the all-reduce of the embedding's gradient between the first
+      stage and the last stage's copy, once a step;
     - once a step, not per slot, for each of the rank's v stages (each a strategy of its own):
       the strategy's own gradient reductions after the schedule
       (``per_step`` events: SP's all-reduce of every gradient, TSP's of the norms), sized by
@@ -562,9 +564,13 @@ def project_pipeline(c: RunSpec, preset: dict, ops: int | None = None) -> dict[s
         n = max(stages.stage_params(c, s) for s in range(pp))
         dlink = group_link(c, r, Axis.DP, "all_reduce", c.dp, per_node)
         dp = call_time(dlink, "all_reduce", n * c.e, c.dp)
+    tie = 0.0  # tied embeddings: the first and last stages sum their copies' gradients
+    if c.train and c.cfg.tie_embeddings:
+        tlink = group_link(c, r, Axis.PP, "all_reduce", 2, per_node)
+        tie = call_time(tlink, "all_reduce", stages.table_params(c) * c.e, 2)
     slots = M + pp - 1
     # each of the rank's stages' gradient reductions and the metrics, once a step
-    once = stages_per_rank(c.pp_schedule) * slot["once_s"] + dp
+    once = stages_per_rank(c.pp_schedule) * slot["once_s"] + dp + tie
     base = {
         "device_s": slots * (slot["device_s"] + hop) + once,
         "compute_s": M * slot["compute_s"],
@@ -574,7 +580,8 @@ def project_pipeline(c: RunSpec, preset: dict, ops: int | None = None) -> dict[s
         "pp_bubble_s": (pp - 1) * (slot["device_s"] + hop),
         "pp_bubble_fraction": (pp - 1) / slots,
         "pp_hop_s": hop,
-        "pp_once_s": once - dp,
+        "pp_once_s": once - dp,  # (the tied embedding's all-reduce in it)
+        "pp_tie_s": tie,
         "dp_reduce_s": dp,
         "dispatch_s_per_op": slot["dispatch_s_per_op"],
         "serial_dispatch": slot["serial_dispatch"],

@@ -49,15 +49,24 @@ def micro_spec(c: RunSpec) -> RunSpec:
 def stage_params(c: RunSpec, stage: int) -> int:
     """Parameter elements one rank of stage ``stage`` holds: its L/pp layers, the embedding on
     the first stage, the final norm and the head on the last (the strategy's closed form, split
-    by its per-layer part and its two vocabulary tables, each linear in the vocabulary)."""
+    by its per-layer part and its two vocabulary tables, each linear in the vocabulary); with
+    tied embeddings the one table on the first stage and its copy, the head, on the last."""
     cfg, pp = c.cfg, c.layout.pp
     per_layer, tables, norm = _parts(c.impl, cfg, _unstaged(c.layout))
     n = cfg.layers // pp * per_layer
+    first = table_params(c)  # (tied: the model's one table)
     if stage == 0:
-        n += tables // 2
+        n += first
     if stage == pp - 1:
-        n += tables - tables // 2 + norm
+        n += (tables if cfg.tie_embeddings else tables - first) + norm
     return n
+
+
+def table_params(c: RunSpec) -> int:
+    """Elements of one vocabulary table on a rank: with tied embeddings, what the first and
+    the last stage each hold of the embedding, whose gradients they sum every step."""
+    _, tables, _ = _parts(c.impl, c.cfg, _unstaged(c.layout))
+    return tables if c.cfg.tie_embeddings else tables // 2
 
 
 @functools.lru_cache(maxsize=1024)
@@ -90,7 +99,6 @@ def in_flight(c: RunSpec, stage: int) -> int:
     )
 
 
-@functools.lru_cache(maxsize=4096)
 def sends_held(c: RunSpec, stage: int, done: int) -> int:
     """Activations the rank at pipeline position ``stage`` has sent and torch still holds after
     its first ``done`` backward chunks, under a schedule of several stages per rank: torch's
@@ -102,9 +110,12 @@ def sends_held(c: RunSpec, stage: int, done: int) -> int:
     output unless it is the pipeline's last stage, a gradient unless it is the first.
     GPipe and 1F1B run one stage and wait for their sends (GPipe's gradients at the end of its
     backwards, at most one a crest later: not counted)."""
-    M, pp, v = c.microbatches, c.layout.pp, stages_per_rank(c.pp_schedule)
-    if v == 1:
-        return 0
+    v = stages_per_rank(c.pp_schedule)
+    return 0 if v == 1 else _held(c.layout.pp, c.microbatches, v, stage, done)
+
+
+@functools.lru_cache(maxsize=4096)
+def _held(pp: int, M: int, v: int, stage: int, done: int) -> int:
     m = M // max(1, M // pp)
     held = 0
     for j in range(done):

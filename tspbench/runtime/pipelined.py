@@ -197,6 +197,12 @@ class Pipelined:
         self._stages: list[_CountedStage] = []
         self._schedule_s = 0.0
         self._n_tokens = 0
+        # tied embeddings: the first stage's embedding and the last stage's copy (its head)
+        # sum their gradients over the ranks of equal position on the two (Megatron-Core's
+        # embedding group); the others hold neither
+        tied = train and self.strat.cfg.tie_embeddings
+        self.tie = (self.pp if self.pp.size == 2 else mesh.ends(Axis.PP)) if tied else None
+        self.tables = [p for s in strats if s.stage.holds("embed") for p in s.tied_table()]
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.strat, name)
@@ -266,6 +272,8 @@ class Pipelined:
         total = self._step(batch)
         for s in self.strats:
             s.finish_grads()
+        if self.tie is not None and self.tables:  # (sums the two copies' gradients, in place)
+            self.strat.all_reduce_grads(self.tables, self.tie)
         dp = self.mesh.comms.get(Axis.DP)
         if dp is not None and dp.size > 1:
             self.strat.all_reduce_grads(self.parameters(), dp)
@@ -276,9 +284,20 @@ class Pipelined:
         return self._step(batch)
 
     def grad_sq_norm(self) -> torch.Tensor:
-        """Over every stage: each stage's over its model group, summed along the pipeline."""
-        local = torch.stack([s.grad_sq_norm() for s in self.strats]).sum()
-        return self.pp.all_reduce_metric(local)
+        """Over every stage: each stage's over its model group, summed along the pipeline; a
+        tied embedding once (its copy's gradient, equal to it, left out on the last stage)."""
+        parts = []
+        for s in self.strats:
+            copy = s.tied_table() if s.stage.tied_copy else []
+            grads = [p.grad for p in copy]
+            for p in copy:
+                p.grad = None
+            try:
+                parts.append(s.grad_sq_norm())
+            finally:
+                for p, g in zip(copy, grads):
+                    p.grad = g
+        return self.pp.all_reduce_metric(torch.stack(parts).sum())
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for s in self.strats for p in s.parameters()]
