@@ -69,7 +69,7 @@ class Mesh:
         alone), counted as ``axis``: a pipeline's two copies of a tied embedding, on its first
         and last stage. Made once per mesh. Collective: every rank must call it."""
         if axis not in self.end_pairs:
-            lines = [[ln[0], ln[-1]] for ln in self.lines[axis]]
+            lines = [sorted({ln[0], ln[-1]}) for ln in self.lines[axis]]
             lines += [[r] for ln in self.lines[axis] for r in ln[1:-1]]
             self.end_pairs[axis] = _comm(lines, axis, self.counter)
         return self.end_pairs[axis]

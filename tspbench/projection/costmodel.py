@@ -277,7 +277,9 @@ def crosses_nodes(c: RunSpec, axis: str, size: int, per_node: int) -> bool:
     the world does, the model group's axes where the group does, but a2a+p2p's inner groups
     (``<axis>.a2a``: ``size`` consecutive context-parallel ranks, each T wide under tensor
     parallelism, laid from rank 0) only where one of them does: wider than a node, or not
-    tiling it (6 ranks on 8-GPU nodes: the second group straddles two)."""
+    tiling it (6 ranks on 8-GPU nodes: the second group straddles two); TP+SP's tensor group
+    (``tp``: T consecutive ranks) likewise, so a 16-rank TP+SP of T = 4 keeps its all-reduces
+    in a node and sends only its context-parallel traffic across."""
     if axis == Axis.DP:
         return c.degree * c.dp > per_node
     if axis == Axis.PP:  # neighbouring stages are degree x dp ranks apart: some pair of them

@@ -57,8 +57,8 @@ def stage_params(c: RunSpec, stage: int) -> int:
     first = table_params(c)  # (tied: the model's one table)
     if stage == 0:
         n += first
-    if stage == pp - 1:
-        n += (tables if cfg.tie_embeddings else tables - first) + norm
+    if stage == pp - 1:  # (tied: the copy, but on a whole model's one stage)
+        n += (first * (pp > 1) if cfg.tie_embeddings else tables - first) + norm
     return n
 
 
@@ -206,6 +206,9 @@ def stage_memory(c: RunSpec, stage: int) -> Memory:
     }
     if last:
         crests["loss backward"] = rest + kept_w + held(True) + loss_t + head_grad
+    if c.cfg.tie_embeddings and (stage == 0 or last):  # the two ends' all-reduce after the
+        # schedule: the shards' gradients and the table's gradient packed beside them
+        crests["tied all-reduce"] = rest + n * e + table_params(c) * e
     layers = k * unit + kl * loss_unit + chunk_outputs(k, kl)
     opt = rest + n * e + 8 * n + (4 * n if e != 4 else 0)
     at = max(crests, key=lambda x: crests[x])
@@ -220,7 +223,8 @@ def memory(c: RunSpec) -> tuple[int, Memory]:
     """(the stage whose peak is highest, its :func:`stage_memory`): the cap a pipeline must fit
     is its fullest stage's. Only the first, the second and the last are priced: the others
     hold what the second holds (no table, both receive buffers) with as many micro-batches in
-    flight or fewer."""
+    flight or fewer (under interleaved 1F1B two chunks fewer per rank, at least four
+    activations, for at most four more sends held: :func:`sends_held`)."""
     pp = c.layout.pp
     peaks = {s: stage_memory(c, s) for s in sorted({0, min(1, pp - 1), pp - 1})}
     s = max(peaks, key=lambda i: peaks[i]["peak"])

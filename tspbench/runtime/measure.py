@@ -398,7 +398,8 @@ def pipeline_summary(spec: RunSpec, ranks: list[dict[str, Any]]) -> dict[str, An
     its stage computed in it (medians over the timed steps), its bubble, the idle fraction of
     the pipeline's schedule (the longest rank's: the first stage's, which waits for the last
     backward; the last stage's own ends before the others' backwards do), beside the closed
-    form's, and the bytes it sends between stages per step."""
+    form's, and the bytes it sends between stages per step (a tied embedding's all-reduce
+    between the two ends included)."""
     sched = [statistics.median(t[0] for t in r["pp_times"]) for r in ranks]
     busy = [statistics.median(t[1] for t in r["pp_times"]) for r in ranks]
     values = {

@@ -202,7 +202,7 @@ class Pipelined:
         # embedding group); the others hold neither
         tied = train and self.strat.cfg.tie_embeddings
         self.tie = (self.pp if self.pp.size == 2 else mesh.ends(Axis.PP)) if tied else None
-        self.tables = [p for s in strats if s.stage.holds("embed") for p in s.tied_table()]
+        self.tables = [p for s in strats if tied and s.stage.holds("embed") for p in s.tied_table()]
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.strat, name)
@@ -265,7 +265,8 @@ class Pipelined:
 
     def forward_backward(self, batch: Batch) -> torch.Tensor:
         """A step; each stage's own gradient reductions over its model group (FSDP+CP's last
-        reduce-scatters complete its shards' gradients there); then the rank's gradients
+        reduce-scatters complete its shards' gradients there); a tied embedding's two copies'
+        gradients summed over the pipeline's two ends; then the rank's gradients
         summed over the data-parallel replicas of the same stages, in one packed all-reduce
         (the strategies' bucketed reducer would issue it at the first micro-batch's gradients;
         the cost model charges it as not hidden: docs/running.md)."""
