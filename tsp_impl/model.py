@@ -191,7 +191,6 @@ class TSP(Strategy):
                 }
             )
         self._plans: dict[int, TSPPlan] = {}
-        self.router_stats: moe.RouterStats | None = None  # a step's routing (experts only)
         self.recomputing = False  # set while backward recomputes a layer (checkpointed)
 
     def mlp_blocks(self, n: str, own: dict[str, slice]) -> dict[str, torch.Tensor]:

@@ -168,7 +168,6 @@ class FSDPCP(SequenceSharded):
             {k: self.to_param(self.init_block(f"layers.{i}.{k}", mine)) for k in moe.EXPERTS}
             for i in (self.stage.layers if cfg.moe else ())
         ]
-        self.router_stats: moe.RouterStats | None = None  # a step's routing (experts only)
         # the unit of this stage's first layer: after the embedding's on the first stage
         self.first_layer_unit = int(self.stage.first)
         self.regathered: dict[int, torch.Tensor] = {}

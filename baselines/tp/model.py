@@ -62,7 +62,6 @@ class TP(Strategy):
             attn=attention,
             moe=self.moe_block,
         )
-        self.router_stats: moe.RouterStats | None = None  # a step's routing (experts only)
 
     def shard_batch(self, tokens: torch.Tensor, labels: torch.Tensor) -> Batch:
         return Batch(
@@ -123,6 +122,11 @@ class TP(Strategy):
                 self.routed.zero_()  # expert: one rank's count of them
         self.router_stats = None
         return local, self.reported_loss(reported)
+
+    def routing_counted(self, stats: moe.RouterStats) -> None:
+        super().routing_counted(stats)
+        if self.comm.rank and self.routed is not None:  # every rank routed every token: one
+            self.routed.zero_()  # rank's count of them
 
     def reported_loss(self, local: torch.Tensor) -> torch.Tensor:
         return self.total_loss(local, token_axes=())  # every rank holds the whole loss

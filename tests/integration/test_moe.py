@@ -303,7 +303,8 @@ def test_closed_forms_price_uneven_routing_but_the_all_to_all(cli_records):
         (["--set", "capacity_factor=1.25", "--strategy", "tsp", "--degree", "2"],
          "capacity_factor=1.25: the MoE here is dropless"),
         (["--strategy", "sp", "--degree", "2"], "model.experts=4: strategy sp runs dense models"),
-        (["--strategy", "tsp", "--degree", "2", "--pp", "2"], "pp=2: a model with experts runs"),
+        (["--strategy", "tsp", "--degree", "2", "--pp", "2"],
+         "model.aux_loss=0.02 with pp=2: the load-balancing loss is the whole batch's"),
     ],
 )  # fmt: skip
 def test_bad_input_with_experts_exits_2(mixtral, tmp_path, args, message):

@@ -23,6 +23,7 @@ from tspbench.runtime.registry import schema
 
 GQA = {"kv_heads": 4, "qk_norm": True, "head_dim": 16}
 TIED = {"tie_embeddings": True}  # (Llama 3.2 1B/3B, the small Qwens)
+MOE = {"experts": 4, "top_k": 2}  # (Mixtral's shape, without the load-balancing loss)
 
 
 def _case(strategy: str, D: int, pp: int, schedule: str, M: int, **kw) -> dict:
@@ -93,6 +94,13 @@ CASES = [
     _case("tp", 2, 2, "interleaved1f1b", 2, model={**TIED, "layers": 4}),
     _case("tsp", 1, 2, "1f1b", 2, dp=2, model=TIED, recompute="full"),
     _case("tsp", 2, 2, "gpipe", 2, model=TIED, mode="infer"),
+    # experts in stages (without the load-balancing loss: pipelines refuse it): TSP's expert
+    # schedules, TP's expert parallelism, FSDP+CP's all-to-all dispatcher
+    _case("tsp", 2, 2, "1f1b", 2, model=MOE),
+    _case("tsp", 2, 2, "gpipe", 2, model={**MOE, **GQA}, moe_schedule="ring", recompute="full"),
+    _case("tp", 2, 2, "1f1b", 2, model=MOE),
+    _case("fsdp_cp", 2, 2, "1f1b", 2, model=MOE),
+    _case("tsp", 1, 4, "interleaved1f1b", 4, model={**MOE, "layers": 8}),
 ]
 TRAIN = [c for c in CASES if c.get("mode") != "infer"]
 
@@ -167,6 +175,7 @@ INTERLEAVED = [
     "--pp-schedule",
     "interleaved1f1b",
 ]
+EXPERTS = ["--set", "experts=4", "--set", "top_k=2"]
 CLI_RUNS = {
     "single": (["--strategy", "single"], 1),
     "single-s256": (["--strategy", "single", "--seq-len", "256"], 1),
@@ -203,6 +212,9 @@ CLI_RUNS = {
         ["--strategy", "tsp", "--degree", "2", "--pp", "2", "--set", "tie_embeddings=True"],
         4,
     ),
+    # experts: 4 of them, 2 per token
+    "single-moe": (["--strategy", "single", *EXPERTS], 1),
+    "tp-pp2-moe": (["--strategy", "tp", "--degree", "2", "--pp", "2", *EXPERTS], 4),
 }
 
 
@@ -262,6 +274,19 @@ def test_cli_pipeline_with_tied_embeddings_equals_single(cli_records):
     assert rec["comm_bytes_pp_per_rank"] == [one_way + tie] * 4
 
 
+def test_cli_pipeline_with_experts_equals_single(cli_records):
+    """Experts in stages: single's loss and gradient norm, and the record's tokens per expert
+    over every stage's layers, as single's (the same routing; TP's ranks each route every
+    token, so one of them counts)."""
+    rec, ref = cli_records["tp-pp2-moe"], cli_records["single-moe"]
+    assert rec["status"] == "ok" and rec["model_config"]["experts"] == 4
+    assert rec["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+    assert rec["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+    layers = rec["model_config"]["layers"]
+    assert sum(ref["tokens_per_expert"]) == rec["batch"] * rec["seq_len"] * 2 * layers
+    assert rec["tokens_per_expert"] == ref["tokens_per_expert"]
+
+
 def test_fsdp_cp_stages_keep_their_units_over_the_micro_batches(cli_records):
     """Kept (the default, as torch runs an FSDP2 stage), each stage's units are reduce-scattered
     once a step; regathered per micro-batch, once per micro-batch: M - 1 = 1 more set of the
@@ -301,7 +326,7 @@ def test_interleaved_bubble_is_measured_beside_its_closed_form(cli_records):
     assert all(0 <= b < 1 for b in rec["pp_bubble_fraction_per_rank"])
 
 
-@pytest.mark.parametrize("name", [*PIPELINES, "tsp-pp2-infer", "tsp-pp2-tied"])
+@pytest.mark.parametrize("name", [*PIPELINES, "tsp-pp2-infer", "tsp-pp2-tied", "tp-pp2-moe"])
 def test_stage_peaks_equal_the_closed_form(cli_records, name):
     """Each rank's measured peak (live tensors, tracked) against its stage's closed form
     (tspbench/projection/stages.py: the stage's parameters, its micro-batches in flight under

@@ -120,6 +120,7 @@ class Strategy(ABC):
             setattr(self, name, value)
         self._dp_sync: BucketedAllReduce | None = None
         self.routed: torch.Tensor | None = None  # experts: the last step's rows per expert
+        self.router_stats: moe.RouterStats | None = None  # experts: a step's routing so far
 
     def checkpointed(self, fn, *args):
         """Run one transformer layer, under activation checkpointing when recompute is 'full'.
@@ -162,8 +163,12 @@ class Strategy(ABC):
                 f"model.experts={cfg.experts}: strategy {cls.name} runs dense models only"
                 " (docs/models.md, 'Mixture of experts', lists those with experts)"
             )
-        if cfg.moe and layout.pp > 1:
-            raise ConfigError(f"pp={layout.pp}: a model with experts runs in no pipeline yet")
+        if cfg.moe and cfg.aux_loss and layout.pp > 1:
+            raise ConfigError(
+                f"model.aux_loss={cfg.aux_loss} with pp={layout.pp}: the load-balancing loss is "
+                "the whole batch's and a pipeline stage sees one micro-batch at a time; "
+                "pipelines take experts without it (--set aux_loss=0, Mixtral's default)"
+            )
 
     @staticmethod
     def require_divisible(what: str, value: int, by: int, by_name: str) -> None:
@@ -270,6 +275,12 @@ class Strategy(ABC):
             if axis in self.mesh.comms:
                 self.mesh[axis].all_reduce(counts)
         return self.cfg.aux_loss * moe.aux_loss_part(stats, counts, self.cfg.top_k)
+
+    def routing_counted(self, stats: moe.RouterStats) -> None:
+        """A pipeline stage's routing over a step's micro-batches, kept as ``routed`` for the
+        record (its layers, this rank's tokens), as :meth:`routing_done` keeps a whole step's;
+        without the load-balancing loss, which pipelines refuse."""
+        self.routed = moe.local_counts(stats).detach()
 
     def reported_loss(self, local: torch.Tensor) -> torch.Tensor:
         """The global mean loss from this rank's ``local`` part (collective): summed over the

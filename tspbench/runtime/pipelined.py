@@ -33,6 +33,7 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
 
+from tspbench.core import moe
 from tspbench.core.comm import CommCounter
 from tspbench.core.config import ConfigError
 from tspbench.core.mesh import Axis, Mesh
@@ -244,6 +245,9 @@ class Pipelined:
         """One step of the schedule; the global mean loss, on every rank."""
         sched = self._schedule_for(batch)
         self._n_tokens = batch.n_tokens
+        experts = self.strat.cfg.moe
+        for s in self.strats:  # (each stage's routing over the micro-batches, for the record)
+            s.router_stats = moe.RouterStats() if experts else None
         args = (batch.tokens,) if self.first else ()
         t0 = time.perf_counter()
         if not self.last:
@@ -260,6 +264,9 @@ class Pipelined:
         self._schedule_s += time.perf_counter() - t0
         for s in self.strats:
             s.schedule_done()
+            if s.router_stats is not None:
+                s.routing_counted(s.router_stats)
+            s.router_stats = None
         total = self._last()[0].reported_loss(local) if self.last else local
         return self.pp.all_reduce_metric(total.float().clone())  # from the last stage
 
@@ -302,6 +309,12 @@ class Pipelined:
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for s in self.strats for p in s.parameters()]
+
+    @property
+    def routed(self) -> torch.Tensor | None:
+        """Experts: the last step's rows per expert over this rank's stages' layers."""
+        counts = [s.routed for s in self.strats if s.routed is not None]
+        return torch.stack(counts).sum(0) if counts else None
 
     def local_numel(self) -> int:
         return sum(s.local_numel() for s in self.strats)
