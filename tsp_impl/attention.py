@@ -46,13 +46,14 @@ forward, its ``keep`` hook filling the KV cache with each head group's local K/V
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
 from tsp_impl.ops import accumulate
 from tsp_impl.overlap import OneInFlight, owner_shards
 from tsp_impl.plan import TSPPlan
+from tsp_impl.weight_pass import Defer, WeightPass, deferring, drained
 from tspbench.core.attention import causal_bwd, causal_fwd
 from tspbench.core.config import ModelConfig
 from tspbench.core.layers import rms_norm_bwd, rms_norm_fwd
@@ -60,6 +61,7 @@ from tspbench.core.ring_attention import ring_backward, ring_forward
 
 Keep = Callable[[int, torch.Tensor, torch.Tensor], None]  # (head group r, its local K, V)
 Norms = tuple[torch.Tensor, torch.Tensor] | None  # Qwen3's QK norm weights [d] each, or none
+Part = tuple[int, torch.Tensor, torch.Tensor]  # (head group r, its dQKV, its A): its weight pass
 
 
 def qkv_rows(plan: TSPPlan) -> int:
@@ -254,72 +256,101 @@ def attention_backward(
     n_lse: int,
     plan: TSPPlan,
     norms: Norms = None,
-) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor | None]]:
+    defer: Defer | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor | None]]:
     """The backward loop over head groups, from :func:`attention_forward`'s ``saved`` (and
     ``n_lse``): (dX [B, S/D, h], this rank's packed dW, the QK norms' gradients over the local
-    tokens). Each head group's dW is reduced to its owner while the next group computes."""
+    tokens). Each head group's dW is reduced to its owner while the next group computes; with
+    ``defer`` (a zero-bubble schedule's input pass: tsp_impl/weight_pass.py) that weight pass is
+    handed to it instead, over the kept dQKV of every group, and dW is None."""
     B, n, h = x.shape
     kept = 2 * len(plan.buckets()) if plan.save_kv else 0  # saved K, V of each bucket
     per, n_chunks, rows = 2 + n_lse + kept, len(plan.chunks), qkv_rows(plan)
-    dx, dw_own, reduces = None, None, OneInFlight(plan.comm)
+    dx: torch.Tensor | None = None
     dnorms: list[torch.Tensor | None] = [None, None]
     x2, dy2 = x.view(B * n, h), dy.reshape(B * n, h)
-    for r, w in owner_shards(w_own, plan.comm, plan.overlap):
-        raw, a, *rest = saved[r * per : (r + 1) * per]
-        qkv, rstds = position(raw, norms, plan) if norms is not None else (raw, ())
-        lses, kvs = rest[:n_lse], rest[n_lse:]
-        da = (dy2 @ wo_t(w, plan).T).view(a.shape)
-        dqs, dks, dvs = [], [], []
-        for i, (qs, ks) in enumerate(plan.buckets()):
-            q, k, v = heads(qkv, plan, ks)
-            if plan.ring:  # dK/dV come home round the ring: this rank's chunks' [2, B, b, S/D, d]
-                dq_b, dkv = ring_backward(
-                    da[:, :, qs].transpose(1, 2), q, torch.stack([k, v]),
-                    a[:, :, qs].transpose(1, 2), lses[i], plan.comm, plan.overlap,
-                )  # fmt: skip
-                dqs.append(dq_b.transpose(1, 2))
-                dks.append(dkv[0].transpose(1, 2))
-                dvs.append(dkv[1].transpose(1, 2))
-                del dq_b, dkv
-                continue
-            K, V = kvs[2 * i : 2 * i + 2] if kvs else gather_kv(k, v, plan)
-            lse = lses[i * n_chunks : (i + 1) * n_chunks]
-            dq, dk, dv = [], [], []
-            for (lo, hi, m), l_c in zip(plan.chunks, lse):
-                g = causal_bwd(
-                    da[:, lo:hi, qs].transpose(1, 2), q[:, :, lo:hi], K[:, :, :m],
-                    V[:, :, :m], a[:, lo:hi, qs].transpose(1, 2), l_c,
-                )  # fmt: skip
-                dq.append(g[0].transpose(1, 2))
-                dk.append(g[1])
-                dv.append(g[2])
-            del K, V, g
-            dqs.append(torch.cat(dq, dim=1))
-            dkv = scatter_kv_grad(dk, dv, plan).permute(2, 0, 1, 3, 4)  # [B, S/D, 2, b, d]
-            dks.append(dkv[:, :, 0])
-            dvs.append(dkv[:, :, 1])
-            del dq, dk, dv, dkv
-        dqkv = torch.cat(dqs + dks + dvs, dim=2)  # [B, S/D, hq + 2 hkv, d]
-        del dqs, dks, dvs, qkv, q, k, v, da
-        rotate(dqkv[:, :, : plan.hq + plan.hkv], plan.rot_inv)
-        if norms is not None:
-            unnorm_grad(dqkv, raw, norms, rstds, plan, dnorms)
-        del raw
-        dqkv = dqkv.view(B * n, rows)
-        dx = accumulate(dx, dqkv, w[:rows])
+
+    def input_pass() -> Iterator[Part]:
+        """(r, head group r's dQKV [B S/D, rows], its A) per group, dX accumulated."""
+        nonlocal dx
+        for r, w in owner_shards(w_own, plan.comm, plan.overlap):
+            raw, a, *rest = saved[r * per : (r + 1) * per]
+            qkv, rstds = position(raw, norms, plan) if norms is not None else (raw, ())
+            lses, kvs = rest[:n_lse], rest[n_lse:]
+            da = (dy2 @ wo_t(w, plan).T).view(a.shape)
+            dqs, dks, dvs = [], [], []
+            for i, (qs, ks) in enumerate(plan.buckets()):
+                q, k, v = heads(qkv, plan, ks)
+                if plan.ring:  # dK/dV come home round the ring: its chunks' [2, B, b, S/D, d]
+                    dq_b, dkv = ring_backward(
+                        da[:, :, qs].transpose(1, 2), q, torch.stack([k, v]),
+                        a[:, :, qs].transpose(1, 2), lses[i], plan.comm, plan.overlap,
+                    )  # fmt: skip
+                    dqs.append(dq_b.transpose(1, 2))
+                    dks.append(dkv[0].transpose(1, 2))
+                    dvs.append(dkv[1].transpose(1, 2))
+                    del dq_b, dkv
+                    continue
+                K, V = kvs[2 * i : 2 * i + 2] if kvs else gather_kv(k, v, plan)
+                lse = lses[i * n_chunks : (i + 1) * n_chunks]
+                dq, dk, dv = [], [], []
+                for (lo, hi, m), l_c in zip(plan.chunks, lse):
+                    g = causal_bwd(
+                        da[:, lo:hi, qs].transpose(1, 2), q[:, :, lo:hi], K[:, :, :m],
+                        V[:, :, :m], a[:, lo:hi, qs].transpose(1, 2), l_c,
+                    )  # fmt: skip
+                    dq.append(g[0].transpose(1, 2))
+                    dk.append(g[1])
+                    dv.append(g[2])
+                del K, V, g
+                dqs.append(torch.cat(dq, dim=1))
+                dkv = scatter_kv_grad(dk, dv, plan).permute(2, 0, 1, 3, 4)  # [B, S/D, 2, b, d]
+                dks.append(dkv[:, :, 0])
+                dvs.append(dkv[:, :, 1])
+                del dq, dk, dv, dkv
+            dqkv = torch.cat(dqs + dks + dvs, dim=2)  # [B, S/D, hq + 2 hkv, d]
+            del dqs, dks, dvs, qkv, q, k, v, da
+            rotate(dqkv[:, :, : plan.hq + plan.hkv], plan.rot_inv)
+            if norms is not None:
+                unnorm_grad(dqkv, raw, norms, rstds, plan, dnorms)
+            del raw
+            dqkv = dqkv.view(B * n, rows)
+            dx = accumulate(dx, dqkv, w[:rows])
+            yield r, dqkv, a
+            del dqkv, a  # (not alive while the next head group's are computed)
+
+    if defer is None:  # the weight pass behind the input pass, group by group
+        dw_own = head_group_grads(input_pass(), x2, dy2, w_own, plan)
+    else:
+        parts = list(input_pass())
+        defer(lambda: head_group_grads(drained(parts), x2, dy2, w_own, plan))
+        dw_own = None
+    assert dx is not None  # (D >= 1 head groups)
+    return dx.view(B, n, h), dw_own, dnorms
+
+
+def head_group_grads(
+    parts: Iterable[Part], x2: torch.Tensor, dy2: torch.Tensor, w_own: torch.Tensor, plan: TSPPlan
+) -> torch.Tensor:
+    """The weight pass: per head group r, this rank's tokens' packed dW_r = [dQKV^T X;
+    (A^T dY)^T] (and the QKV biases' column sums), reduced to owner r while the next group
+    computes (at most one in flight); this rank's own dW."""
+    dw_own, reduces = None, OneInFlight(plan.comm)
+    rows = qkv_rows(plan)
+    for r, dqkv, a in parts:
         dw = torch.empty_like(w_own)  # packed like W_r: written by its two GEMMs
         torch.mm(dqkv.T, x2, out=dw[:rows])
-        torch.mm(a.view(B * n, -1).T, dy2, out=wo_t(dw, plan))  # dWo_r^T
+        torch.mm(a.view(x2.shape[0], -1).T, dy2, out=wo_t(dw, plan))  # dWo_r^T
         if plan.cfg.qkv_bias:  # the biases' rows: their gradient, then zeros
             dw[rows + plan.hq * plan.cfg.d_head :].zero_()
             torch.sum(dqkv, dim=0, out=qkv_bias(dw, plan))
-        del dqkv  # (not alive while the next head group's are computed)
+        del dqkv, a  # (not alive while the next head group's are computed)
         reduces.reduce(dw, dst=r)
         if r == plan.rank:
             dw_own = dw
     reduces.drain()
-    assert dx is not None and dw_own is not None  # (D >= 1 head groups, one this rank's)
-    return dx.view(B, n, h), dw_own, dnorms
+    assert dw_own is not None  # (one head group is this rank's)
+    return dw_own
 
 
 class BroadcastAttention(torch.autograd.Function):
@@ -328,14 +359,16 @@ class BroadcastAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, res, x: torch.Tensor, w_own: torch.Tensor, plan: TSPPlan, grad: bool, qn=None, kn=None
-    ):
+        ctx, res, x: torch.Tensor, w_own: torch.Tensor, plan: TSPPlan, grad: bool,
+        wpass: WeightPass | None = None, qn=None, kn=None,
+    ):  # fmt: skip
         """res + attention(x): the residual ``res`` starts the accumulation of Y (``qn``,
-        ``kn``: the QK norms' weights, where the model has them)."""
+        ``kn``: the QK norms' weights, where the model has them; ``wpass``: a zero-bubble
+        schedule's, which takes the weight pass)."""
         save = grad and any(ctx.needs_input_grad)  # (needs_input_grad ignores no_grad)
         norms = None if qn is None else (qn, kn)
         y, saved, ctx.n_lse = attention_forward(res, x, w_own, plan, save, norms=norms)
-        ctx.plan, ctx.normed = plan, norms is not None
+        ctx.plan, ctx.normed, ctx.defer = plan, norms is not None, deferring(wpass, w_own)
         if save:
             ctx.save_for_backward(x, w_own, *(norms or ()), *saved)
         return y
@@ -344,5 +377,7 @@ class BroadcastAttention(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         x, w_own, *saved = ctx.saved_tensors
         norms = (saved.pop(0), saved.pop(0)) if ctx.normed else None
-        dx, dw_own, (dqn, dkn) = attention_backward(dy, x, w_own, saved, ctx.n_lse, ctx.plan, norms)
-        return dy, dx, dw_own, None, None, dqn, dkn
+        dx, dw_own, (dqn, dkn) = attention_backward(
+            dy, x, w_own, saved, ctx.n_lse, ctx.plan, norms, ctx.defer
+        )
+        return dy, dx, dw_own, None, None, None, dqn, dkn

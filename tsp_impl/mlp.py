@@ -50,11 +50,14 @@ under a thin autograd.Function (``RingMLP``, ``BroadcastMLP``) that keeps h13 on
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+
 import torch
 import torch.nn.functional as F
 
 from tsp_impl.ops import accumulate
 from tsp_impl.overlap import OneInFlight, owner_shards, receive_buffers
+from tsp_impl.weight_pass import Defer, WeightPass, deferring, drained
 from tspbench.core.comm import Comm, Pending
 
 
@@ -154,19 +157,49 @@ def ring_mlp_backward(
     comm: Comm,
     overlap: bool,
     bias: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    defer: Defer | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(dX, this rank's packed dW): the slices circulate again, each one's gradient accumulator
-    one hop behind it, home with its owner after the last hop."""
+    one hop behind it, home with its owner after the last hop; with ``defer`` (a zero-bubble
+    schedule's input pass) the accumulators' pass is handed to it, and dW is None."""
     B, n, h = x.shape
     x2, dy2 = x.view(B * n, h), dy.reshape(B * n, h)
+    dx: torch.Tensor | None = None
+
+    def input_pass() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        nonlocal dx
+        for t, w in ring(w_own, comm, overlap):
+            dx, dh, g = slice_bwd(dx, dy2, w, saved[t], bias)
+            yield dh, g
+            del dh, g
+
+    if defer is None:  # each accumulator a hop behind its slice
+        dw_own = ring_grads(input_pass(), x2, dy2, w_own, comm, overlap)
+    else:
+        parts = list(input_pass())
+        defer(lambda: ring_grads(drained(parts), x2, dy2, w_own, comm, overlap))
+        dw_own = None
+    assert dx is not None  # (D >= 1 steps)
+    return dx.view(B, n, h), dw_own
+
+
+def ring_grads(
+    parts: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    x2: torch.Tensor,
+    dy2: torch.Tensor,
+    w_own: torch.Tensor,
+    comm: Comm,
+    overlap: bool,
+) -> torch.Tensor:
+    """The ring's weight pass: at step t this rank adds its tokens' part of the slice it held
+    then (``parts``' t-th (dh, g)) to the accumulator arriving for that slice and sends it on;
+    after D steps and the last hop its own slice's dW is home."""
     # the accumulator for the slice held now (in flight from rank p-1), the one sent last,
     # and, with overlap, accumulator buffers free for reuse: three take turns (the one being
     # computed, the one arriving, the one leaving), so the steps allocate none
     arriving, sent = None, None
     spare: list[torch.Tensor] = []
-    dx = None
-    for t, w in ring(w_own, comm, overlap):
-        dx, dh, g = slice_bwd(dx, dy2, w, saved[t], bias)
+    for dh, g in parts:
         acc = slice_grad(spare.pop() if spare else torch.empty_like(w_own), dh, g, x2, dy2)
         del dh, g
         if arriving is not None:  # add the accumulator that came for this slice
@@ -181,8 +214,8 @@ def ring_mlp_backward(
         del acc, recv
         if not overlap:
             arriving, sent = Pending.ready(arriving.wait()), None
-    assert dx is not None and arriving is not None  # (D >= 1 steps)
-    return dx.view(B, n, h), arriving.wait()
+    assert arriving is not None  # (D >= 1 steps)
+    return arriving.wait()
 
 
 def broadcast_mlp_backward(
@@ -193,22 +226,52 @@ def broadcast_mlp_backward(
     comm: Comm,
     overlap: bool,
     bias: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    defer: Defer | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(dX, this rank's packed dW): the slices are broadcast again; each rank's part of dW_s is
-    reduced to owner s while the next slice computes."""
+    reduced to owner s while the next slice computes; with ``defer`` (a zero-bubble schedule's
+    input pass) the reduces' pass is handed to it, and dW is None."""
     B, n, h = x.shape
     x2, dy2 = x.view(B * n, h), dy.reshape(B * n, h)
-    dx, dw_own, reduces = None, None, OneInFlight(comm, wait_each=not overlap)
-    for s, w in owner_shards(w_own, comm, overlap):
-        dx, dh, g = slice_bwd(dx, dy2, w, saved[s], bias)
+    dx: torch.Tensor | None = None
+
+    def input_pass() -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        nonlocal dx
+        for s, w in owner_shards(w_own, comm, overlap):
+            dx, dh, g = slice_bwd(dx, dy2, w, saved[s], bias)
+            yield s, dh, g
+            del dh, g
+
+    if defer is None:  # each slice's reduce behind its input gradient
+        dw_own = reduced_grads(input_pass(), x2, dy2, w_own, comm, overlap)
+    else:
+        parts = list(input_pass())
+        defer(lambda: reduced_grads(drained(parts), x2, dy2, w_own, comm, overlap))
+        dw_own = None
+    assert dx is not None  # (D >= 1 slices)
+    return dx.view(B, n, h), dw_own
+
+
+def reduced_grads(
+    parts: Iterable[tuple[int, torch.Tensor, torch.Tensor]],
+    x2: torch.Tensor,
+    dy2: torch.Tensor,
+    w_own: torch.Tensor,
+    comm: Comm,
+    overlap: bool,
+) -> torch.Tensor:
+    """The broadcast schedule's weight pass: per slice s, this rank's tokens' part of dW_s,
+    reduced to owner s while the next computes (at most one in flight); this rank's own dW."""
+    dw_own, reduces = None, OneInFlight(comm, wait_each=not overlap)
+    for s, dh, g in parts:
         dw = slice_grad(torch.empty_like(w_own), dh, g, x2, dy2)  # this rank's tokens' part
         del dh, g
         reduces.reduce(dw, dst=s)
         if s == comm.rank:
             dw_own = dw
     reduces.drain()
-    assert dx is not None and dw_own is not None  # (D >= 1 slices, one of them this rank's)
-    return dx.view(B, n, h), dw_own
+    assert dw_own is not None  # (one of the slices is this rank's)
+    return dw_own
 
 
 class RingMLP(torch.autograd.Function):
@@ -218,10 +281,10 @@ class RingMLP(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, res, x, w_own, comm: Comm, overlap: bool, grad: bool, recompute: bool = False,
-        bias: bool = False,
+        bias: bool = False, wpass: WeightPass | None = None,
     ):  # fmt: skip
         save = grad and any(ctx.needs_input_grad)  # (needs_input_grad ignores no_grad)
-        ctx.comm, ctx.overlap, ctx.bias = comm, overlap, bias
+        ctx.comm, ctx.overlap, ctx.bias, ctx.defer = comm, overlap, bias, deferring(wpass, w_own)
         y, saved = mlp_forward(res, x, ring(w_own, comm, overlap), save, recompute, bias)
         if save:
             ctx.save_for_backward(x, w_own, *saved)
@@ -230,8 +293,10 @@ class RingMLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, w_own, *saved = ctx.saved_tensors
-        dx, dw_own = ring_mlp_backward(dy, x, w_own, saved, ctx.comm, ctx.overlap, ctx.bias)
-        return dy, dx, dw_own, None, None, None, None, None
+        dx, dw_own = ring_mlp_backward(
+            dy, x, w_own, saved, ctx.comm, ctx.overlap, ctx.bias, ctx.defer
+        )
+        return dy, dx, dw_own, None, None, None, None, None, None
 
 
 class BroadcastMLP(torch.autograd.Function):
@@ -241,10 +306,10 @@ class BroadcastMLP(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, res, x, w_own, comm: Comm, overlap: bool, grad: bool, recompute: bool = False,
-        bias: bool = False,
+        bias: bool = False, wpass: WeightPass | None = None,
     ):  # fmt: skip
         save = grad and any(ctx.needs_input_grad)  # (needs_input_grad ignores no_grad)
-        ctx.comm, ctx.overlap, ctx.bias = comm, overlap, bias
+        ctx.comm, ctx.overlap, ctx.bias, ctx.defer = comm, overlap, bias, deferring(wpass, w_own)
         y, saved = mlp_forward(res, x, owner_shards(w_own, comm, overlap), save, recompute, bias)
         if save:
             ctx.save_for_backward(x, w_own, *saved)
@@ -253,5 +318,7 @@ class BroadcastMLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, w_own, *saved = ctx.saved_tensors
-        dx, dw_own = broadcast_mlp_backward(dy, x, w_own, saved, ctx.comm, ctx.overlap, ctx.bias)
-        return dy, dx, dw_own, None, None, None, None, None
+        dx, dw_own = broadcast_mlp_backward(
+            dy, x, w_own, saved, ctx.comm, ctx.overlap, ctx.bias, ctx.defer
+        )
+        return dy, dx, dw_own, None, None, None, None, None, None

@@ -14,6 +14,7 @@ Tokens: zigzag chunks r and 2D-1-r of every sequence; RoPE at the tokens' global
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,7 @@ from tsp_impl.moe import SCHEDULES as MOE_SCHEDULES
 from tsp_impl.moe import tsp_experts
 from tsp_impl.plan import TSPPlan
 from tsp_impl.vocab import VocabEmbedding, VocabParallelLoss
+from tsp_impl.weight_pass import WeightPass
 from tspbench.core import moe, recompute, zigzag
 from tspbench.core.config import ConfigError, ModelConfig
 from tspbench.core.costs import Spec
@@ -192,6 +194,7 @@ class TSP(Strategy):
             )
         self._plans: dict[int, TSPPlan] = {}
         self.recomputing = False  # set while backward recomputes a layer (checkpointed)
+        self.weight_pass: WeightPass | None = None  # a zero-bubble schedule's (split_backward)
 
     def mlp_blocks(self, n: str, own: dict[str, slice]) -> dict[str, torch.Tensor]:
         """Layer ``n``'s MLP weights on rank r: slice r packed [W1_r; W3_r; W2_r^T] (``mlp``);
@@ -259,7 +262,7 @@ class TSP(Strategy):
             grad = torch.is_grad_enabled()  # inference keeps nothing for a backward
             # residuals ride in the output GEMMs: x + attention(norm(x)), then x + MLP(norm(x))
             x = BroadcastAttention.apply(
-                x, rms_norm(x, lp["attn_norm"], eps), lp["attn"], plan, grad,
+                x, rms_norm(x, lp["attn_norm"], eps), lp["attn"], plan, grad, self.weight_pass,
                 *(lp[k] for k in self.qk_norms),
             )  # fmt: skip
             if "bo" in lp:  # Llama's attention_bias: W_o's bias, whole, added once
@@ -271,7 +274,7 @@ class TSP(Strategy):
             mlp = MLP[self.mlp_schedule]
             x = mlp.apply(
                 x, mlp_in, lp["mlp"], self.comm, self.overlap, grad, self.recomputing,
-                self.cfg.mlp_bias,
+                self.cfg.mlp_bias, self.weight_pass,
             )  # fmt: skip
             return x + lp["b2"] if "b2" in lp else x
 
@@ -292,7 +295,10 @@ class TSP(Strategy):
         )  # fmt: skip
         if "shared" in lp:  # (its output is used, recomputed or not: the gate scales it)
             mlp = MLP[self.mlp_schedule]
-            sh = mlp.apply(torch.zeros_like(m), m, lp["shared"], self.comm, self.overlap, grad)
+            sh = mlp.apply(
+                torch.zeros_like(m), m, lp["shared"], self.comm, self.overlap, grad, False, False,
+                self.weight_pass,
+            )  # fmt: skip
             y = y + torch.sigmoid(m2 @ lp["sgate"].T) * sh.reshape(m2.shape)
         return y.view(shape)
 
@@ -345,6 +351,12 @@ class TSP(Strategy):
 
     def tied_table(self) -> list[torch.nn.Parameter]:
         return self.tables[:1]  # (the embedding's rows, or the last stage's copy of them)
+
+    def split_backward(self) -> Callable[[], Callable[[], None]]:
+        """TSP's own weight pass (tsp_impl/weight_pass.py): its layers' shards move inside one
+        autograd.Function each, where torch's graph split finds no weight pass to defer."""
+        self.weight_pass = WeightPass()
+        return self.weight_pass.take
 
     def replicated(self) -> list[torch.nn.Parameter]:
         names = ("attn_norm", "mlp_norm", *self.whole)

@@ -17,6 +17,7 @@ abstract member, is refused when its class is defined (``__init_subclass__``).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -72,6 +73,9 @@ class Strategy(ABC):
     implements: ClassVar[str | None] = None
     # runs as a pipeline stage (builds only a Stage's parameters; embed/run_layers/head_loss)
     stages: ClassVar[bool] = False
+    # runs as a stage of a zero-bubble schedule, whose backward is split into an input and a
+    # weight pass (torch's graph split, or the strategy's own: :meth:`split_backward`)
+    zero_bubble: ClassVar[bool] = True
     # runs a model with experts (tspbench/core/moe.py): its layers' MoE block is its own
     experts: ClassVar[bool] = False
 
@@ -340,6 +344,13 @@ class Strategy(ABC):
         stage's, or the last stage's copy used as its head, split alike on both (the pipeline
         sums the two stages' gradients of them: :class:`tspbench.runtime.pipelined.Pipelined`)."""
         raise NotImplementedError(f"strategy {self.name}: no pipeline stages")
+
+    def split_backward(self) -> Callable[[], Callable[[], None]] | None:
+        """Under a zero-bubble schedule, a builder of this stage's deferred weight pass (torch's
+        ``dw_builder``: called after each micro-batch's input pass, its runner at the weight
+        pass), where the strategy splits its backward itself; None: torch splits it by walking
+        the autograd graph (``stage_backward_input``, ``stage_backward_weight``)."""
+        return None
 
     def decoding(self) -> Decoder:
         """This model's decode path (docs/decode.md); ConfigError where it has none."""
