@@ -133,6 +133,9 @@ class FSDPCP(SequenceSharded):
     costs = FSDPCPCosts()
     decoder = None  # no decode path (docs/decode.md)
     stages = True
+    # torch's graph split of the backward stops in its units' autograd ("not used in the
+    # graph"), and it has no split of its own yet (docs/running.md)
+    zero_bubble = False
     experts = True
 
     @classmethod

@@ -71,6 +71,9 @@ def check_pipelined(case: dict) -> dict:
         record(f"step3:{n}", w, full[n], atol=0.1 * LR)
     res["ref_names"] = sorted(full)
     res["pp_bytes"] = mesh.counter.by_axis().get("pp", 0.0)
+    # weight passes a zero-bubble schedule deferred (TSP's own split; torch's keeps no count)
+    passes = [s.weight_pass for s in strat.strats if getattr(s, "weight_pass", None)]
+    res["deferred"] = sum(p.ran for p in passes)
     return res
 
 

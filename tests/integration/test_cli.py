@@ -293,14 +293,23 @@ def test_forced_oom_is_a_result(tmp_path):
             "cp_a2a=2: only with cp_comm=a2a+p2p (not all_gather)",
         ),
         # pipelines: stages that do not divide the layers, 1F1B with fewer micro-batches than
-        # stages, a schedule torch does not know, one torch knows that is not run here (a
-        # zero-bubble one), interleaved 1F1B's two stages per rank that do not divide the
-        # layers, its unequal rounds, its forward only, a strategy that does not run as a
-        # stage yet
+        # stages, a schedule torch does not know, one torch knows that is not run here (its
+        # V-shaped zero-bubble one), one run here under another name, a zero-bubble schedule
+        # for a strategy that does not split its backward, interleaved 1F1B's two stages per
+        # rank that do not divide the layers, its unequal rounds, its forward only, a strategy
+        # that does not run as a stage yet
         (PP + ["--pp", "4", "--microbatches", "4", "--batch", "4"], "pp=4: must divide model.lay"),
         (PP + ["--microbatches", "1"], "microbatches=1: 1f1b needs at least pp=2"),
         (PP + ["--pp-schedule", "zbv"], "pp_schedule='zbv': must be one of gpipe, 1f1b, inter"),
-        (PP + ["--pp-schedule", "InterleavedZeroBubble"], "'InterleavedZeroBubble' (torch's, bu"),
+        (PP + ["--pp-schedule", "ZBVZeroBubble"], "'ZBVZeroBubble' (torch's, but not run here"),
+        (
+            PP + ["--pp-schedule", "InterleavedZeroBubble"],
+            "(torch's ScheduleInterleavedZeroBubble: spelled interleavedzb here)",
+        ),
+        (
+            ["--strategy", "fsdp_cp", *PP[2:-2], "--pp-schedule", "interleavedzb"],
+            "pp_schedule=interleavedzb: strategy fsdp_cp does not split its backward",
+        ),
         (PP + ["--pp-schedule", "interleaved1f1b"], "pp=2: interleaved1f1b runs 2 stages per "),
         (
             PP[:-1]

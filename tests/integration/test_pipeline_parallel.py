@@ -101,8 +101,29 @@ CASES = [
     _case("tp", 2, 2, "1f1b", 2, model=MOE),
     _case("fsdp_cp", 2, 2, "1f1b", 2, model=MOE),
     _case("tsp", 1, 4, "interleaved1f1b", 4, model={**MOE, "layers": 8}),
+    # interleaved zero-bubble: each chunk's backward an input pass and, later, a weight pass;
+    # TSP splits its own (the ring MLP and the broadcast one, K/V gathered or round the ring,
+    # recomputed, experts), TP, SP and TP+SP by torch's walk of their graphs; FSDP+CP refuses
+    # it (test_cli.py)
+    _case("tsp", 2, 2, "interleavedzb", 4, model={**GQA, "layers": 4}, recompute="full"),
+    _case(
+        "tsp",
+        2,
+        2,
+        "interleavedzb",
+        2,
+        model={**TIED, "layers": 4},
+        overlap=False,
+        mlp_schedule="broadcast",
+        kv_exchange="ring",
+    ),  # fmt: skip
+    _case("tsp", 1, 4, "interleavedzb", 4, model={**MOE, "layers": 8}),
+    _case("tp", 2, 2, "interleavedzb", 4, model={**GQA, "layers": 4}),
+    _case("sp", 2, 2, "interleavedzb", 2, model={"layers": 4}, cp_comm="ring"),
+    _case("tpsp", 2, 2, "interleavedzb", 2, model={"layers": 4}, tp=1, sp=2, cp_comm="a2a"),
 ]
 TRAIN = [c for c in CASES if c.get("mode") != "infer"]
+ZB_TSP = [c for c in CASES if c["schedule"] == "interleavedzb" and c["strategy"] == "tsp"]
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +149,18 @@ def test_every_stage_equals_the_reference(results, case):
         held = [n for r in ranks for n in r["names"]]
         twice = ["embed"] * tied
         assert sorted(held) == sorted((ranks[0]["ref_names"] + twice) * case["D"] * dp)
+
+
+@pytest.mark.parametrize("case", ZB_TSP, ids=[c["id"] for c in ZB_TSP])
+def test_tsp_defers_its_weight_passes(results, case):
+    """Under zero-bubble TSP's attention and MLP hand their weight passes to the schedule: each
+    rank ran one per layer and micro-batch (attention and MLP; with experts, whose blocks keep
+    their whole backward, the attention's), each step, at the schedule's W actions (equal to the
+    reference above, so each gradient arrived whole)."""
+    layers = get_config("tiny", **case["model"]).layers // case["pp"]  # (a rank's two stages)
+    passes = 1 if "experts" in case["model"] else 2
+    for r in results:
+        assert r[case["id"]]["deferred"] == 3 * case["M"] * layers * passes
 
 
 def test_one_micro_batch_leaves_the_stages_no_overlap(results):
@@ -175,6 +208,7 @@ INTERLEAVED = [
     "--pp-schedule",
     "interleaved1f1b",
 ]
+ZERO_BUBBLE = [*INTERLEAVED[:-1], "interleavedzb"]  # (its stages placed as interleaved 1F1B's)
 EXPERTS = ["--set", "experts=4", "--set", "top_k=2"]
 CLI_RUNS = {
     "single": (["--strategy", "single"], 1),
@@ -206,6 +240,9 @@ CLI_RUNS = {
     # interleaved 1F1B: two stages of one layer per rank
     "tsp-pp2-interleaved": (["--strategy", "tsp", *INTERLEAVED], 4),
     "tp-pp2-interleaved": (["--strategy", "tp", *INTERLEAVED], 4),
+    # interleaved zero-bubble: TSP's own split of its backward, TP's by torch
+    "tsp-pp2-zb": (["--strategy", "tsp", *ZERO_BUBBLE], 4),
+    "tp-pp2-zb": (["--strategy", "tp", *ZERO_BUBBLE], 4),
     # tied embeddings: the last stage's head is the embedding's copy
     "single-tied": (["--strategy", "single", "--set", "tie_embeddings=True"], 1),
     "tsp-pp2-tied": (
@@ -242,7 +279,7 @@ PIPELINES = ["tsp-pp2", "tp-pp4-1f1b", "tp-pp2-dp2", "sp-pp2-ring", "fsdp_cp-pp2
              "tp-pp2-interleaved"]  # fmt: skip
 
 
-@pytest.mark.parametrize("name", PIPELINES)
+@pytest.mark.parametrize("name", [*PIPELINES, "tsp-pp2-zb", "tp-pp2-zb"])
 def test_cli_pipelines_equal_single(cli_records, name):
     rec = cli_records[name]
     ref = cli_records["single" if rec["seq_len"] == 32 else f"single-s{rec['seq_len']}"]
@@ -324,6 +361,29 @@ def test_interleaved_bubble_is_measured_beside_its_closed_form(cli_records):
     for sched, busy in zip(rec["pp_schedule_s_per_rank"], rec["pp_busy_s_per_rank"]):
         assert 0 < busy <= sched <= rec["step_time_s"]
     assert all(0 <= b < 1 for b in rec["pp_bubble_fraction_per_rank"])
+
+
+def test_zero_bubble_bubble_is_measured_beside_its_closed_form(cli_records):
+    """Interleaved zero-bubble's record: (pp - 1) / (3 v M + pp - 1) = 1/25 at pp = 2, M = 4
+    (forward, input and weight passes of equal time; interleaved 1F1B's: 1/9), beside each
+    rank's measured bubble, its busy time every pass of both stages. Its memory and its cost
+    are not projected: ``project-check`` refuses the record in one line."""
+    for name in ("tsp-pp2-zb", "tp-pp2-zb"):
+        rec = cli_records[name]
+        assert rec["pp_schedule"] == "interleavedzb"
+        assert rec["pp_bubble_closed_form"] == pytest.approx(1 / 25)
+        for sched, busy in zip(rec["pp_schedule_s_per_rank"], rec["pp_busy_s_per_rank"]):
+            assert 0 < busy <= sched <= rec["step_time_s"]
+        assert all(0 <= b < 1 for b in rec["pp_bubble_fraction_per_rank"])
+
+
+def test_project_check_refuses_a_zero_bubble_record(cli_records, tmp_path):
+    path = tmp_path / "zb.json"
+    path.write_text(json.dumps(cli_records["tsp-pp2-zb"]))
+    p = tspbench("project-check", "--records", path, "--hardware", "h100")
+    assert p.returncode == 2 and not p.stdout, p.stderr
+    (line,) = p.stderr.strip().splitlines()
+    assert "pp_schedule=interleavedzb: a zero-bubble schedule is measured" in line, line
 
 
 @pytest.mark.parametrize("name", [*PIPELINES, "tsp-pp2-infer", "tsp-pp2-tied", "tp-pp2-moe"])

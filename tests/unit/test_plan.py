@@ -268,6 +268,7 @@ def test_gqa_explains_why_tsp_is_filtered_at_d16(capsys, counted, tmp_path):
         (["--model", "70b"], "--model='70b'"),
         (["--pp", "0"], "--pp"),
         (["--pp-schedule", "zbv"], "--pp-schedule"),
+        (["--pp-schedule", "interleavedzb"], "--pp-schedule=interleavedzb: a zero-bubble sch"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(capsys, counted, argv, needle):

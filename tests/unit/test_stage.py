@@ -10,7 +10,7 @@ from tspbench.core.config import ConfigError, get_config
 from tspbench.core.reference import param_shapes
 from tspbench.core.stage import Stage
 from tspbench.runtime.layout import world_layout
-from tspbench.runtime.pipelined import bubble_closed_form
+from tspbench.runtime.pipelined import bubble_closed_form, stages_per_rank
 
 
 def test_stages_hold_every_parameter_once():
@@ -78,3 +78,24 @@ def test_a_pipelined_spec_survives_the_command_line():
 def test_bubble_closed_form():
     assert bubble_closed_form(4, 8) == pytest.approx(3 / 11)
     assert bubble_closed_form(2, 2) == pytest.approx(1 / 3)
+
+
+@pytest.mark.parametrize("pp, M", [(2, 2), (2, 4), (4, 4), (4, 8), (4, 12), (8, 16)])
+def test_zero_bubble_closed_form_is_torchs_order(pp, M):
+    """Interleaved zero-bubble's (pp - 1) / (3 v M + pp - 1) is the idle share of torch's own
+    order of actions, each forward, input and weight pass one slot (as its schedule counts
+    them): built by its own methods, as every rank of a real schedule builds it."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble
+
+    v = stages_per_rank("interleavedzb")
+    sched = object.__new__(ScheduleInterleavedZeroBubble)  # (no stages, no process group)
+    rounds = max(1, M // pp)
+    sched.pp_group_size, sched.n_local_stages, sched._n_microbatches = pp, v, M
+    sched.number_of_rounds, sched.microbatches_per_round = rounds, M // rounds
+    sched.pipeline_order = {r: sched._calculate_single_rank_operations(r) for r in range(pp)}
+    order = sched._add_bubbles_to_actions(v * pp)
+    for actions in order.values():
+        assert len(actions) == 3 * v * M + pp - 1  # (every rank's F, I and W, and its idle)
+        idle = sum(a is None for a in actions) / len(actions)
+        assert idle == pytest.approx(bubble_closed_form(pp, M, "interleavedzb"))
+    assert bubble_closed_form(pp, M, "interleavedzb") < bubble_closed_form(pp, M, "interleaved1f1b")

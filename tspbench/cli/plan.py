@@ -10,7 +10,7 @@ import json
 from tspbench.cli.args import NEW_TOKENS, gib, int_in, out_dir, out_file, progress
 from tspbench.core.dtypes import DTYPES
 from tspbench.projection.plan.types import DEFAULT_SCHEDULES
-from tspbench.runtime.pipelined import SCHEDULES
+from tspbench.runtime.pipelined import PROJECTED, SCHEDULES
 
 GiB = 2**30
 
@@ -40,7 +40,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         recompute=("none", "full") if args.recompute == "both" else (args.recompute,),
         pp=tuple(args.pp),
-        pp_schedules=tuple(SCHEDULES) if "all" in args.pp_schedule else tuple(args.pp_schedule),
+        pp_schedules=PROJECTED if "all" in args.pp_schedule else tuple(args.pp_schedule),
         options={
             k: (o.parse(getattr(args, k)),)
             for k, o in searched().items()
@@ -160,8 +160,8 @@ def add_parsers(sub) -> None:
         default=list(DEFAULT_SCHEDULES),
         help="the pipelines' schedules to try (default 1f1b; gpipe's projected step is 1F1B's, "
         "with more micro-batches in flight, so it never wins; interleaved1f1b, two stages per "
-        "rank: half the bubble's time for twice the sends and more in flight, its memory an "
-        "under-estimate (docs/projection.md); all: every one)",
+        "rank: half the bubble's time for twice the sends and more in flight (docs/projection.md); "
+        "all: every one projected; interleavedzb runs but is not projected)",
     )
     for name, option in searched().items():  # the strategies' options with listed values
         if option.values():

@@ -9,6 +9,7 @@ import statistics
 
 from tspbench.core.config import ConfigError, ModelConfig, read_csv_input, require_dense
 from tspbench.projection.costmodel import case_of_row, project
+from tspbench.runtime.pipelined import check_projected
 from tspbench.runtime.registry import strategies
 from tspbench.runtime.spec import RunSpec
 
@@ -50,7 +51,9 @@ def check_summary(paths: list[str], preset: dict):
 def check_records(paths: list[str], preset: dict):
     """Predicted against measured step time for each ok training or forward record (its own
     model, layout and options: a record of 4 layers is projected at 4 layers). One record is one
-    run: no range. Records are checked against their schema first (ConfigError naming one)."""
+    run: no range. Records are checked against their schema first (ConfigError naming one).
+    A zero-bubble schedule's record is refused, naming it: the model does not price one
+    (:func:`tspbench.runtime.pipelined.check_projected`)."""
     import pandas as pd
 
     from tspbench.runtime.record import check_record
@@ -63,6 +66,7 @@ def check_records(paths: list[str], preset: dict):
         impl = strategies()[rec["strategy"]]
         pipeline = {}  # a pipelined record's stages, schedule and micro-batches
         if rec.get("pp", 1) > 1:
+            check_projected(rec["pp_schedule"], f"record {path!r}: pp_schedule")
             pipeline = {"pp": rec["pp"], "pp_schedule": rec["pp_schedule"],
                         "microbatches": rec["microbatches"]}  # fmt: skip
         options = {o.name: rec[o.name] for o in impl.options if rec.get(o.name) is not None}

@@ -47,7 +47,7 @@ from tspbench.core.comm import KINDS, bus_bytes
 from tspbench.core.config import ConfigError, read_json_input
 from tspbench.core.mesh import Axis
 from tspbench.projection import analytic
-from tspbench.runtime.pipelined import stages_per_rank
+from tspbench.runtime.pipelined import check_projected, stages_per_rank
 from tspbench.runtime.registry import strategies
 from tspbench.runtime.spec import RunSpec
 
@@ -551,6 +551,7 @@ def project_pipeline(c: RunSpec, preset: dict, ops: int | None = None) -> dict[s
     on :func:`stages.micro_spec`) x v M."""
     from tspbench.projection import stages
 
+    check_projected(c.pp_schedule)
     mb = stages.micro_spec(c)
     one = _one_replica(mb)
     pp, per_node = c.layout.pp, preset.get("gpus_per_node", 8)

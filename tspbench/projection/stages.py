@@ -29,7 +29,7 @@ from tspbench.core.layout import Layout
 from tspbench.core.strategy import Strategy
 from tspbench.projection import analytic
 from tspbench.projection.analytic import Memory
-from tspbench.runtime.pipelined import stages_per_rank
+from tspbench.runtime.pipelined import check_projected, stages_per_rank
 from tspbench.runtime.spec import RunSpec
 
 
@@ -131,6 +131,7 @@ def stage_memory(c: RunSpec, stage: int) -> Memory:
     (:func:`micro_spec`), which holds both vocabulary tables: where a strategy's transient
     scales with a table (TSP's embedding gradient at the end of backward, a baseline's packed
     gradient copy) a stage without it is over-estimated by that table's share."""
+    check_projected(c.pp_schedule)
     mb, impl = micro_spec(c), c.impl
     cfg, e, t = c.cfg, c.e, mb.tokens
     last, n = stage == c.layout.pp - 1, stage_params(c, stage)

@@ -4,12 +4,16 @@ World = pp x dp x D, the pipeline axis outermost (it crosses nodes; each stage's
 stay inside one). Stage s holds a contiguous block of layers (:class:`tspbench.core.stage.Stage`)
 and runs it with its strategy on its D ranks; ``torch.distributed.pipelining`` moves each
 micro-batch's activations (and in backward their gradients) point-to-point between the ranks
-of equal position in neighbouring stages, in the order of its schedule (GPipe, 1F1B or
-interleaved 1F1B). Under interleaved 1F1B (Narayanan et al., 2021) each rank runs
-:data:`VIRTUAL` stages, rank r stages r, r + pp, ...: the model is cut into pp x VIRTUAL blocks
-and a micro-batch crosses the pipeline VIRTUAL times, which shrinks the bubble VIRTUAL-fold for
-VIRTUAL times the sends. We build each stage statically (its input and output shapes are the
-strategy's local activations, [micro-batch, local tokens, h]): torch's shape inference would
+of equal position in neighbouring stages, in the order of its schedule (GPipe, 1F1B,
+interleaved 1F1B or interleaved zero-bubble). Under interleaved 1F1B (Narayanan et al., 2021)
+each rank runs :data:`VIRTUAL` stages, rank r stages r, r + pp, ...: the model is cut into
+pp x VIRTUAL blocks and a micro-batch crosses the pipeline VIRTUAL times, which shrinks the
+bubble VIRTUAL-fold for VIRTUAL times the sends. Interleaved zero-bubble (Qi et al., 2024;
+torch's ZB1P) places the stages so too and splits each chunk's backward into an input pass and
+a later weight pass that fills the bubble: torch splits it by walking the stage's autograd
+graph, or the strategy splits its own (:meth:`~tspbench.core.strategy.Strategy.split_backward`,
+TSP's: tsp_impl/weight_pass.py). We build each stage statically (its input and output shapes are
+the strategy's local activations, [micro-batch, local tokens, h]): torch's shape inference would
 run the stage's forward on meta tensors, which the strategies' collectives cannot take.
 
 Micro-batches split this replica's batch rows. Each micro-batch's local loss is divided by the
@@ -30,6 +34,7 @@ from torch.distributed.pipelining import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
 )
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
 
@@ -43,7 +48,14 @@ SCHEDULES = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
     "interleaved1f1b": ScheduleInterleaved1F1B,
+    "interleavedzb": ScheduleInterleavedZeroBubble,
 }
+# schedules that split each backward into an input pass and a later weight pass (Qi et al.,
+# 2024): each strategy splits it as it can (Strategy.split_backward, zero_bubble)
+ZERO_BUBBLE = ("interleavedzb",)
+# schedules the cost model and the closed forms price (the planner's); a zero-bubble one is
+# measured only: check_projected
+PROJECTED = tuple(s for s in SCHEDULES if s not in ZERO_BUBBLE)
 # stages per rank under a schedule that runs several: torchtitan's default for its multi-stage
 # schedules where no layers per stage are given
 VIRTUAL = 2
@@ -66,8 +78,17 @@ def equal_rounds(pp: int, microbatches: int) -> bool:
     return microbatches % (microbatches // pp) == 0
 
 
-def check(pp: int, schedule: str, microbatches: int, batch: int, layers: int, train: bool) -> None:
-    """Refuse, in one line naming the field and the rule, a pipeline that cannot run."""
+def check(
+    pp: int,
+    schedule: str,
+    microbatches: int,
+    batch: int,
+    layers: int,
+    train: bool,
+    impl: type[Strategy] | None = None,
+) -> None:
+    """Refuse, in one line naming the field and the rule, a pipeline that cannot run (with
+    ``impl``, one its strategy cannot run)."""
     if microbatches < 1:
         raise ConfigError(f"microbatches={microbatches}: must be a positive integer")
     if pp == 1:
@@ -78,7 +99,9 @@ def check(pp: int, schedule: str, microbatches: int, batch: int, layers: int, tr
         why = ""
         if schedule.lower() in SCHEDULES:
             why = " (spelled in lower case here)"
-        elif _torch_knows(schedule):
+        elif (known := _torch_class(schedule)) in SCHEDULES.values():
+            why = f" (torch's {known.__name__}: spelled {_name_of(known)} here)"
+        elif known is not None:
             why = " (torch's, but not run here: docs/running.md, 'Pipeline parallelism')"
         raise ConfigError(f"pp_schedule={schedule!r}{why}: must be one of {', '.join(SCHEDULES)}")
     if batch % microbatches:
@@ -90,6 +113,11 @@ def check(pp: int, schedule: str, microbatches: int, batch: int, layers: int, tr
         raise ConfigError(
             f"microbatches={microbatches}: {schedule} needs at least pp={pp} (one in flight per "
             "stage)"
+        )
+    if schedule in ZERO_BUBBLE and impl is not None and not impl.zero_bubble:
+        raise ConfigError(
+            f"pp_schedule={schedule}: strategy {impl.name} does not split its backward into "
+            "input and weight passes (docs/running.md, 'Pipeline parallelism')"
         )
     v = stages_per_rank(schedule)
     if v > 1 and not train:
@@ -110,13 +138,28 @@ def check(pp: int, schedule: str, microbatches: int, batch: int, layers: int, tr
         )
 
 
-def _torch_knows(name: str) -> bool:
-    """Whether torch's pipelining has a schedule of this name (its own lookup, any case)."""
+def check_projected(schedule: str, field: str = "pp_schedule") -> None:
+    """Refuse to project a schedule the model does not price, in one line."""
+    if schedule in ZERO_BUBBLE:
+        raise ConfigError(
+            f"{field}={schedule}: a zero-bubble schedule is measured (tspbench run), not "
+            "projected: the tensors its weight passes hold and the backward's split are not "
+            "modelled (docs/projection.md); project one of " + ", ".join(PROJECTED)
+        )
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"{field}={schedule!r}: must be one of {', '.join(PROJECTED)}")
+
+
+def _torch_class(name: str) -> type | None:
+    """Torch's pipelining schedule of this name (its own lookup, any case), or None."""
     try:
-        get_schedule_class(name)
+        return get_schedule_class(name)
     except ValueError:
-        return False
-    return True
+        return None
+
+
+def _name_of(cls: type) -> str:
+    return next(k for k, v in SCHEDULES.items() if v is cls)
 
 
 def _no_outputs(sched: Any) -> dict[str, bool]:
@@ -169,6 +212,9 @@ class _CountedStage(PipelineStage):
     def backward_one_chunk(self, *args: Any, **kwargs: Any) -> None:
         self._timed(super().backward_one_chunk, *args, **kwargs)
 
+    def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> None:
+        self._timed(super().backward_weight_one_chunk, *args, **kwargs)
+
     def _counted(self, ops: list[Any]) -> list[Any]:
         for op in ops:
             self.counter.add(Axis.PP, "send_recv", op.tensor.numel() * op.tensor.element_size())
@@ -214,6 +260,7 @@ class Pipelined:
             return self._sched
         cfg = self.strat.cfg
         rows, local = batch.tokens.shape[0] // self.microbatches, batch.tokens.shape[1]
+        split = self.schedule in ZERO_BUBBLE
         for s in self.strats:
             act = torch.empty(rows, local, cfg.hidden, dtype=s.dtype, device="meta")
             inp = batch.tokens[:rows].to("meta") if s.stage.first else act
@@ -221,7 +268,7 @@ class Pipelined:
                 _StageModule(s), s.stage.index, s.stage.count, s.device,
                 input_args=(inp.requires_grad_(self.train and not s.stage.first),),
                 output_args=(act.clone().requires_grad_(self.train),),
-                group=self.pp.group,
+                group=self.pp.group, dw_builder=s.split_backward() if split else None,
             )  # fmt: skip
             stage.counter = self.mesh.counter
             self._stages.append(stage)
@@ -338,6 +385,10 @@ class Pipelined:
 def bubble_closed_form(pp: int, microbatches: int, schedule: str = "1f1b") -> float:
     """The idle fraction of a step with equal stages (Narayanan et al., 2021): GPipe's and
     1F1B's (pp - 1) / (M + pp - 1); interleaved 1F1B's with v stages per rank, each 1/v of the
-    work, (pp - 1) / (v M + pp - 1)."""
+    work, (pp - 1) / (v M + pp - 1). A zero-bubble schedule's, with each chunk's forward, input
+    pass and weight pass of equal time (Qi et al., 2024's assumption), (pp - 1) / (3 v M +
+    pp - 1): torch's order of actions leaves each rank pp - 1 idle slots of 3 v M + pp - 1
+    (tests/unit/test_stage.py walks it), a third of interleaved 1F1B's bubble."""
     v = stages_per_rank(schedule)
-    return (pp - 1) / (v * microbatches + pp - 1)
+    passes = 3 if schedule in ZERO_BUBBLE else 1  # (slots per chunk: F, I, W; or F + B)
+    return (pp - 1) / (passes * v * microbatches + pp - 1)

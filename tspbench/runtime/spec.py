@@ -123,7 +123,13 @@ class RunSpec:
             )
         self.impl.validate(self.cfg, self.layout, self.seq_len, self.batch, **options)
         check_pipeline(
-            lay.pp, self.pp_schedule, self.microbatches, self.batch, self.cfg.layers, self.train
+            lay.pp,
+            self.pp_schedule,
+            self.microbatches,
+            self.batch,
+            self.cfg.layers,
+            self.train,
+            self.impl,
         )
 
     @classmethod

@@ -123,7 +123,7 @@ def _check_choices(kw: dict[str, Any]) -> None:
 
 def _check_pipeline(kw: dict[str, Any]) -> None:
     """The pipeline sizes asked for: positive integers; the schedules: ones the runtime has."""
-    from tspbench.runtime.pipelined import SCHEDULES
+    from tspbench.runtime.pipelined import check_projected
 
     for v in kw.get("pp", ()):
         if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 65536:
@@ -132,8 +132,7 @@ def _check_pipeline(kw: dict[str, Any]) -> None:
     if any(v > 1 for v in kw.get("pp", ())) and mode not in ("train", "infer"):
         raise ConfigError(f"--pp: pipelines here train or infer (got --mode {mode})")
     for v in kw.get("pp_schedules", ()):
-        if v not in SCHEDULES:
-            raise ConfigError(f"--pp-schedule={v!r}: must be one of {', '.join(SCHEDULES)}")
+        check_projected(v, "--pp-schedule")
 
 
 def _check_options(options: Mapping[str, tuple[Value, ...]]) -> None:
