@@ -99,10 +99,13 @@ def check(
         why = ""
         if schedule.lower() in SCHEDULES:
             why = " (spelled in lower case here)"
-        elif (known := _torch_class(schedule)) in SCHEDULES.values():
-            why = f" (torch's {known.__name__}: spelled {_name_of(known)} here)"
-        elif known is not None:
-            why = " (torch's, but not run here: docs/running.md, 'Pipeline parallelism')"
+        elif (known := _torch_class(schedule)) is not None:
+            ours = [name for name, cls in SCHEDULES.items() if cls is known]
+            why = (
+                f" (torch's {known.__name__}: spelled {ours[0]} here)"
+                if ours
+                else " (torch's, but not run here: docs/running.md, 'Pipeline parallelism')"
+            )
         raise ConfigError(f"pp_schedule={schedule!r}{why}: must be one of {', '.join(SCHEDULES)}")
     if batch % microbatches:
         raise ConfigError(
@@ -156,10 +159,6 @@ def _torch_class(name: str) -> type | None:
         return get_schedule_class(name)
     except ValueError:
         return None
-
-
-def _name_of(cls: type) -> str:
-    return next(k for k, v in SCHEDULES.items() if v is cls)
 
 
 def _no_outputs(sched: Any) -> dict[str, bool]:
