@@ -61,7 +61,7 @@ from tspbench.core.ring_attention import ring_backward, ring_forward
 
 Keep = Callable[[int, torch.Tensor, torch.Tensor], None]  # (head group r, its local K, V)
 Norms = tuple[torch.Tensor, torch.Tensor] | None  # Qwen3's QK norm weights [d] each, or none
-Part = tuple[int, torch.Tensor, torch.Tensor]  # (head group r, its dQKV, its A): its weight pass
+Part = tuple[int, list[torch.Tensor]]  # (head group r, [its dQKV, its A]): its weight pass
 
 
 def qkv_rows(plan: TSPPlan) -> int:
@@ -271,7 +271,7 @@ def attention_backward(
     x2, dy2 = x.view(B * n, h), dy.reshape(B * n, h)
 
     def input_pass() -> Iterator[Part]:
-        """(r, head group r's dQKV [B S/D, rows], its A) per group, dX accumulated."""
+        """(r, [head group r's dQKV [B S/D, rows], its A]) per group, dX accumulated."""
         nonlocal dx
         for r, w in owner_shards(w_own, plan.comm, plan.overlap):
             raw, a, *rest = saved[r * per : (r + 1) * per]
@@ -316,8 +316,9 @@ def attention_backward(
             del raw
             dqkv = dqkv.view(B * n, rows)
             dx = accumulate(dx, dqkv, w[:rows])
-            yield r, dqkv, a
-            del dqkv, a  # (not alive while the next head group's are computed)
+            part = [dqkv, a]  # (handed over: the taker empties it, so this frame keeps none)
+            del dqkv, a
+            yield r, part
 
     if defer is None:  # the weight pass behind the input pass, group by group
         dw_own = head_group_grads(input_pass(), x2, dy2, w_own, plan)
@@ -337,7 +338,9 @@ def head_group_grads(
     computes (at most one in flight); this rank's own dW."""
     dw_own, reduces = None, OneInFlight(plan.comm)
     rows = qkv_rows(plan)
-    for r, dqkv, a in parts:
+    for r, part in parts:
+        dqkv, a = part
+        part.clear()  # (dQKV dies at the del below, before the next group's are computed)
         dw = torch.empty_like(w_own)  # packed like W_r: written by its two GEMMs
         torch.mm(dqkv.T, x2, out=dw[:rows])
         torch.mm(a.view(x2.shape[0], -1).T, dy2, out=wo_t(dw, plan))  # dWo_r^T

@@ -166,12 +166,13 @@ def ring_mlp_backward(
     x2, dy2 = x.view(B * n, h), dy.reshape(B * n, h)
     dx: torch.Tensor | None = None
 
-    def input_pass() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def input_pass() -> Iterator[list[torch.Tensor]]:
         nonlocal dx
         for t, w in ring(w_own, comm, overlap):
             dx, dh, g = slice_bwd(dx, dy2, w, saved[t], bias)
-            yield dh, g
+            part = [dh, g]  # (handed over: the taker empties it, so this frame keeps none)
             del dh, g
+            yield part
 
     if defer is None:  # each accumulator a hop behind its slice
         dw_own = ring_grads(input_pass(), x2, dy2, w_own, comm, overlap)
@@ -184,7 +185,7 @@ def ring_mlp_backward(
 
 
 def ring_grads(
-    parts: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    parts: Iterable[list[torch.Tensor]],
     x2: torch.Tensor,
     dy2: torch.Tensor,
     w_own: torch.Tensor,
@@ -192,14 +193,16 @@ def ring_grads(
     overlap: bool,
 ) -> torch.Tensor:
     """The ring's weight pass: at step t this rank adds its tokens' part of the slice it held
-    then (``parts``' t-th (dh, g)) to the accumulator arriving for that slice and sends it on;
-    after D steps and the last hop its own slice's dW is home."""
+    then (``parts``' t-th [dh, g], emptied as taken) to the accumulator arriving for that slice
+    and sends it on; after D steps and the last hop its own slice's dW is home."""
     # the accumulator for the slice held now (in flight from rank p-1), the one sent last,
     # and, with overlap, accumulator buffers free for reuse: three take turns (the one being
     # computed, the one arriving, the one leaving), so the steps allocate none
     arriving, sent = None, None
     spare: list[torch.Tensor] = []
-    for dh, g in parts:
+    for part in parts:
+        dh, g = part
+        part.clear()  # (dh and g die at the del below, before this step allocates again)
         acc = slice_grad(spare.pop() if spare else torch.empty_like(w_own), dh, g, x2, dy2)
         del dh, g
         if arriving is not None:  # add the accumulator that came for this slice
@@ -235,12 +238,13 @@ def broadcast_mlp_backward(
     x2, dy2 = x.view(B * n, h), dy.reshape(B * n, h)
     dx: torch.Tensor | None = None
 
-    def input_pass() -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    def input_pass() -> Iterator[tuple[int, list[torch.Tensor]]]:
         nonlocal dx
         for s, w in owner_shards(w_own, comm, overlap):
             dx, dh, g = slice_bwd(dx, dy2, w, saved[s], bias)
-            yield s, dh, g
+            part = [dh, g]  # (handed over: the taker empties it, so this frame keeps none)
             del dh, g
+            yield s, part
 
     if defer is None:  # each slice's reduce behind its input gradient
         dw_own = reduced_grads(input_pass(), x2, dy2, w_own, comm, overlap)
@@ -253,7 +257,7 @@ def broadcast_mlp_backward(
 
 
 def reduced_grads(
-    parts: Iterable[tuple[int, torch.Tensor, torch.Tensor]],
+    parts: Iterable[tuple[int, list[torch.Tensor]]],
     x2: torch.Tensor,
     dy2: torch.Tensor,
     w_own: torch.Tensor,
@@ -263,7 +267,9 @@ def reduced_grads(
     """The broadcast schedule's weight pass: per slice s, this rank's tokens' part of dW_s,
     reduced to owner s while the next computes (at most one in flight); this rank's own dW."""
     dw_own, reduces = None, OneInFlight(comm, wait_each=not overlap)
-    for s, dh, g in parts:
+    for s, part in parts:
+        dh, g = part
+        part.clear()  # (dh and g die at the del below)
         dw = slice_grad(torch.empty_like(w_own), dh, g, x2, dy2)  # this rank's tokens' part
         del dh, g
         reduces.reduce(dw, dst=s)

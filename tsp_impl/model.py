@@ -87,6 +87,7 @@ class TSP(Strategy):
     costs = TSPCosts()  # tsp_impl/costs.py
     decoder = TSPDecoder  # tsp_impl/decode.py
     stages = True
+    zero_bubble = True
     experts = True
     overlap: bool  # the options' values, set by Strategy.__init__
     kv_bucket: int
@@ -351,6 +352,11 @@ class TSP(Strategy):
 
     def tied_table(self) -> list[torch.nn.Parameter]:
         return self.tables[:1]  # (the embedding's rows, or the last stage's copy of them)
+
+    def schedule_done(self) -> None:
+        super().schedule_done()
+        if self.weight_pass is not None:
+            self.weight_pass.check_done()
 
     def split_backward(self) -> Callable[[], Callable[[], None]]:
         """TSP's own weight pass (tsp_impl/weight_pass.py): its layers' shards move inside one

@@ -51,6 +51,17 @@ class WeightPass:
     def __init__(self) -> None:
         self._queued: list[tuple[torch.nn.Parameter, WeightGrad]] = []
         self.ran = 0  # weight passes run so far (the tests' check that the split took place)
+        self.pending = 0  # runners built and not yet run: micro-batches between their I and W
+        self.most_pending = 0
+
+    def check_done(self) -> None:
+        """At a schedule's end nothing may wait: a weight pass never run would leave its shard
+        without its gradient, silently."""
+        if self._queued or self.pending:
+            raise RuntimeError(
+                f"weight passes left at the schedule's end: {len(self._queued)} queued outside "
+                f"an input pass, {self.pending} micro-batches' never run"
+            )
 
     def defer(self, param: torch.Tensor, grad: WeightGrad) -> None:
         """Queue ``grad``, whose result (this rank's gradient of ``param``) W accumulates."""
@@ -62,9 +73,15 @@ class WeightPass:
         input pass): each pass run in the order queued, its closure released once run."""
         queued, self._queued = self._queued, []
         queued.reverse()  # (popped from the end: the first queued runs first)
+        self.pending += 1
+        self.most_pending = max(self.most_pending, self.pending)
+        ran = False
 
         @torch.no_grad()  # (run outside autograd's backward: its inputs still require grad)
         def run() -> None:
+            nonlocal ran
+            if not ran:
+                ran, self.pending = True, self.pending - 1
             while queued:
                 param, grad = queued.pop()
                 g = grad()
