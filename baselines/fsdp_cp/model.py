@@ -132,10 +132,8 @@ class FSDPCP(SequenceSharded):
     pp_keep_gathered: bool
     costs = FSDPCPCosts()
     decoder = None  # no decode path (docs/decode.md)
-    stages = True
-    # torch's graph split of the backward stops in its units' autograd ("not used in the
-    # graph"), and it has no split of its own yet (docs/running.md)
-    zero_bubble = False
+    stages = True  # (not zero_bubble: torch's graph split of its backward stops in its
+    # units' autograd, "not used in the graph", and it has no split of its own yet)
     experts = True
 
     @classmethod

@@ -39,6 +39,7 @@ class SP(SequenceSharded):
     costs = SPCosts()
     decoder = SPDecoder
     stages = True
+    zero_bubble = True
 
     @classmethod
     def checked_options(cls) -> list[dict[str, Value]]:

@@ -39,6 +39,7 @@ class TP(Strategy):
     costs = TPCosts()
     decoder = TPDecoder
     stages = True
+    zero_bubble = True
     experts = True
 
     @classmethod

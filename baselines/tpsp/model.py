@@ -43,6 +43,7 @@ class TPSP(Strategy):
     decoder = TPSPDecoder
     factored = True
     stages = True
+    zero_bubble = True
     options = (CP_COMM, CP_A2A)  # over Sigma; the ring's hops always behind the attention
     cp_comm: str
     cp_a2a: int

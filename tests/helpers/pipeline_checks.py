@@ -74,6 +74,7 @@ def check_pipelined(case: dict) -> dict:
     # weight passes a zero-bubble schedule deferred (TSP's own split; torch's keeps no count)
     passes = [s.weight_pass for s in strat.strats if getattr(s, "weight_pass", None)]
     res["deferred"] = sum(p.ran for p in passes)
+    res["most_pending"] = max((p.most_pending for p in passes), default=0)
     return res
 
 

@@ -80,22 +80,67 @@ def test_bubble_closed_form():
     assert bubble_closed_form(2, 2) == pytest.approx(1 / 3)
 
 
-@pytest.mark.parametrize("pp, M", [(2, 2), (2, 4), (4, 4), (4, 8), (4, 12), (8, 16)])
-def test_zero_bubble_closed_form_is_torchs_order(pp, M):
-    """Interleaved zero-bubble's (pp - 1) / (3 v M + pp - 1) is the idle share of torch's own
-    order of actions, each forward, input and weight pass one slot (as its schedule counts
-    them): built by its own methods, as every rank of a real schedule builds it."""
-    from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble
-
-    v = stages_per_rank("interleavedzb")
-    sched = object.__new__(ScheduleInterleavedZeroBubble)  # (no stages, no process group)
+def _torchs_order(cls: type, pp: int, M: int, v: int) -> dict[int, list]:
+    """Each rank's actions as torch's interleaved schedule ``cls`` orders them, built by its own
+    methods as every rank of a real schedule builds them (no stages, no process group)."""
+    sched = object.__new__(cls)
     rounds = max(1, M // pp)
     sched.pp_group_size, sched.n_local_stages, sched._n_microbatches = pp, v, M
-    sched.number_of_rounds, sched.microbatches_per_round = rounds, M // rounds
-    sched.pipeline_order = {r: sched._calculate_single_rank_operations(r) for r in range(pp)}
-    order = sched._add_bubbles_to_actions(v * pp)
-    for actions in order.values():
-        assert len(actions) == 3 * v * M + pp - 1  # (every rank's F, I and W, and its idle)
-        idle = sum(a is None for a in actions) / len(actions)
+    sched.number_of_rounds, sched.microbatches_per_round, sched.rank = rounds, M // rounds, 0
+    return {r: sched._calculate_single_rank_operations(r) for r in range(pp)}
+
+
+def _idle_shares(order: dict[int, list], stages: int, cost: dict) -> list[float]:
+    """Each rank's idle share of the step when it runs its actions in torch's order, each as
+    soon as the rank is free and what it needs is done (a forward: the previous stage's; an
+    input or whole backward: its forward and the next stage's; a weight pass: its input pass),
+    each action taking ``cost`` of its kind."""
+    from torch.distributed.pipelining.schedules import _ComputationType as C
+
+    needs = {C.FORWARD: lambda s, m: [(s - 1, C.FORWARD, m)] if s else []}
+    for kind in (C.BACKWARD_INPUT, C.FULL_BACKWARD):
+        needs[kind] = lambda s, m, k=kind: (
+            [(s, C.FORWARD, m)] + ([(s + 1, k, m)] if s < stages - 1 else [])
+        )
+    needs[C.BACKWARD_WEIGHT] = lambda s, m: [(s, C.BACKWARD_INPUT, m)]
+    acts = {r: [a for a in o if a is not None] for r, o in order.items()}
+    done: dict = {}
+    clock, at = dict.fromkeys(acts, 0.0), dict.fromkeys(acts, 0)
+    moved = True
+    while moved:
+        moved = False
+        for r, todo in acts.items():
+            while at[r] < len(todo):
+                a = todo[at[r]]
+                kind, key = (
+                    a.computation_type,
+                    (a.stage_index, a.computation_type, a.microbatch_index),
+                )
+                deps = needs[kind](a.stage_index, a.microbatch_index)
+                if any(d not in done for d in deps):
+                    break
+                clock[r] = done[key] = max([clock[r]] + [done[d] for d in deps]) + cost[kind]
+                at[r], moved = at[r] + 1, True
+    assert all(at[r] == len(todo) for r, todo in acts.items()), "torch's order deadlocked"
+    span = max(clock.values())
+    return [1 - sum(cost[a.computation_type] for a in todo) / span for todo in acts.values()]
+
+
+@pytest.mark.parametrize("pp, M", [(2, 2), (2, 4), (4, 4), (4, 8), (4, 12), (8, 16)])
+def test_interleaved_bubbles_are_torchs_orders(pp, M):
+    """The records' closed forms against torch's own orders run with their dependencies:
+    interleaved zero-bubble's (pp - 1) / (3 v M + pp - 1) with a chunk's forward, input and
+    weight passes of equal time; interleaved 1F1B's (pp - 1) / (v M + pp - 1) with its whole
+    backward twice its forward. Every rank idles that share of the step."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B as I1F1B
+    from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble as ZB
+    from torch.distributed.pipelining.schedules import _ComputationType as C
+
+    v = stages_per_rank("interleavedzb")
+    zb = {C.FORWARD: 1, C.BACKWARD_INPUT: 1, C.BACKWARD_WEIGHT: 1}
+    for idle in _idle_shares(_torchs_order(ZB, pp, M, v), v * pp, zb):
         assert idle == pytest.approx(bubble_closed_form(pp, M, "interleavedzb"))
+    one_f_one_b = {C.FORWARD: 1, C.FULL_BACKWARD: 2}
+    for idle in _idle_shares(_torchs_order(I1F1B, pp, M, v), v * pp, one_f_one_b):
+        assert idle == pytest.approx(bubble_closed_form(pp, M, "interleaved1f1b"))
     assert bubble_closed_form(pp, M, "interleavedzb") < bubble_closed_form(pp, M, "interleaved1f1b")

@@ -225,8 +225,8 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--pp-schedule", default=None,
         help="with --pp > 1: torch.distributed.pipelining's schedule, gpipe, 1f1b (default), "
-        "interleaved1f1b (two stages per rank) or interleavedzb (so placed; each backward an "
-        "input and a later weight pass)",
+        "interleaved1f1b (two stages per rank) or interleavedzb (two stages per rank, each "
+        "backward split into an input pass and a later weight pass; not fsdp_cp)",
     )  # fmt: skip
     p.add_argument(
         "--microbatches", type=int_in(1, 4096), default=None,

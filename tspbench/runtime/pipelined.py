@@ -386,8 +386,8 @@ def bubble_closed_form(pp: int, microbatches: int, schedule: str = "1f1b") -> fl
     1F1B's (pp - 1) / (M + pp - 1); interleaved 1F1B's with v stages per rank, each 1/v of the
     work, (pp - 1) / (v M + pp - 1). A zero-bubble schedule's, with each chunk's forward, input
     pass and weight pass of equal time (Qi et al., 2024's assumption), (pp - 1) / (3 v M +
-    pp - 1): torch's order of actions leaves each rank pp - 1 idle slots of 3 v M + pp - 1
-    (tests/unit/test_stage.py walks it), a third of interleaved 1F1B's bubble."""
+    pp - 1): run with its dependencies, torch's order of actions idles each rank pp - 1 slots
+    of 3 v M + pp - 1 (tests/unit/test_stage.py), a third of interleaved 1F1B's bubble."""
     v = stages_per_rank(schedule)
     passes = 3 if schedule in ZERO_BUBBLE else 1  # (slots per chunk: F, I, W; or F + B)
     return (pp - 1) / (passes * v * microbatches + pp - 1)
