@@ -50,7 +50,7 @@ under a thin autograd.Function (``RingMLP``, ``BroadcastMLP``) that keeps h13 on
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +59,8 @@ from tsp_impl.ops import accumulate
 from tsp_impl.overlap import OneInFlight, owner_shards, receive_buffers
 from tsp_impl.weight_pass import Defer, WeightPass, deferring, drained
 from tspbench.core.comm import Comm, Pending
+
+Part = tuple[int, list[torch.Tensor]]  # (step or slice s, [its dh, its g]): its weight pass
 
 
 def ring(w_own: torch.Tensor, comm: Comm, overlap: bool):
@@ -162,30 +164,48 @@ def ring_mlp_backward(
     """(dX, this rank's packed dW): the slices circulate again, each one's gradient accumulator
     one hop behind it, home with its owner after the last hop; with ``defer`` (a zero-bubble
     schedule's input pass) the accumulators' pass is handed to it, and dW is None."""
+    return _backward(ring, ring_grads, dy, x, w_own, saved, comm, overlap, bias, defer)
+
+
+def _backward(
+    shards: Callable[[torch.Tensor, Comm, bool], Iterator[tuple[int, torch.Tensor]]],
+    grads: Callable[..., torch.Tensor],
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    w_own: torch.Tensor,
+    saved: list[torch.Tensor],
+    comm: Comm,
+    overlap: bool,
+    bias: bool,
+    defer: Defer | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Either schedule's backward: the input pass over ``shards`` (the slices as they come,
+    dX accumulated, each step's (dh, g) handed on) and the weight pass ``grads`` over them,
+    behind it step by step, or later (``defer``)."""
     B, n, h = x.shape
     x2, dy2 = x.view(B * n, h), dy.reshape(B * n, h)
     dx: torch.Tensor | None = None
 
-    def input_pass() -> Iterator[list[torch.Tensor]]:
+    def input_pass() -> Iterator[Part]:
         nonlocal dx
-        for t, w in ring(w_own, comm, overlap):
-            dx, dh, g = slice_bwd(dx, dy2, w, saved[t], bias)
+        for s, w in shards(w_own, comm, overlap):
+            dx, dh, g = slice_bwd(dx, dy2, w, saved[s], bias)
             part = [dh, g]  # (handed over: the taker empties it, so this frame keeps none)
             del dh, g
-            yield part
+            yield s, part
 
-    if defer is None:  # each accumulator a hop behind its slice
-        dw_own = ring_grads(input_pass(), x2, dy2, w_own, comm, overlap)
+    if defer is None:
+        dw_own = grads(input_pass(), x2, dy2, w_own, comm, overlap)
     else:
         parts = list(input_pass())
-        defer(lambda: ring_grads(drained(parts), x2, dy2, w_own, comm, overlap))
+        defer(lambda: grads(drained(parts), x2, dy2, w_own, comm, overlap))
         dw_own = None
-    assert dx is not None  # (D >= 1 steps)
+    assert dx is not None  # (D >= 1 slices)
     return dx.view(B, n, h), dw_own
 
 
 def ring_grads(
-    parts: Iterable[list[torch.Tensor]],
+    parts: Iterable[Part],
     x2: torch.Tensor,
     dy2: torch.Tensor,
     w_own: torch.Tensor,
@@ -193,14 +213,14 @@ def ring_grads(
     overlap: bool,
 ) -> torch.Tensor:
     """The ring's weight pass: at step t this rank adds its tokens' part of the slice it held
-    then (``parts``' t-th [dh, g], emptied as taken) to the accumulator arriving for that slice
-    and sends it on; after D steps and the last hop its own slice's dW is home."""
+    then (``parts``' t-th (t, [dh, g]), emptied as taken) to the accumulator arriving for that
+    slice and sends it on; after D steps and the last hop its own slice's dW is home."""
     # the accumulator for the slice held now (in flight from rank p-1), the one sent last,
     # and, with overlap, accumulator buffers free for reuse: three take turns (the one being
     # computed, the one arriving, the one leaving), so the steps allocate none
     arriving, sent = None, None
     spare: list[torch.Tensor] = []
-    for part in parts:
+    for _, part in parts:
         dh, g = part
         part.clear()  # (dh and g die at the del below, before this step allocates again)
         acc = slice_grad(spare.pop() if spare else torch.empty_like(w_own), dh, g, x2, dy2)
@@ -234,30 +254,11 @@ def broadcast_mlp_backward(
     """(dX, this rank's packed dW): the slices are broadcast again; each rank's part of dW_s is
     reduced to owner s while the next slice computes; with ``defer`` (a zero-bubble schedule's
     input pass) the reduces' pass is handed to it, and dW is None."""
-    B, n, h = x.shape
-    x2, dy2 = x.view(B * n, h), dy.reshape(B * n, h)
-    dx: torch.Tensor | None = None
-
-    def input_pass() -> Iterator[tuple[int, list[torch.Tensor]]]:
-        nonlocal dx
-        for s, w in owner_shards(w_own, comm, overlap):
-            dx, dh, g = slice_bwd(dx, dy2, w, saved[s], bias)
-            part = [dh, g]  # (handed over: the taker empties it, so this frame keeps none)
-            del dh, g
-            yield s, part
-
-    if defer is None:  # each slice's reduce behind its input gradient
-        dw_own = reduced_grads(input_pass(), x2, dy2, w_own, comm, overlap)
-    else:
-        parts = list(input_pass())
-        defer(lambda: reduced_grads(drained(parts), x2, dy2, w_own, comm, overlap))
-        dw_own = None
-    assert dx is not None  # (D >= 1 slices)
-    return dx.view(B, n, h), dw_own
+    return _backward(owner_shards, reduced_grads, dy, x, w_own, saved, comm, overlap, bias, defer)
 
 
 def reduced_grads(
-    parts: Iterable[tuple[int, list[torch.Tensor]]],
+    parts: Iterable[Part],
     x2: torch.Tensor,
     dy2: torch.Tensor,
     w_own: torch.Tensor,
